@@ -1,0 +1,126 @@
+"""Command line: ``radixkv serve`` and ``radixkv bench …``.
+
+Benchmark drivers live in the repository's top-level ``bench/`` folder (not an installed
+package, so ``python bench/<name>.py`` runs from a source tree); the CLI loads them by path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from radixkv.config import GIB, CacheConfig, EngineConfig, SchedulerConfig
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV pool size in blocks (default: from --kv-cache-memory)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="KV pool memory in GiB (default 4 on CPU, ~90%% of free memory on CUDA)")
+    p.add_argument("--eviction-policy", default="lru", help="eviction policy name")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--log-level", default="info")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken CUDA install means CPU
+        return False
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kv_bytes = None if args.kv_cache_memory is None else int(args.kv_cache_memory * GIB)
+    return EngineConfig(
+        model=args.model, device=args.device, attention_backend=args.attention_backend,
+        served_model_name=args.served_model_name,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          kv_cache_memory_bytes=kv_bytes, eviction_policy=args.eviction_policy,
+                          enable_prefix_caching=not args.no_prefix_cache,
+                          hash_algo=args.hash_algo),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from radixkv.engine import AsyncEngine
+    from radixkv.server.app import run_server
+
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        print(f"radixkv serve: {exc}", file=sys.stderr)
+        return 2
+    engine = AsyncEngine(config)
+    run_server(engine, host=args.host, port=args.port)
+    return 0
+
+
+def load_bench(name: str) -> ModuleType:
+    """Import ``bench/<name>.py`` from the source tree."""
+    path = BENCH_DIR / f"{name}.py"
+    if not path.is_file():
+        raise SystemExit(f"radixkv bench {name}: driver {path} not found (run from a source checkout)")
+    spec = importlib.util.spec_from_file_location(f"radixkv_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCHES = {"serve": "replay agent transcripts against a running server"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixkv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible server"))
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    for name, help_text in BENCHES.items():
+        bp = bench.add_parser(name, help=help_text)
+        bp.set_defaults(bench_module=name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # Bench drivers own their flags: load the driver before parsing the rest.
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
+        module = load_bench(argv[1])
+        bp = argparse.ArgumentParser(prog=f"radixkv bench {argv[1]}", description=BENCHES[argv[1]])
+        module.add_arguments(bp)
+        args = bp.parse_args(argv[2:])
+        from radixkv.log import configure_logging
+        configure_logging("warning")
+        module.run(args)
+        return 0
+    args = parser.parse_args(argv)
+    from radixkv.log import configure_logging
+    configure_logging(getattr(args, "log_level", "info"))
+    if args.command == "serve":
+        return _serve(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""Frozen configuration dataclasses, validated at construction (ValueError names the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+def _require(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{field}: {msg}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache and prefix-cache settings.
+
+    Attributes:
+        block_size: tokens per KV block (B).
+        num_blocks: pool size in blocks (M); None derives it from ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: bytes for the KV pool (K and V, all layers) when ``num_blocks``
+            is None. None means the device default: 4 GiB on CPU, ~90 % of free memory on CUDA.
+        eviction_policy: registry name of the eviction policy (``radixkv.eviction``).
+        enable_prefix_caching: False turns matching and publishing off (every prompt is
+            prefilled in full); blocks are still paged.
+        hash_algo: ``xxh3_128`` (default) or ``sha256``.
+        cache_salt: server-wide salt mixed into every request's cache identity.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    eviction_policy: str = "lru"
+    enable_prefix_caching: bool = True
+    hash_algo: str = "xxh3_128"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
+                 "block_size", f"must be an int in [1, 1024], got {self.block_size!r}")
+        _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 1),
+                 "num_blocks", f"must be a positive int or None, got {self.num_blocks!r}")
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                 "kv_cache_memory_bytes", f"must be positive, got {self.kv_cache_memory_bytes!r}")
+        _require(self.hash_algo in ("xxh3_128", "sha256"),
+                 "hash_algo", f"must be 'xxh3_128' or 'sha256', got {self.hash_algo!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits.
+
+    Attributes:
+        max_num_seqs: most requests running (decoding or prefilling) at once.
+        max_num_batched_tokens: token budget of one forward step (prefill suffix tokens +
+            one per decoding request). A single prompt longer than the budget still runs alone.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 f"must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    Attributes:
+        model: None for the embedded SmolLM2-135M-Instruct, a Hugging Face directory, or a
+            ``.gguf`` file.
+        device: ``cpu`` or ``cuda``.
+        attention_backend: ``auto`` | ``torch`` | ``triton`` (auto = triton on CUDA).
+        served_model_name: the id clients send as ``model``; None = the model's own name.
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    served_model_name: str | None = None
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    def __post_init__(self) -> None:
+        _require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
+                 "device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _require(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+                 f"must be one of auto, torch, triton, got {self.attention_backend!r}")
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"
