@@ -81,6 +81,8 @@ def load_bench(name: str) -> ModuleType:
         raise SystemExit(f"radixkv bench {name}: driver {path} not found (run from a source checkout)")
     spec = importlib.util.spec_from_file_location(f"radixkv_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    # Registered first so dataclasses and postponed annotations can resolve the module.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

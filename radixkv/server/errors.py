@@ -1,0 +1,97 @@
+"""OpenAI-shaped errors and the middleware that turns every failure into one.
+
+Every error body is ``{"error": {"message", "type", "param", "code"}}``. Client mistakes are
+4xx with ``type = "invalid_request_error"``; an unexpected exception is logged with its traceback
+and answered 500 ``server_error`` without leaking internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import orjson
+import structlog
+from aiohttp import web
+
+log = structlog.get_logger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    """A failure to report to the client in OpenAI's error shape.
+
+    Attributes:
+        status: HTTP status code.
+        message: Human-readable explanation (names the offending field where there is one).
+        type: OpenAI error type, e.g. ``invalid_request_error``.
+        param: The request field at fault (dotted path, e.g. ``messages[2].role``) or None.
+        code: Machine-readable code (e.g. ``model_not_found``) or None.
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str = INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error`` naming ``param``."""
+    return APIError(400, message, param=param, code=code)
+
+
+def json_response(body: object, status: int = 200, headers: dict | None = None) -> web.Response:
+    """Serialise ``body`` with orjson into an ``application/json`` response."""
+    return web.Response(body=orjson.dumps(body), status=status, headers=headers,
+                        content_type="application/json")
+
+
+def error_response(err: APIError) -> web.Response:
+    return json_response(err.to_dict(), status=err.status)
+
+
+def _from_http_exception(exc: web.HTTPException) -> APIError:
+    """Map aiohttp's own HTTP errors (unknown route, wrong method, body too large)."""
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return APIError(413, f"request body is larger than the server's limit: {exc.text}",
+                        code="request_too_large")
+    if isinstance(exc, web.HTTPNotFound):
+        return APIError(404, "unknown endpoint", code="not_found")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return APIError(405, f"method {exc.method} is not allowed here; "
+                             f"allowed: {', '.join(sorted(exc.allowed_methods))}",
+                        code="method_not_allowed")
+    type_ = INVALID_REQUEST if exc.status < 500 else SERVER_ERROR
+    return APIError(exc.status, exc.reason, type=type_)
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Answer every failure in OpenAI's error shape; 500 only for real server faults."""
+    try:
+        return await handler(request)
+    except APIError as err:
+        log.info("request_rejected", path=request.path, status=err.status, param=err.param,
+                 message=err.message)
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:  # redirects and the like pass through untouched
+            raise
+        err = _from_http_exception(exc)
+        log.info("request_rejected", path=request.path, status=err.status, message=err.message)
+        return error_response(err)
+    except Exception:
+        # CancelledError (client gone) is a BaseException and is deliberately not caught here.
+        log.exception("unhandled_server_error", path=request.path, method=request.method)
+        return error_response(APIError(500, "internal server error", type=SERVER_ERROR))

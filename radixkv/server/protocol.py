@@ -1,0 +1,394 @@
+"""Validation of OpenAI chat requests and building of chat responses.
+
+Everything here is pure (no engine, no I/O) so that the whole catalogue of bad input can be
+checked cheaply. A request that asks for something we do not implement and that would change
+what the caller gets (logit_bias, logprobs, penalties, JSON mode, n > 1, forced tool calls,
+unknown keys) is refused with a 400 naming the parameter rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from radixkv.sampling import SamplingParams
+from radixkv.server.errors import APIError, bad_request
+
+JSON_CONTENT_TYPES = ("application/json",)
+
+# Accepted top-level keys; anything else is refused (param = the key).
+CHAT_KEYS = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "seed", "stop", "stream", "stream_options", "n", "cache_salt", "user", "tools", "tool_choice",
+    "parallel_tool_calls", "ignore_eos", "logprobs", "top_logprobs", "logit_bias",
+    "presence_penalty", "frequency_penalty", "response_format",
+})
+TOKENIZE_KEYS = frozenset({"model", "messages", "prompt", "tools", "add_generation_prompt",
+                           "add_special_tokens"})
+
+# Keys a message may carry, per role. Assistant messages echoed back by OpenAI clients carry
+# refusal / annotations / audio / function_call; they do not reach the template.
+_MESSAGE_KEYS = {
+    "system": {"role", "content", "name"},
+    "developer": {"role", "content", "name"},
+    "user": {"role", "content", "name"},
+    "assistant": {"role", "content", "name", "tool_calls", "refusal", "annotations", "audio",
+                  "function_call"},
+    "tool": {"role", "content", "tool_call_id", "name"},
+}
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def parse_json_object(raw: bytes, content_type: str) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object.
+
+    Raises:
+        APIError: 400 for a non-JSON content type, invalid JSON, or a non-object value.
+    """
+    if content_type not in JSON_CONTENT_TYPES and not content_type.endswith("+json"):
+        raise bad_request(f"Content-Type must be application/json, got {content_type!r}")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _opt_int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise bad_request(f"'{key}' must be an integer, got {v!r}", key)
+    if v < lo or (hi is not None and v > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise bad_request(f"'{key}' must be {bound}, got {v}", key)
+    return v
+
+
+def _opt_number(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_number(v):
+        raise bad_request(f"'{key}' must be a number, got {v!r}", key)
+    if v > hi or v < lo or (lo_open and v == lo):
+        raise bad_request(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", key)
+    return float(v)
+
+
+def _opt_bool(body: dict, key: str) -> bool | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise bad_request(f"'{key}' must be a boolean, got {v!r}", key)
+    return v
+
+
+def _content_text(content: Any, param: str, *, nullable: bool) -> str:
+    """Message content as text: a string, or text parts joined by newlines."""
+    if content is None:
+        if nullable:
+            return ""
+        raise bad_request(f"'{param}' is required for this role", param)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"'{param}' must be a string or a list of content parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad_request(f"'{p}' must be an object with a 'type'", p)
+        if part["type"] != "text":
+            raise bad_request(f"'{p}': content part type {part['type']!r} is not supported "
+                              "(text only)", f"{p}.type")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"'{p}.text' must be a string", f"{p}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad_request(f"'{param}' must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        p = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"'{p}' must be {{id, type: 'function', function: {{name, "
+                              "arguments}}}", p)
+        if call.get("type", "function") != "function":
+            raise bad_request(f"'{p}.type' must be 'function'", f"{p}.type")
+        if not isinstance(call.get("id"), str):
+            raise bad_request(f"'{p}.id' must be a string", f"{p}.id")
+        args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            raise bad_request(f"'{p}.function.arguments' must be a JSON string",
+                              f"{p}.function.arguments")
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check ``messages`` and reduce each to what the chat template needs.
+
+    Returns:
+        Messages ``{"role", "content": str}`` plus ``tool_calls`` (assistant) or
+        ``tool_call_id`` / ``name`` (tool); ``developer`` becomes ``system``.
+
+    Raises:
+        APIError: 400 naming the offending ``messages[i]...`` path.
+    """
+    if messages is None:
+        raise bad_request("'messages' is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        p = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad_request(f"'{p}' must be an object", p)
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in _MESSAGE_KEYS:
+            raise bad_request(f"'{p}.role' must be one of {sorted(_MESSAGE_KEYS)}, got {role!r}",
+                              f"{p}.role")
+        for key in msg:
+            if key not in _MESSAGE_KEYS[role]:
+                raise bad_request(f"'{p}.{key}' is not supported on a {role} message", f"{p}.{key}")
+        if msg.get("name") is not None and not isinstance(msg["name"], str):
+            raise bad_request(f"'{p}.name' must be a string", f"{p}.name")
+        clean: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": _content_text(msg.get("content"), f"{p}.content",
+                                     nullable=role == "assistant"),
+        }
+        if role == "assistant":
+            if msg.get("function_call") is not None or msg.get("audio") is not None:
+                key = "function_call" if msg.get("function_call") is not None else "audio"
+                raise bad_request(f"'{p}.{key}' is not supported", f"{p}.{key}")
+            if msg.get("tool_calls"):
+                clean["tool_calls"] = _tool_calls(msg["tool_calls"], f"{p}.tool_calls")
+        elif role == "tool":
+            if not isinstance(msg.get("tool_call_id"), str):
+                raise bad_request(f"'{p}.tool_call_id' must be a string", f"{p}.tool_call_id")
+            clean["tool_call_id"] = msg["tool_call_id"]
+            if msg.get("name") is not None:
+                clean["name"] = msg["name"]
+        out.append(clean)
+    return out
+
+
+def validate_tools(tools: Any) -> list[dict] | None:
+    """Check ``tools`` (OpenAI function tools); None or [] means no tools."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list", "tools")
+    for j, tool in enumerate(tools):
+        p = f"tools[{j}]"
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"'{p}' must be {{type: 'function', function: {{name, ...}}}}", p)
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"'{p}.function.name' must be a non-empty string",
+                              f"{p}.function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"'{p}.function.parameters' must be an object",
+                              f"{p}.function.parameters")
+    return tools or None
+
+
+def check_model(body: dict, served_model: str) -> None:
+    """``model`` may be omitted; otherwise it must name the served model.
+
+    Raises:
+        APIError: 400 if not a string, 404 ``model_not_found`` for another model.
+    """
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got {model!r}", "model")
+    if model != served_model:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                            f"'{served_model}'", param="model", code="model_not_found")
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated chat-completion request.
+
+    Attributes:
+        messages: Template-ready messages (see ``validate_messages``).
+        tools: Function tools passed to the chat template, or None.
+        max_tokens: Requested output cap in tokens; None = up to the context limit.
+        stream: Answer as server-sent events.
+        include_usage: Streaming only: send a final chunk carrying ``usage``.
+        cache_salt: Per-request cache isolation salt, or None.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict] | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Engine sampling parameters with the resolved ``max_tokens``."""
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop,
+                              ignore_eos=self.ignore_eos)
+
+
+def _refuse_unimplemented(body: dict) -> None:
+    """400 for options that would change the result and that we do not implement."""
+    n = _opt_int(body, "n", 1)
+    if n is not None and n != 1:
+        raise bad_request("'n' must be 1: only one choice per request is supported", "n")
+    if _opt_bool(body, "logprobs"):
+        raise bad_request("'logprobs' is not supported", "logprobs")
+    if body.get("top_logprobs") is not None:
+        raise bad_request("'top_logprobs' is not supported", "top_logprobs")
+    if body.get("logit_bias"):  # null and {} change nothing
+        raise bad_request("'logit_bias' is not supported", "logit_bias")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _opt_number(body, key, -2.0, 2.0):
+            raise bad_request(f"'{key}' is not supported (only 0)", key)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad_request("'response_format' supports only {\"type\": \"text\"}",
+                          "response_format")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        # "required" / a named function would force a tool call, which we do not constrain.
+        raise bad_request("'tool_choice' supports only 'auto' and 'none'", "tool_choice")
+    _opt_bool(body, "parallel_tool_calls")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad_request("'user' must be a string", "user")
+
+
+def parse_chat_request(body: dict[str, Any], served_model: str) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body.
+
+    Raises:
+        APIError: 400 naming the parameter for any invalid or unsupported field; 404 for an
+            unknown model.
+    """
+    for key in body:
+        if key not in CHAT_KEYS:
+            raise bad_request(f"unknown parameter '{key}'", key)
+    check_model(body, served_model)
+    messages = validate_messages(body.get("messages"))
+    tools = validate_tools(body.get("tools"))
+    _refuse_unimplemented(body)
+    max_tokens = _opt_int(body, "max_tokens", 1)
+    max_completion = _opt_int(body, "max_completion_tokens", 1)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise bad_request("'max_tokens' and 'max_completion_tokens' disagree; send one",
+                          "max_completion_tokens")
+    stop = body.get("stop")
+    if stop is None:
+        stop_t: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stop_t = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop_t = tuple(stop)
+    else:
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if any(not s for s in stop_t):
+        raise bad_request("'stop' sequences must be non-empty", "stop")
+    stream = bool(_opt_bool(body, "stream"))
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true",
+                              "stream_options")
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        for key in options:
+            if key != "include_usage":
+                raise bad_request(f"unknown parameter 'stream_options.{key}'",
+                                  f"stream_options.{key}")
+        include_usage = bool(_opt_bool(options, "include_usage"))
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
+    top_k = _opt_int(body, "top_k", -1)
+    temperature = _opt_number(body, "temperature", 0.0, 2.0)
+    top_p = _opt_number(body, "top_p", 0.0, 1.0, lo_open=True)
+    return ChatRequest(
+        messages=messages, tools=tools,
+        max_tokens=max_completion if max_completion is not None else max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k in (None, -1) else top_k,
+        seed=_opt_int(body, "seed", _SEED_MIN, _SEED_MAX),
+        stop=stop_t, ignore_eos=bool(_opt_bool(body, "ignore_eos")),
+        stream=stream, include_usage=include_usage, cache_salt=salt,
+    )
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A validated ``/tokenize`` body: exactly one of ``messages`` / ``prompt``."""
+
+    messages: list[dict[str, Any]] | None
+    tools: list[dict] | None
+    prompt: str | None
+
+
+def parse_tokenize_request(body: dict[str, Any], served_model: str) -> TokenizeRequest:
+    """Validate a ``/tokenize`` body (vLLM's shape).
+
+    ``{"model", "messages", "tools"?}`` renders the chat template exactly as a chat request
+    would (generation prompt included); ``{"model", "prompt": str}`` encodes raw text without
+    special tokens.
+
+    Raises:
+        APIError: 400 naming the parameter; 404 for an unknown model.
+    """
+    for key in body:
+        if key not in TOKENIZE_KEYS:
+            raise bad_request(f"unknown parameter '{key}'", key)
+    check_model(body, served_model)
+    if body.get("add_generation_prompt", True) is not True:
+        # The chat path always adds the generation prompt; counting anything else would differ.
+        raise bad_request("'add_generation_prompt' must be true", "add_generation_prompt")
+    if body.get("add_special_tokens", False) is not False:
+        raise bad_request("'add_special_tokens' must be false (prompts are encoded as is)",
+                          "add_special_tokens")
+    has_messages, has_prompt = "messages" in body, "prompt" in body
+    if has_messages == has_prompt:
+        raise bad_request("send exactly one of 'messages' and 'prompt'",
+                          "prompt" if has_prompt else "messages")
+    if has_prompt:
+        if not isinstance(body["prompt"], str):
+            raise bad_request("'prompt' must be a string", "prompt")
+        if body.get("tools") is not None:
+            raise bad_request("'tools' needs 'messages'", "tools")
+        return TokenizeRequest(messages=None, tools=None, prompt=body["prompt"])
+    return TokenizeRequest(messages=validate_messages(body["messages"]),
+                           tools=validate_tools(body.get("tools")), prompt=None)

@@ -1,0 +1,180 @@
+"""Agent-transcript loaders and the ideal prefix-reuse reference for `radixkv bench serve`.
+
+The loaders turn recorded agent sessions into the normalised request form described in
+``../shared/agent-transcripts/SOURCES.md``: one request per LLM call, each carrying the whole
+chat history up to that call, so consecutive requests of a session share long prefixes.
+
+``ideal_cached_tokens`` gives what a perfect (unbounded, never evicting) prefix cache could
+reuse for a run: per request, the longest common token prefix with any earlier request of the
+run, capped like the engine's hit cap ``floor(min(lcp, N - 1) / B) * B``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# The repository root's parent holds the shared data folder (../shared relative to the repo).
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRANSCRIPTS_DIR = _REPO_ROOT.parent / "shared" / "agent-transcripts"
+TAU_BENCH_AIRLINE = Path("tau-bench") / "historical_trajectories" / "gpt-4o-airline.json"
+
+_KEPT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+Request = dict[str, Any]
+"""A normalised request: ``{"session_id": str, "turn": int, "messages": list[dict]}``."""
+
+
+def normalise_message(message: dict[str, Any]) -> dict[str, Any] | None:
+    """Clean one recorded chat message per SOURCES.md rule 2.
+
+    Args:
+        message: A recorded OpenAI-style message (any extra keys allowed).
+
+    Returns:
+        ``{"role", "content"}`` plus ``tool_calls`` (assistant) or ``tool_call_id`` / ``name``
+        (tool) when present; ``None`` for roles other than system/user/assistant/tool.
+    """
+    role = message.get("role")
+    if role not in _KEPT_ROLES:
+        return None
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        # Content parts: text parts joined by newlines, other parts as a "[<type>]" marker.
+        content = "\n".join(
+            part.get("text", "") if part.get("type") == "text" else f"[{part.get('type')}]"
+            for part in content
+        )
+    out: dict[str, Any] = {"role": role, "content": content}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                out[key] = message[key]
+    return out
+
+
+def requests_from_history(session_id: str, history: Sequence[dict[str, Any]]) -> list[Request]:
+    """Split one session's history into requests per SOURCES.md rule 3.
+
+    For each assistant message at index ``i > 0`` one request with ``messages = history[:i]``;
+    messages after the last assistant message produce no request.
+
+    Args:
+        session_id: Identifier stored in each request.
+        history: Normalised messages of the session, in order.
+
+    Returns:
+        The session's requests, ``turn`` counting from 0.
+    """
+    requests: list[Request] = []
+    for i, message in enumerate(history):
+        if i > 0 and message["role"] == "assistant":
+            requests.append(
+                {"session_id": session_id, "turn": len(requests), "messages": list(history[:i])}
+            )
+    return requests
+
+
+def load_tau_bench(path: str | Path | None = None) -> list[list[Request]]:
+    """Load tau-bench ``gpt-4o-airline.json`` as normalised sessions, in file order.
+
+    Args:
+        path: The JSON file; default
+            ``<repo>/../shared/agent-transcripts/tau-bench/historical_trajectories/gpt-4o-airline.json``.
+
+    Returns:
+        One list of requests per record (session ``gpt-4o-airline/task{task_id}/trial{trial}``);
+        200 sessions and 2,454 requests for the shipped file.
+
+    Raises:
+        FileNotFoundError: The file does not exist.
+        ValueError: The file is not a list of ``{task_id, trial, traj}`` records.
+    """
+    file = Path(path) if path is not None else DEFAULT_TRANSCRIPTS_DIR / TAU_BENCH_AIRLINE
+    with open(file, "rb") as f:
+        records = json.load(f)
+    if not isinstance(records, list):
+        raise ValueError(f"path: {file} is not a JSON list of tau-bench records")
+    sessions: list[list[Request]] = []
+    for record in records:
+        try:
+            session_id = f"gpt-4o-airline/task{record['task_id']}/trial{record['trial']}"
+            traj = record["traj"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"path: {file} has a record without task_id/trial/traj") from exc
+        history = [m for m in (normalise_message(x) for x in traj) if m is not None]
+        sessions.append(requests_from_history(session_id, history))
+    return sessions
+
+
+SOURCES = {"tau-bench": load_tau_bench}
+"""Source name (``--source``) → loader returning sessions of normalised requests."""
+
+
+def load_source(name: str, path: str | Path | None = None) -> list[list[Request]]:
+    """Load a transcript source by name.
+
+    Raises:
+        ValueError: Unknown source name (the message names ``source``).
+    """
+    try:
+        loader = SOURCES[name]
+    except KeyError:
+        raise ValueError(f"source: unknown transcript source {name!r}; known: {sorted(SOURCES)}")
+    return loader(path)
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two int arrays, in elements."""
+    n = min(len(a), len(b))
+    mismatch = np.flatnonzero(a[:n] != b[:n])
+    return int(mismatch[0]) if len(mismatch) else n
+
+
+def ideal_cached_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> list[int]:
+    """Per request, the tokens a perfect prefix cache could reuse, in run order.
+
+    Request k may reuse the longest common prefix ``lcp`` with any request ``j < k``, capped as
+    the engine caps hits: ``floor(min(lcp, N_k - 1) / B) * B`` (at least one token is always
+    computed; only whole blocks are shared). The best earlier match of a sequence is one of its
+    two lexicographic neighbours among the earlier sequences, so a sorted list of the earlier
+    prompts answers each query with two comparisons: O(K log K) comparisons for K requests.
+
+    Args:
+        prompts: Token ids of each request's prompt, in the order the requests ran.
+        block_size: B, tokens per KV block (> 0).
+
+    Returns:
+        ``ideal[k]`` in tokens for each request.
+
+    Raises:
+        ValueError: ``block_size`` < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    # Big-endian uint32 bytes sort exactly like the token sequences (a prefix sorts first).
+    keys: list[bytes] = []
+    arrays: list[np.ndarray] = []
+    ideal: list[int] = []
+    for prompt in prompts:
+        arr = np.asarray(prompt, dtype=np.int64)
+        key = arr.astype(">u4").tobytes()
+        pos = bisect.bisect_left(keys, key)
+        lcp = 0
+        for j in (pos - 1, pos):
+            if 0 <= j < len(keys):
+                lcp = max(lcp, _lcp(arrays[j], arr))
+        n = len(arr)
+        ideal.append(max(0, min(lcp, n - 1)) // block_size * block_size)
+        keys.insert(pos, key)
+        arrays.insert(pos, arr)
+    return ideal

@@ -1,0 +1,75 @@
+"""``bench/serve.py`` end to end against a real tiny-model server, with exact cache numbers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from radixkv.cli import load_bench, main as cli_main
+from radixkv.transcripts import ideal_cached_tokens, load_tau_bench
+from tests.server.conftest import BLOCK_SIZE
+
+KEYS = {"requests", "skipped_requests", "prompt_tokens", "cached_tokens", "ideal_cached_tokens",
+        "cached_over_ideal", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50",
+        "output_tokens_per_s"}
+
+
+def _server_tokens(url: str, requests: list[dict]) -> list[list[int]]:
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            out = []
+            for req in requests:
+                async with http.post(f"{url}/tokenize", json={"messages": req["messages"]}) as r:
+                    out.append((await r.json())["tokens"])
+            return out
+    return asyncio.run(go())
+
+
+def test_replay_two_sessions_exact_cached_and_ideal(server, tmp_path):
+    bench = load_bench("serve")
+    requests = [r for s in load_tau_bench()[:2] for r in s[:2]]
+    tokens = _server_tokens(server.url, requests)
+    assert all(len(t) + 16 <= 2048 for t in tokens)  # all fit the tiny model's context
+    out = tmp_path / "serve.json"
+    results = bench.main(["--url", server.url, "--source", "tau-bench", "--sessions", "2",
+                          "--concurrency", "1", "--max-turns", "2", "--json", str(out)])
+    assert results == 0
+    data = json.loads(out.read_text())
+    assert KEYS <= set(data)
+    # Concurrency 1 runs in file order: session 0 turns 0, 1, then session 1 turns 0, 1.
+    ideal = ideal_cached_tokens(tokens, BLOCK_SIZE)
+    assert ideal[0] == 0 and min(ideal[1:]) > 1000  # shared policy prompt, then in-session
+    assert (data["requests"], data["skipped_requests"], data["failed_requests"]) == (4, 0, 0)
+    assert data["prompt_tokens"] == sum(len(t) for t in tokens)
+    assert data["ideal_cached_tokens"] == sum(ideal)
+    # A fresh server with room for everything reuses exactly the ideal prefix.
+    assert data["cached_tokens"] == sum(ideal) == data["server_cached_prompt_tokens"]
+    assert data["cached_over_ideal"] == 1.0
+    assert 0 < data["ttft_ms_p50"] <= data["ttft_ms_p90"] <= data["ttft_ms_p99"]
+    assert data["itl_ms_p50"] > 0 and data["output_tokens_per_s"] > 0
+    assert data["output_tokens"] <= 4 * 16
+
+
+def test_cli_counts_skipped_requests_and_compares(server, tmp_path, capsys, monkeypatch):
+    # The CLI configures structlog to print to the sys.stderr of the moment (pytest's capture
+    # of this test) and caches loggers: keep it from rebinding the process's logging.
+    monkeypatch.setattr("radixkv.log.configure_logging", lambda *a, **k: None)
+    requests = [r for s in load_tau_bench()[:2] for r in s[:2]]
+    lengths = sorted(len(t) for t in _server_tokens(server.url, requests))
+    # Pick max_tokens so that exactly the two longest prompts no longer fit 2048 tokens.
+    max_tokens = 2048 - lengths[1]
+    assert lengths[2] + max_tokens > 2048
+    out = tmp_path / "serve.json"
+    rc = cli_main(["bench", "serve", "--url", server.url, "--sessions", "2", "--concurrency",
+                   "2", "--max-turns", "2", "--max-tokens", str(max_tokens), "--json", str(out),
+                   "--compare-url", server.url])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    for run in (data, data["compare"]):
+        assert KEYS <= set(run)
+        assert (run["requests"], run["skipped_requests"], run["failed_requests"]) == (2, 2, 0)
+        assert run["prompt_tokens"] == lengths[0] + lengths[1]
+    printed = capsys.readouterr().out
+    assert "cached/ideal" in printed and "TTFT p50 ms" in printed

@@ -1,0 +1,144 @@
+"""Transcript loader (tau-bench normalisation) and the ideal prefix-reuse reference."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from radixkv.transcripts import (
+    DEFAULT_TRANSCRIPTS_DIR, TAU_BENCH_AIRLINE, ideal_cached_tokens, load_source, load_tau_bench,
+    normalise_message, requests_from_history,
+)
+
+TAU_FILE = DEFAULT_TRANSCRIPTS_DIR / TAU_BENCH_AIRLINE
+
+
+@pytest.fixture(scope="module")
+def tau_sessions():
+    if not TAU_FILE.is_file():
+        pytest.skip(f"{TAU_FILE} not present")
+    return load_tau_bench()
+
+
+def test_tau_bench_counts_match_sources_md(tau_sessions):
+    assert len(tau_sessions) == 200
+    assert sum(len(s) for s in tau_sessions) == 2454
+    lengths = sorted(len(s) for s in tau_sessions)
+    assert (lengths[0], lengths[-1]) == (2, 30)
+    assert tau_sessions[0][0]["session_id"] == "gpt-4o-airline/task0/trial0"
+    assert [r["turn"] for r in tau_sessions[0]] == list(range(len(tau_sessions[0])))
+
+
+def test_tau_bench_session_ids_follow_file_order(tau_sessions):
+    records = json.loads(TAU_FILE.read_bytes())
+    expected = [f"gpt-4o-airline/task{r['task_id']}/trial{r['trial']}" for r in records]
+    assert [s[0]["session_id"] for s in tau_sessions] == expected
+    assert len(set(expected)) == 200
+
+
+def test_consecutive_requests_are_strict_prefix_extensions(tau_sessions):
+    pairs = 0
+    for session in tau_sessions:
+        for prev, cur in zip(session, session[1:]):
+            assert len(cur["messages"]) > len(prev["messages"])
+            assert cur["messages"][: len(prev["messages"])] == prev["messages"]
+            pairs += 1
+    assert pairs == 2454 - 200  # SOURCES.md: 2254/2254 strict-prefix pairs
+
+
+def test_messages_are_normalised(tau_sessions):
+    allowed = {"system": {"role", "content"}, "user": {"role", "content"},
+               "assistant": {"role", "content", "tool_calls"},
+               "tool": {"role", "content", "tool_call_id", "name"}}
+    for session in tau_sessions:
+        for req in session:
+            assert req["messages"][0]["role"] == "system"
+            for m in req["messages"]:
+                assert set(m) <= allowed[m["role"]]
+                assert isinstance(m["content"], str)  # null content became ""
+    last = tau_sessions[0][-1]["messages"]
+    calls = [m for m in last if m.get("tool_calls")]
+    assert calls and calls[0]["content"] == ""
+    assert calls[0]["tool_calls"][0]["function"]["name"] == "get_user_details"
+
+
+def test_normalise_message_rules():
+    assert normalise_message({"role": "function", "content": "x"}) is None
+    assert normalise_message({"role": "assistant", "content": None, "extra": 1,
+                              "tool_calls": [{"id": "a"}]}) == {
+        "role": "assistant", "content": "", "tool_calls": [{"id": "a"}]}
+    assert normalise_message({"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}],
+        "name": "bob"}) == {"role": "user", "content": "a\n[image_url]\nb"}
+    assert normalise_message({"role": "tool", "content": "r", "tool_call_id": "c", "name": "f",
+                              "thought": "t"}) == {
+        "role": "tool", "content": "r", "tool_call_id": "c", "name": "f"}
+
+
+def test_requests_from_history_one_per_assistant_after_index_0():
+    h = [{"role": "assistant", "content": "0"}, {"role": "user", "content": "1"},
+         {"role": "assistant", "content": "2"}, {"role": "tool", "content": "3"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "5"}]
+    reqs = requests_from_history("s", h)
+    assert [(r["turn"], len(r["messages"])) for r in reqs] == [(0, 2), (1, 4)]
+    assert reqs[1]["messages"] == h[:4]
+
+
+def test_load_source_unknown_name():
+    with pytest.raises(ValueError, match="source"):
+        load_source("nope")
+
+
+def test_ideal_cached_tokens_exact_values():
+    b = 4
+    prompts = [
+        [1, 2, 3, 4, 5, 6, 7, 8, 9],        # nothing earlier -> 0
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],    # lcp 9 -> floor(9/4)*4 = 8
+        [1, 2, 3, 4, 5, 6, 7, 8],           # lcp 8, capped by N-1 = 7 -> 4
+        [9, 9, 9, 9, 9],                    # no common prefix -> 0
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],  # lcp 10 with #1 -> 8
+        [9, 9, 9, 9, 9, 1],                 # lcp 5 with #3 -> 4
+        [1, 2, 3, 7],                       # lcp 3 -> 0
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],  # identical to #4: min(13, 12) -> 12
+        [2],                                # single token -> 0
+    ]
+    assert ideal_cached_tokens(prompts, b) == [0, 8, 4, 0, 8, 4, 0, 12, 0]
+    assert ideal_cached_tokens(prompts, 1) == [0, 9, 7, 0, 10, 5, 3, 12, 0]
+    # Large token ids (beyond one byte) order and compare correctly.
+    assert ideal_cached_tokens([[70000, 1, 2], [70000, 1, 3], [256, 1]], 1) == [0, 2, 0]
+    with pytest.raises(ValueError, match="block_size"):
+        ideal_cached_tokens(prompts, 0)
+
+
+def test_ideal_cached_tokens_matches_brute_force():
+    import random
+
+    import numpy as np
+    rng = random.Random(0)
+    base = [rng.randrange(50000) for _ in range(2000)]
+    prompts = []
+    for _ in range(200):
+        cut = rng.randrange(1, 2000)
+        prompts.append(base[:cut] + [rng.randrange(50000) for _ in range(rng.randrange(0, 50))])
+
+    def lcp(a, b):  # vectorised, independent of the sorted-neighbour search under test
+        n = min(len(a), len(b))
+        diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+        return int(diff[0]) if len(diff) else n
+
+    brute = []
+    for k, p in enumerate(prompts):
+        best = max((lcp(p, q) for q in prompts[:k]), default=0)
+        brute.append(max(0, min(best, len(p) - 1)) // 16 * 16)
+    assert ideal_cached_tokens(prompts, 16) == brute
+
+
+def test_ideal_cached_tokens_is_fast_for_thousands_of_requests():
+    # tau-bench scale: 2,454 requests of a few thousand tokens each.
+    prompts = [list(range(k % 200 * 10)) + [k] * 3000 for k in range(2500)]
+    t0 = time.perf_counter()
+    ideal = ideal_cached_tokens(prompts, 16)
+    assert time.perf_counter() - t0 < 5.0
+    assert ideal[0] == 0 and ideal[200] == 0 and ideal[201] == 10 // 16 * 16
