@@ -1,0 +1,163 @@
+"""Eviction policy protocol and registry.
+
+The radix tree keeps every *evictable leaf* (a node with ``lock_ref == 0`` and no children)
+in an index ordered by the active policy, and asks that index for victims when the block pool
+runs short. This module defines what a policy may see of a node and the two shapes a policy
+can take:
+
+* **priority-key** policies (:class:`PriorityPolicy`) map a node's read-only fields to a
+  sortable key; the tree keeps leaves in a sorted structure and evicts the *lowest* key first.
+  The key of a node must only depend on fields that change on tree events (insert, hit,
+  unlock, split, trim), because the tree re-keys a leaf only on those events.
+* **victim-naming** policies (:class:`VictimPolicy`) keep their own order (queues, ghost
+  lists, as S3-FIFO or ARC do); the tree tells them which leaves are evictable and asks them
+  to name the next victim.
+
+This package must stay importable without torch and without the rest of radixkv: nodes are
+seen only through :class:`NodeView`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class NodeView(Protocol):
+    """Read-only fields of a radix-tree node that a policy may use.
+
+    Attributes:
+        uid: Stable unique id of the node (int), usable as a dict key by policies.
+        last_access_s: Clock reading (seconds, or ticks of an injected clock) of the last
+            hit, insert or unlock touching the node.
+        hit_count: Number of lookups that matched at least one block of the node.
+        created_s: Clock reading when the node's first block was inserted.
+        depth_tokens: Tokens before the node's first block (prefix length at its start).
+        num_blocks: Blocks currently held by the node.
+        num_tokens: Tokens currently held by the node (``num_blocks * block_size``).
+        lock_ref: Number of running requests whose held path goes through the node.
+    """
+
+    @property
+    def uid(self) -> int: ...
+    @property
+    def last_access_s(self) -> float: ...
+    @property
+    def hit_count(self) -> int: ...
+    @property
+    def created_s(self) -> float: ...
+    @property
+    def depth_tokens(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def lock_ref(self) -> int: ...
+
+
+class EvictionPolicy(abc.ABC):
+    """Common base of every policy.
+
+    Attributes:
+        name: Registry name of the policy (e.g. ``"lru"``).
+        kind: ``"priority"`` for :class:`PriorityPolicy`, ``"victims"`` for
+            :class:`VictimPolicy`; the tree picks its leaf index from it.
+    """
+
+    name: str = ""
+    kind: str = ""
+
+    def on_evict(self, node: NodeView, num_blocks: int) -> None:  # noqa: B027 - optional hook
+        """Hook called after ``num_blocks`` blocks were trimmed off ``node``'s tail.
+
+        Args:
+            node: The leaf that lost blocks (its fields already reflect the trim).
+            num_blocks: Blocks removed from it, ≥ 1.
+        """
+
+
+class PriorityPolicy(EvictionPolicy):
+    """A policy that orders evictable leaves by a sortable key; lowest key is evicted first."""
+
+    kind = "priority"
+
+    @abc.abstractmethod
+    def priority(self, node: NodeView) -> Any:
+        """Return the sort key of ``node`` (lower is evicted first).
+
+        Args:
+            node: An evictable leaf.
+
+        Returns:
+            Any totally ordered value (a float or a tuple of numbers). The tree appends the
+            node's ``uid`` itself to break ties deterministically.
+        """
+
+
+class VictimPolicy(EvictionPolicy):
+    """A policy that keeps its own order over the evictable leaves and names victims."""
+
+    kind = "victims"
+
+    @abc.abstractmethod
+    def add_leaf(self, node: NodeView) -> None:
+        """``node`` became an evictable leaf (or was re-keyed after an event)."""
+
+    @abc.abstractmethod
+    def remove_leaf(self, node: NodeView) -> None:
+        """``node`` is no longer an evictable leaf (locked, got a child, or fully evicted)."""
+
+    @abc.abstractmethod
+    def choose_victim(self) -> NodeView | None:
+        """Return the evictable leaf to trim next, or None when none is known."""
+
+
+_REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., EvictionPolicy]], Callable[..., EvictionPolicy]]:
+    """Class decorator registering a policy factory under ``name``.
+
+    Raises:
+        ValueError: if ``name`` is empty or already registered.
+    """
+    if not name:
+        raise ValueError("name: policy name must be a non-empty string")
+
+    def deco(factory: Callable[..., EvictionPolicy]) -> Callable[..., EvictionPolicy]:
+        if name in _REGISTRY:
+            raise ValueError(f"name: eviction policy {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def get_policy(name: str, **kwargs: Any) -> EvictionPolicy:
+    """Instantiate the policy registered as ``name``.
+
+    Args:
+        name: Registry name, e.g. ``"lru"``.
+        **kwargs: Passed to the policy's constructor.
+
+    Returns:
+        A fresh policy instance (policies may keep state, so never share one between trees).
+
+    Raises:
+        ValueError: naming ``eviction_policy`` when no policy has that name.
+    """
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        raise ValueError(f"eviction_policy: unknown policy {name!r} (known: {known})") from None
+    policy = factory(**kwargs)
+    policy.name = name
+    return policy
+
+
+def available_policies() -> list[str]:
+    """Return the registered policy names, sorted."""
+    return sorted(_REGISTRY)
