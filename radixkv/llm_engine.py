@@ -89,7 +89,7 @@ class LLMEngine:
         self.max_model_len = shape.max_position_embeddings
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self._rope = f"theta={shape.rope_theta!r};scaling={shape.rope_scaling!r}"
+        self._rope = shape.rope_description()
         self._kv_dtype = str(self.model.dtype).removeprefix("torch.")
         self._roots: dict[str | None, bytes] = {}
         log.info("engine_ready", model=self.model_name, revision=self.model.revision[:16],

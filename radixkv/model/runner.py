@@ -1,0 +1,203 @@
+"""Model runner: owns the paged KV pools and runs packed suffix prefills / decodes.
+
+A step hands the runner one ``(new_token_ids, prefix_len, block_table)`` tuple per sequence.
+The runner packs the new tokens ``[T]``, gives token j of sequence i the absolute position
+``prefix_len + j`` and the pool slot ``block_table[pos // B] * B + pos % B``, runs the forward,
+writes every new token's K/V into its slot and attends over (cached prefix from the pool +
+causal suffix). Only full blocks before ``prefix_len`` are ever read from other requests, and
+the runner never writes a slot outside the new tokens' own positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from radixkv.kernels import reference
+
+from .config import ModelShape
+from .llama import LlamaForward
+from .loader import LoadedModel
+
+__all__ = ["ForwardBatch", "ModelRunner"]
+
+log = structlog.get_logger(__name__)
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class ForwardBatch:
+    """Packed metadata of one forward step (see module docstring).
+
+    Attributes:
+        input_ids: ``[T]`` int64, packed suffix tokens of N sequences.
+        positions: ``[T]`` int64, absolute positions (seq i token j -> prefix_lens[i] + j).
+        qo_indptr: ``[N+1]`` int32, seq i owns rows ``qo_indptr[i]:qo_indptr[i+1]``.
+        prefix_lens: ``[N]`` int32, tokens of seq i whose K/V already sit in the pool.
+        block_tables: ``[N, max_blocks]`` int32, padded with -1.
+        slot_mapping: ``[T]`` int64, ``block_id * B + offset`` where row t's K/V go.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    qo_indptr: torch.Tensor
+    prefix_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        """N, sequences in the batch."""
+        return int(self.prefix_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """T, packed new tokens."""
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """Copy of the batch with every tensor on ``device``."""
+        return ForwardBatch(*(getattr(self, f).to(device) for f in (
+            "input_ids", "positions", "qo_indptr", "prefix_lens", "block_tables", "slot_mapping")))
+
+
+class ModelRunner:
+    """Weights + per-layer KV pools + the step forward.
+
+    Args:
+        model: loaded model (shape, HF-named state dict, dtype).
+        num_blocks: M, blocks per pool.
+        block_size: B, token slots per block.
+        device: torch device for weights and pools.
+        attention_backend: ``"torch"`` (reference, any device) or ``"auto"`` (= torch until the
+            Triton kernels land); ``"triton"`` raises ValueError in this build.
+
+    Attributes:
+        k_pools / v_pools: per layer ``[M, B, Hkv, D]`` tensors of the model dtype.
+        bytes_per_block: K+V bytes of one block over all layers.
+
+    Raises:
+        ValueError: on a non-positive ``num_blocks`` / ``block_size`` or an unknown backend.
+    """
+
+    def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int,
+                 device: str = "cpu", attention_backend: str = "torch") -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be a positive int, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        if attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {_BACKENDS}, got {attention_backend!r}")
+        if attention_backend == "triton":
+            raise ValueError("attention_backend: 'triton' kernels are not available in this build; use 'torch'")
+        self.model = model
+        self.shape: ModelShape = model.shape
+        self.dtype = model.dtype
+        self.device = torch.device(device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.attention_backend = "torch"
+        self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype)
+        pool_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
+        # Zeroed, not empty: stale memory could hold NaN, and a bug reading an unwritten slot
+        # should show up as a wrong logit rather than poison a whole batch.
+        self.k_pools = [torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+                        for _ in range(self.shape.num_layers)]
+        self.v_pools = [torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+                        for _ in range(self.shape.num_layers)]
+        self.bytes_per_block = self.bytes_per_block_for(self.shape, block_size, self.dtype)
+        log.info("model_runner_ready", model=model.name, num_blocks=num_blocks, block_size=block_size,
+                 kv_pool_bytes=self.bytes_per_block * num_blocks, device=str(self.device))
+
+    @staticmethod
+    def bytes_per_block_for(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
+        """K+V bytes of one block over all layers: ``2 * layers * B * Hkv * D * itemsize``."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * itemsize
+
+    def build_batch(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> ForwardBatch:
+        """Pack sequences into one ForwardBatch (CPU tensors).
+
+        Args:
+            seqs: per sequence ``(new_token_ids, prefix_len, block_table)``: the L tokens to
+                compute, the P tokens already in the pool, and block ids covering at least
+                ``P + L`` token slots.
+
+        Raises:
+            ValueError: naming the field, for an empty batch, an empty ``new_token_ids``, a
+                negative ``prefix_len``, a context overflow, or a ``block_table`` too short or
+                holding a block id outside ``[0, num_blocks)``.
+        """
+        if not seqs:
+            raise ValueError("seqs: empty batch")
+        block_size = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        indptr = [0]
+        prefix_lens: list[int] = []
+        tables: list[list[int]] = []
+        for i, (new_ids, prefix_len, table) in enumerate(seqs):
+            num_new = len(new_ids)
+            if num_new == 0:
+                raise ValueError(f"new_token_ids: sequence {i} has no new tokens")
+            if prefix_len < 0:
+                raise ValueError(f"prefix_len: sequence {i} has negative prefix_len {prefix_len}")
+            end = prefix_len + num_new
+            if end > self.shape.max_position_embeddings:
+                raise ValueError(f"new_token_ids: sequence {i} reaches {end} tokens > context "
+                                 f"{self.shape.max_position_embeddings}")
+            needed = -(-end // block_size)
+            if len(table) < needed:
+                raise ValueError(f"block_table: sequence {i} has {len(table)} blocks, needs {needed} "
+                                 f"for {end} tokens")
+            used = table[:needed]
+            if min(used) < 0 or max(used) >= self.num_blocks:
+                raise ValueError(f"block_table: sequence {i} holds a block id outside [0, {self.num_blocks})")
+            ids.extend(new_ids)
+            for pos in range(prefix_len, end):
+                positions.append(pos)
+                slots.append(used[pos // block_size] * block_size + pos % block_size)
+            indptr.append(indptr[-1] + num_new)
+            prefix_lens.append(prefix_len)
+            tables.append(list(table))
+        width = max(len(t) for t in tables)
+        padded = [t + [-1] * (width - len(t)) for t in tables]
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            qo_indptr=torch.tensor(indptr, dtype=torch.int32),
+            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
+            block_tables=torch.tensor(padded, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> torch.Tensor:
+        """Run one step: write K/V of every row into the pools and return logits.
+
+        Args:
+            batch: from :meth:`build_batch`.
+            all_logits: return every row's logits instead of each sequence's last row.
+
+        Returns:
+            fp32 logits on the runner device: ``[N, vocab]`` (last row of each sequence) or
+            ``[T, vocab]`` when ``all_logits``.
+        """
+        batch = batch.to(self.device)
+        max_q_len = int((batch.qo_indptr[1:] - batch.qo_indptr[:-1]).max())
+        window_left = self.shape.window_left
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
+            reference.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping)
+            return reference.extend_attention(
+                q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens, batch.qo_indptr,
+                max_q_len=max_q_len, window_left=window_left)
+
+        rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
+        return self.forward_model.forward(batch.input_ids, batch.positions, attention, rows)

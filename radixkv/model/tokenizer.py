@@ -1,0 +1,120 @@
+"""Chat tokenizer: a thin, validated layer over a Hugging Face tokenizer and its chat template."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import structlog
+
+__all__ = ["ChatTokenizer"]
+
+log = structlog.get_logger(__name__)
+
+
+def _normalise_content(index: int, content: Any) -> Any:
+    """Content the template can render: None -> "", OpenAI text parts -> one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise ValueError(f"messages[{index}].content: only text parts are supported")
+        return "".join(texts)
+    raise ValueError(f"messages[{index}].content: must be a string, a list of text parts or null")
+
+
+class ChatTokenizer:
+    """Token ids for chats and text, and text for token ids.
+
+    Args:
+        tokenizer: a transformers tokenizer with a chat template.
+        max_model_len: the model's context length, tokens.
+        extra_eos_token_ids: more ids that end generation (e.g. from generation_config.json).
+
+    Attributes:
+        eos_token_ids: ids that end generation (tokenizer EOS plus the extra ones).
+        max_model_len: context length, tokens.
+        hf_tokenizer: the wrapped transformers tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any, *, max_model_len: int,
+                 extra_eos_token_ids: Iterable[int] = ()) -> None:
+        self.hf_tokenizer = tokenizer
+        self.max_model_len = int(max_model_len)
+        eos = set(int(i) for i in extra_eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        if not eos:
+            raise ValueError("tokenizer: no EOS token id known (tokenizer or generation_config)")
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        # HF fast tokenizers are not safe to call from several threads at once.
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer can produce (base vocab + added tokens)."""
+        return len(self.hf_tokenizer)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template text, or None if the tokenizer has none."""
+        return self.hf_tokenizer.chat_template
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Render chat messages with the model's template and tokenize them.
+
+        ``content: None`` renders as empty text (assistant turns that only carry tool calls have
+        it). Tools and ``tool_calls`` are passed to the template as they are; a template that
+        ignores them (e.g. SmolLM2's plain ChatML) simply leaves them out.
+
+        Args:
+            messages: OpenAI-style ``{"role", "content", ...}`` dicts.
+            tools: OpenAI tool schemas, or None.
+            add_generation_prompt: append the assistant turn header.
+
+        Returns:
+            Token ids of the rendered prompt (special tokens as the template writes them).
+
+        Raises:
+            ValueError: if ``messages`` is malformed, the tokenizer has no template or the
+                template fails to render (the message names the problem).
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list")
+        if self.hf_tokenizer.chat_template is None:
+            raise ValueError("messages: the model's tokenizer has no chat template")
+        normalised = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"messages[{i}]: must be an object with a string 'role'")
+            message = dict(message)
+            message["content"] = _normalise_content(i, message.get("content"))
+            normalised.append(message)
+        try:
+            with self._lock:
+                ids = self.hf_tokenizer.apply_chat_template(
+                    normalised, tools=tools, add_generation_prompt=add_generation_prompt,
+                    tokenize=True, return_dict=False)
+        except Exception as exc:  # jinja2 errors (TemplateError, UndefinedError, ...) and friends
+            raise ValueError(f"messages: chat template failed: {type(exc).__name__}: {exc}") from exc
+        return [int(i) for i in ids]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens added (no BOS/EOS)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text: must be a string, got {type(text).__name__}")
+        with self._lock:
+            return list(self.hf_tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``; special tokens dropped unless ``skip_special_tokens`` is False."""
+        with self._lock:
+            return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
