@@ -87,7 +87,11 @@ def load_bench(name: str) -> ModuleType:
     return module
 
 
-BENCHES = {"serve": "replay agent transcripts against a running server"}
+BENCHES = {
+    "serve": "replay agent transcripts against a running server",
+    "tree": "cache-index throughput (hash, match, insert, evict) against the raw-hashing floor",
+    "kernels": "attention kernels against torch SDPA, a bf16 matmul and a device copy (GPU)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
