@@ -1,7 +1,23 @@
 """Attention kernels (installed as ``radixkv.kernels``).
 
-Only the torch reference backend lives here for now; Triton kernels arrive in a later issue
-and must stay optional so this package imports without triton.
+Two interchangeable backends with the same three functions and signatures:
+
+| module | backend | imports |
+|---|---|---|
+| ``reference`` | pure torch (CPU default, correctness oracle) | torch |
+| ``triton_backend`` | Triton kernels ``kv_write``, ``extend``, ``decode`` (GPU default) | torch, triton |
+
+- ``paged_kv_write(k, v, k_pool, v_pool, slot_mapping)``
+- ``extend_attention(q, k, v, k_pool, v_pool, block_tables, prefix_lens, qo_indptr, *,
+  max_q_len, sm_scale=None, window_left=-1, logits_soft_cap=0.0, out=None, return_lse=False)``
+- ``decode_attention(q, k_pool, v_pool, block_tables, kv_lens, *, sm_scale=None,
+  window_left=-1, logits_soft_cap=0.0, out=None, return_lse=False, num_kv_splits=None)``
+
+This package exports the reference functions and never imports triton itself, so it imports
+where triton is missing, and ``TRITON_INTERPRET=1`` can still be set before
+``radixkv.kernels.triton_backend`` is first imported (triton reads it when kernels are
+decorated). Modules here import only torch and triton, with relative imports, so
+``bench/kernels.py`` can load this folder by path without radixkv installed.
 """
 
 from .reference import decode_attention, extend_attention, paged_kv_write

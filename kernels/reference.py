@@ -1,7 +1,8 @@
 """Torch reference attention backend over a paged KV pool.
 
-This module is the correctness oracle for the Triton kernels that come later and the CPU
-attention backend of the model runner. It imports only torch.
+This module is the correctness oracle for the Triton kernels (``triton_backend``: same
+functions, same signatures) and the CPU attention backend of the model runner. It imports only
+torch.
 
 Layout (NHD): each layer's K and V pools are ``[M, B, Hkv, D]`` (M blocks of B token slots).
 A token's slot is ``block_id * B + offset``. Sequence ``i`` of a packed batch owns query rows
@@ -11,7 +12,8 @@ already sit in the pool at the slots named by ``block_tables[i]``.
 Masking is explicit and bottom-right aligned: suffix query ``j`` sits at absolute position
 ``P + j`` and sees keys ``0 … P + j``. SDPA's ``is_causal=True`` aligns top-left and would be
 wrong whenever ``P > 0``; it is used only for a sequence with no prefix and no sliding window,
-where both alignments coincide.
+where both alignments coincide. A logits soft cap or a requested LSE take an explicit fp32
+path (scores, cap, mask, ``logsumexp``), since SDPA offers neither.
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ def paged_kv_write(
     v_pool.view(num_slots, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
 
 
+def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """``out`` validated against q (same shape and dtype), or a fresh ``empty_like(q)``."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype} on {out.device}, expected "
+                         f"{tuple(q.shape)} {q.dtype} on {q.device}")
+    return out
+
+
 def _gather_prefix(pool: torch.Tensor, block_row: torch.Tensor, prefix_len: int) -> torch.Tensor:
     """Return ``[P, Hkv, D]`` rows of one sequence's cached prefix from a pool."""
     block_size = pool.shape[1]
@@ -85,7 +97,9 @@ def _attend(
     prefix_len: int,
     sm_scale: float,
     window_left: int,
-) -> torch.Tensor:
+    logits_soft_cap: float = 0.0,
+    want_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Masked attention of one sequence.
 
     Args:
@@ -95,30 +109,46 @@ def _attend(
         prefix_len: P.
         sm_scale: softmax scale.
         window_left: keys further than this many positions to the left are masked; -1 = none.
+        logits_soft_cap: ``> 0`` caps scaled logits to ``cap * tanh(s / cap)``.
+        want_lse: also return the natural-log LSE ``[L, Hq]`` fp32.
 
     Returns:
-        ``[L, Hq, D]`` in q's dtype.
+        ``([L, Hq, D]`` in q's dtype, ``[L, Hq]`` fp32 LSE or None).
     """
     num_q = q.shape[0]
     num_k = keys.shape[0]
-    if prefix_len == 0 and window_left < 0:
+    explicit = logits_soft_cap > 0 or want_lse
+    if prefix_len == 0 and window_left < 0 and not explicit:
         # No prefix: top-left and bottom-right alignment coincide (L == S), so the fused
         # kernel's own causal masking is exact and skips the masked half of the work.
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             is_causal=True, scale=sm_scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
+        return out[0].transpose(0, 1), None
     q_pos = torch.arange(prefix_len, prefix_len + num_q, device=q.device)[:, None]
     k_pos = torch.arange(num_k, device=q.device)[None, :]
     allowed = k_pos <= q_pos  # bottom-right aligned causal mask, [L, S]
     if window_left >= 0:
         allowed &= k_pos >= q_pos - window_left
-    # [1, H, L, D] layout with enable_gqa: query head h reads KV head h // G without copying
-    # K/V, and this layout takes torch's fused CPU kernel (about 4x faster than the math path).
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=allowed, scale=sm_scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    if not explicit:
+        # [1, H, L, D] layout with enable_gqa: query head h reads KV head h // G without
+        # copying K/V, and this layout takes torch's fused CPU kernel (about 4x faster than
+        # the math path).
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=allowed, scale=sm_scale, enable_gqa=True)
+        return out[0].transpose(0, 1), None
+    # Explicit fp32 math (soft cap and LSE are not SDPA features).
+    group = q.shape[1] // keys.shape[1]
+    k32 = keys.float().repeat_interleave(group, dim=1)
+    v32 = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k32) * sm_scale
+    if logits_soft_cap > 0:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, L]
+    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v32)
+    return out.to(q.dtype), lse.transpose(0, 1).contiguous()
 
 
 def extend_attention(
@@ -134,7 +164,10 @@ def extend_attention(
     max_q_len: int,
     sm_scale: float | None = None,
     window_left: int = -1,
-) -> torch.Tensor:
+    logits_soft_cap: float = 0.0,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed suffix queries over (cached prefix from the pool + own suffix).
 
     The prefix keys of sequence i are read from the pool without a mask (every suffix token
@@ -155,9 +188,14 @@ def extend_attention(
         sm_scale: softmax scale; default ``1 / sqrt(D)``.
         window_left: sliding window (keys at most this many positions to the left of the
             query are visible); -1 disables it. HF ``sliding_window = w`` is ``window_left = w - 1``.
+        logits_soft_cap: ``> 0`` caps the scaled logits to ``cap * tanh(s / cap)`` before the
+            softmax (Gemma-2 / FlashInfer ``logits_soft_cap``); 0 disables it.
+        out: optional ``[T, Hq, D]`` tensor of q's dtype to write the result into (returned).
+        return_lse: also return the natural-log log-sum-exp of each row's scaled (capped)
+            logits, ``[T, Hq]`` fp32 (for merging attention states).
 
     Returns:
-        ``[T, Hq, D]`` attention output in q's dtype.
+        ``out`` ``[T, Hq, D]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
 
     Raises:
         ValueError: on inconsistent shapes or metadata (the message names the field).
@@ -178,8 +216,11 @@ def extend_attention(
     indptr = qo_indptr.tolist()
     if indptr[0] != 0 or indptr[-1] != num_tokens:
         raise ValueError(f"qo_indptr: must run from 0 to {num_tokens}, got {indptr[0]}..{indptr[-1]}")
+    if logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap: must be >= 0, got {logits_soft_cap}")
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    out = torch.empty_like(q)
+    out = _check_out(out, q)
+    lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device) if return_lse else None
     for i, prefix_len in enumerate(prefix_lens.tolist()):
         start, end = indptr[i], indptr[i + 1]
         num_q = end - start
@@ -196,8 +237,12 @@ def extend_attention(
             row = block_tables[i]
             keys = torch.cat([_gather_prefix(k_pool, row, prefix_len).to(k.dtype), keys])
             values = torch.cat([_gather_prefix(v_pool, row, prefix_len).to(v.dtype), values])
-        out[start:end] = _attend(q[start:end], keys, values, prefix_len, scale, window_left)
-    return out
+        rows, rows_lse = _attend(q[start:end], keys, values, prefix_len, scale, window_left,
+                                 logits_soft_cap, return_lse)
+        out[start:end] = rows
+        if lse is not None:
+            lse[start:end] = rows_lse
+    return (out, lse) if return_lse else out
 
 
 def decode_attention(
@@ -209,7 +254,11 @@ def decode_attention(
     *,
     sm_scale: float | None = None,
     window_left: int = -1,
-) -> torch.Tensor:
+    logits_soft_cap: float = 0.0,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence attending over its whole KV (already in the pool).
 
     Args:
@@ -220,22 +269,34 @@ def decode_attention(
         kv_lens: ``[N]`` int32 number of keys of each sequence (>= 1).
         sm_scale: softmax scale; default ``1 / sqrt(D)``.
         window_left: sliding window as in :func:`extend_attention`; -1 disables it.
+        logits_soft_cap: as in :func:`extend_attention`.
+        out: optional ``[N, Hq, D]`` tensor of q's dtype to write into (returned).
+        return_lse: also return the natural-log LSE ``[N, Hq]`` fp32.
+        num_kv_splits: accepted for signature parity with the Triton kernel (which splits
+            each sequence's KV into this many chunks); the reference ignores it.
 
     Returns:
-        ``[N, Hq, D]`` in q's dtype.
+        ``out`` ``[N, Hq, D]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
 
     Raises:
         ValueError: if a ``kv_lens`` entry is < 1 or shapes disagree.
     """
     if q.dim() != 3 or kv_lens.shape != (q.shape[0],):
         raise ValueError(f"kv_lens: shape {tuple(kv_lens.shape)} does not match q {tuple(q.shape)}")
+    if logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap: must be >= 0, got {logits_soft_cap}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    out = torch.empty_like(q)
+    out = _check_out(out, q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     for i, kv_len in enumerate(kv_lens.tolist()):
         if kv_len < 1:
             raise ValueError(f"kv_lens: sequence {i} has {kv_len} keys, need >= 1")
         keys = _gather_prefix(k_pool, block_tables[i], kv_len).to(q.dtype)
         values = _gather_prefix(v_pool, block_tables[i], kv_len).to(q.dtype)
         # The query is the last key's position: a causal mask over all S keys with P = S - 1.
-        out[i : i + 1] = _attend(q[i : i + 1], keys, values, kv_len - 1, scale, window_left)
-    return out
+        row, row_lse = _attend(q[i : i + 1], keys, values, kv_len - 1, scale, window_left,
+                               logits_soft_cap, return_lse)
+        out[i : i + 1] = row
+        if lse is not None:
+            lse[i : i + 1] = row_lse
+    return (out, lse) if return_lse else out

@@ -10,8 +10,11 @@ the runner never writes a slot outside the new tokens' own positions.
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import structlog
 import torch
@@ -73,15 +76,17 @@ class ModelRunner:
         num_blocks: M, blocks per pool.
         block_size: B, token slots per block.
         device: torch device for weights and pools.
-        attention_backend: ``"torch"`` (reference, any device) or ``"auto"`` (= torch until the
-            Triton kernels land); ``"triton"`` raises ValueError in this build.
+        attention_backend: ``"torch"`` (reference, any device), ``"triton"`` (the
+            ``radixkv.kernels`` Triton kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``) or
+            ``"auto"`` (triton on CUDA, torch on CPU).
 
     Attributes:
         k_pools / v_pools: per layer ``[M, B, Hkv, D]`` tensors of the model dtype.
         bytes_per_block: K+V bytes of one block over all layers.
 
     Raises:
-        ValueError: on a non-positive ``num_blocks`` / ``block_size`` or an unknown backend.
+        ValueError: on a non-positive ``num_blocks`` / ``block_size``, an unknown backend, or
+            ``"triton"`` where it cannot run (triton missing, or CPU without TRITON_INTERPRET=1).
     """
 
     def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int,
@@ -92,15 +97,13 @@ class ModelRunner:
             raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
         if attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend: must be one of {_BACKENDS}, got {attention_backend!r}")
-        if attention_backend == "triton":
-            raise ValueError("attention_backend: 'triton' kernels are not available in this build; use 'torch'")
+        self.device = torch.device(device)
+        self.attention_backend, self._attn_ops = _select_attention_backend(attention_backend, self.device)
         self.model = model
         self.shape: ModelShape = model.shape
         self.dtype = model.dtype
-        self.device = torch.device(device)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.attention_backend = "torch"
         self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype)
         pool_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
         # Zeroed, not empty: stale memory could hold NaN, and a bug reading an unwritten slot
@@ -111,7 +114,8 @@ class ModelRunner:
                         for _ in range(self.shape.num_layers)]
         self.bytes_per_block = self.bytes_per_block_for(self.shape, block_size, self.dtype)
         log.info("model_runner_ready", model=model.name, num_blocks=num_blocks, block_size=block_size,
-                 kv_pool_bytes=self.bytes_per_block * num_blocks, device=str(self.device))
+                 kv_pool_bytes=self.bytes_per_block * num_blocks, device=str(self.device),
+                 attention_backend=self.attention_backend)
 
     @staticmethod
     def bytes_per_block_for(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
@@ -191,13 +195,51 @@ class ModelRunner:
         batch = batch.to(self.device)
         max_q_len = int((batch.qo_indptr[1:] - batch.qo_indptr[:-1]).max())
         window_left = self.shape.window_left
+        ops = self._attn_ops
+        # A pure decode step on the Triton backend takes the split-KV decode kernel: the extend
+        # kernel would spend a whole BLOCK_M row tile on each single query. The new token's K/V
+        # is written first, so the sequence's keys are exactly its first P + 1 pool slots.
+        kv_lens = batch.prefix_lens + 1 if max_q_len == 1 and self.attention_backend == "triton" else None
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
-            reference.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping)
-            return reference.extend_attention(
+            ops.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping)
+            if kv_lens is not None:
+                return ops.decode_attention(q, k_pool, v_pool, batch.block_tables, kv_lens,
+                                            window_left=window_left)
+            return ops.extend_attention(
                 q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens, batch.qo_indptr,
                 max_q_len=max_q_len, window_left=window_left)
 
         rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
         return self.forward_model.forward(batch.input_ids, batch.positions, attention, rows)
+
+
+def _select_attention_backend(name: str, device: torch.device) -> tuple[str, ModuleType]:
+    """Resolve ``auto`` and return ``(backend name, module with the three attention ops)``.
+
+    ``auto`` is triton on CUDA and torch elsewhere. ``triton`` on a CPU needs the Triton
+    interpreter (``TRITON_INTERPRET=1`` set before the kernels are imported): tests use it,
+    serving should not.
+
+    Raises:
+        ValueError: naming ``attention_backend`` when triton cannot run here.
+    """
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return name, reference
+    interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    if device.type == "cpu" and not interpret:
+        raise ValueError("attention_backend: 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for "
+                         "the slow CPU interpreter); use 'torch' or 'auto' on the CPU")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"attention_backend: 'triton' does not run on device {device.type!r}; use 'torch'")
+    try:
+        ops = importlib.import_module("radixkv.kernels.triton_backend")
+    except ImportError as exc:
+        raise ValueError(f"attention_backend: 'triton' unavailable ({exc}); use 'torch'") from exc
+    if device.type == "cpu" and not ops.interpreting():
+        raise ValueError("attention_backend: the Triton kernels were imported before TRITON_INTERPRET=1 "
+                         "was set, so they cannot run on the CPU; use 'torch'")
+    return name, ops

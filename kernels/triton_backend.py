@@ -1,0 +1,17 @@
+"""Triton attention backend: the three kernels under the same names as ``reference``.
+
+``radixkv.kernels.reference`` and this module are interchangeable: same functions, same
+signatures, same results within dtype tolerance. Importing this module imports triton and
+decorates the kernels, so on a CPU-only machine set ``TRITON_INTERPRET=1`` *before* importing
+it (the interpreter flag is read at decoration time) or use the reference backend.
+"""
+
+from __future__ import annotations
+
+from ._triton_common import interpreting
+from .decode import decode_attention, default_num_kv_splits
+from .extend import extend_attention, extend_block_sizes
+from .kv_write import paged_kv_write
+
+__all__ = ["paged_kv_write", "extend_attention", "decode_attention", "extend_block_sizes",
+           "default_num_kv_splits", "interpreting"]
