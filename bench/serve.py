@@ -244,20 +244,27 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Replay per ``args``, print the table, write ``--json``; returns the results dict."""
-    for name in ("sessions", "concurrency", "max_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("sessions", "concurrency", "max_tokens", "max_turns"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     sessions = load_source(args.source, args.data_path)[: args.sessions]
     if args.max_turns is not None:
         sessions = [s[: args.max_turns] for s in sessions]
-    results = asyncio.run(replay(args.url, sessions, concurrency=args.concurrency,
-                                 max_tokens=args.max_tokens,
-                                 request_timeout_s=args.request_timeout))
-    shown = [results]
-    if args.compare_url:
-        compare = asyncio.run(replay(args.compare_url, sessions, concurrency=args.concurrency,
+    try:
+        results = asyncio.run(replay(args.url, sessions, concurrency=args.concurrency,
                                      max_tokens=args.max_tokens,
                                      request_timeout_s=args.request_timeout))
+    except aiohttp.ClientError as exc:  # unreachable server, or /stats and /tokenize failing
+        raise SystemExit(f"bench serve: cannot use the server at {args.url}: {exc}") from exc
+    shown = [results]
+    if args.compare_url:
+        try:
+            compare = asyncio.run(replay(args.compare_url, sessions, concurrency=args.concurrency,
+                                         max_tokens=args.max_tokens,
+                                         request_timeout_s=args.request_timeout))
+        except aiohttp.ClientError as exc:
+            raise SystemExit(f"bench serve: cannot use the server at {args.compare_url}: {exc}") from exc
         results["compare"] = compare
         shown.append(compare)
     print(format_table(shown))

@@ -23,7 +23,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="model id clients send")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: from --kv-cache-memory)")
@@ -33,10 +33,20 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget of one forward step")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="most suffix tokens of one request per step (default: the step budget)")
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--log-level", default="info")
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
 
 
 def _cuda_available() -> bool:
@@ -57,7 +67,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_cache,
                           hash_algo=args.hash_algo),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens))
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  prefill_chunk_tokens=args.prefill_chunk_tokens))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -66,11 +77,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = engine_config_from_args(args)
-    except ValueError as exc:
+        engine = AsyncEngine(config)
+    except (ValueError, OSError) as exc:  # bad flag values, missing model files
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
-    engine = AsyncEngine(config)
-    run_server(engine, host=args.host, port=args.port)
+    try:
+        run_server(engine, host=args.host, port=args.port)
+    except OSError as exc:  # e.g. the port is taken
+        print(f"radixkv serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -117,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         args = bp.parse_args(argv[2:])
         from radixkv.log import configure_logging
         configure_logging("warning")
-        module.run(args)
-        return 0
+        result = module.run(args)
+        # A driver reports failed checks in its result (bench kernels: all_checks_ok / error).
+        failed = isinstance(result, dict) and (result.get("error") or result.get("all_checks_ok") is False)
+        return 1 if failed else 0
     args = parser.parse_args(argv)
     from radixkv.log import configure_logging
     configure_logging(getattr(args, "log_level", "info"))

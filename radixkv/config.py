@@ -53,13 +53,21 @@ class SchedulerConfig:
     Attributes:
         max_num_seqs: most requests running (decoding or prefilling) at once.
         max_num_batched_tokens: token budget of one forward step (prefill suffix tokens +
-            one per decoding request). A single prompt longer than the budget still runs alone.
+            one per decoding request).
+        prefill_chunk_tokens: most suffix tokens of one request prefilled in one step; longer
+            suffixes are prefilled in chunks over several steps (interleaved with decodes).
+            None = ``max_num_batched_tokens``.
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.prefill_chunk_tokens is None:
+            object.__setattr__(self, "prefill_chunk_tokens", self.max_num_batched_tokens)
+        _require(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens",
+                 f"must be >= 1, got {self.prefill_chunk_tokens}")
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")

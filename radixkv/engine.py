@@ -3,7 +3,8 @@
 The event loop never runs model or cache code: requests and aborts go into a thread-safe
 inbox that the engine thread drains before each step, and outputs come back through
 ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request. Tokenizing (chat
-template rendering) runs in a worker thread, so a long prompt never blocks the loop.
+template rendering) runs in a worker thread, so a long prompt never blocks the loop; the
+``ChatTokenizer`` serialises calls into the HF tokenizer, which is not re-entrant.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, AsyncIterator, Sequence
 
 from radixkv.config import EngineConfig
@@ -29,18 +31,6 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; no request can make progress."""
 
 
-class _LockedDecoder:
-    """HF fast tokenizers are not re-entrant across threads: serialise every call."""
-
-    def __init__(self, tokenizer: Any, lock: threading.Lock) -> None:
-        self._tokenizer = tokenizer
-        self._lock = lock
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        with self._lock:
-            return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-
 class AsyncEngine:
     """Asyncio front of the engine (what the server uses).
 
@@ -53,9 +43,7 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *,
                  check_integrity_when_idle: bool = False) -> None:
-        self._tokenizer_lock = threading.Lock()
         self._engine = LLMEngine(config, model)
-        self._engine._decoder = _LockedDecoder(self._engine.tokenizer, self._tokenizer_lock)
         self.tokenizer = self._engine.tokenizer
         self.model_name = self._engine.model_name
         self.max_model_len = self._engine.max_model_len
@@ -63,7 +51,8 @@ class AsyncEngine:
         self._check_integrity = check_integrity_when_idle
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (client loop, output queue, [choices still unfinished])
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-tok")
@@ -96,18 +85,12 @@ class AsyncEngine:
             ValueError: the template cannot render these messages.
         """
         return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, self._locked_template, messages, tools)
-
-    def _locked_template(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        with self._tokenizer_lock:
-            return self.tokenizer.apply_chat_template(messages, tools=tools)
+            self._tokenize_pool, partial(self.tokenizer.apply_chat_template, messages, tools))
 
     async def tokenize_text(self, text: str) -> list[int]:
         """Tokenize plain text (no special tokens), in a worker thread."""
-        def run() -> list[int]:
-            with self._tokenizer_lock:
-                return self.tokenizer.encode(text)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, run)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, self.tokenizer.encode, text)
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return self._engine.default_max_tokens(num_prompt_tokens)
@@ -117,9 +100,10 @@ class AsyncEngine:
                  ) -> AsyncIterator[RequestOutput]:
         """Submit a request and return its stream of per-step outputs.
 
-        Validation happens here, before anything is queued. Closing or cancelling the returned
-        iterator before the last output aborts the request; its blocks are released within
-        one engine step.
+        Validation happens here, before anything is queued. With ``params.n > 1`` the outputs
+        of all choices arrive interleaved, told apart by ``RequestOutput.index``; the iterator
+        ends after every choice finished. Closing or cancelling the returned iterator before
+        that aborts the request; its blocks are released within one engine step.
 
         Raises:
             ValueError: the request is invalid (see ``LLMEngine.make_request``).
@@ -134,21 +118,19 @@ class AsyncEngine:
     async def _stream(self, req) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         out_queue: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = (loop, out_queue)
+        self._streams[req.request_id] = (loop, out_queue, [req.params.n])
         self._inbox.put(("add", req))
         self._wake.set()
-        finished = False
+        remaining = req.params.n
         try:
-            while True:
+            while remaining:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                remaining -= item.finished
                 yield item
-                if finished:
-                    return
         finally:
-            if not finished:
+            if remaining:
                 self.abort(req.request_id)
 
     def abort(self, request_id: str) -> None:
@@ -181,7 +163,7 @@ class AsyncEngine:
             self.error = exc
         finally:
             dead = EngineDeadError(f"engine stopped: {self.error!r}" if self.error else "engine stopped")
-            for loop, out_queue in list(self._streams.values()):
+            for loop, out_queue, _ in list(self._streams.values()):
                 self._put(loop, out_queue, dead)
             self._streams.clear()
 
@@ -197,9 +179,9 @@ class AsyncEngine:
                 if payload.request_id in self._streams:
                     engine.add_request(payload)
             else:
-                out = engine.abort_request(payload)
-                if out is not None:
-                    outputs.append(out)
+                aborted = engine.abort_request(payload)
+                if aborted:
+                    outputs += aborted
                     log.info("request_aborted", request_id=payload)
         if outputs:
             self._stats = engine.stats_snapshot()
@@ -210,9 +192,12 @@ class AsyncEngine:
             target = self._streams.get(out.request_id)
             if target is None:
                 continue
+            loop, out_queue, remaining = target
             if out.finished:
-                del self._streams[out.request_id]
-            self._put(*target, out)
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    del self._streams[out.request_id]
+            self._put(loop, out_queue, out)
 
     @staticmethod
     def _put(loop: asyncio.AbstractEventLoop, out_queue: asyncio.Queue, item: Any) -> None:

@@ -32,14 +32,15 @@ log = get_logger(__name__)
 class RequestOutput:
     """What one step produced for one request (see the server's use of each field)."""
 
-    request_id: str
+    request_id: str                # the client-visible (group) id
     new_token_ids: list[int]
     new_text: str
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    num_generated_tokens: int
+    num_generated_tokens: int      # of this choice
+    index: int = 0                 # choice index (n > 1)
 
 
 def _num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
@@ -56,22 +57,32 @@ def _num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
     return max(1, budget // bytes_per_block)
 
 
+def _prefix_caching_refusal(config: EngineConfig, shape) -> str | None:
+    """Why prefix caching must stay off for this model, or None.
+
+    A sliding-window model's K/V for a position depends only on the last W tokens, but reusing a
+    cached prefix is sound only if every block inside the window is resident; radixkv does not
+    verify window residency yet, so it refuses prefix caching for such models (vLLM #57610,
+    llama.cpp #12357) rather than risk serving wrong K/V.
+    """
+    if config.cache.enable_prefix_caching and shape.sliding_window is not None:
+        return (f"sliding-window attention (window {shape.sliding_window} tokens): prefix "
+                "caching is refused until window residency is verified")
+    return None
+
+
 class LLMEngine:
     """Owns the model runner, cache manager, scheduler and stats.
 
     Args:
         config: engine configuration.
         model: an already loaded model (tests share one); None loads ``config.model``.
-        tokenizer_decode: a decode function to use instead of the tokenizer's own (the async
-            engine passes a lock-guarded one, since HF tokenizers are not re-entrant).
     """
 
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None,
-                 tokenizer_decode=None) -> None:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None) -> None:
         self.config = config
         self.model = model if model is not None else load_model(config.model)
         self.tokenizer = self.model.tokenizer
-        self._decoder = tokenizer_decode or self.tokenizer
         shape = self.model.shape
         block_size = config.cache.block_size
         bytes_per_block = ModelRunner.bytes_per_block_for(shape, block_size, self.model.dtype)
@@ -79,9 +90,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size,
                                   device=config.device,
                                   attention_backend=config.resolved_attention_backend())
+        self.prefix_caching_disabled_reason = _prefix_caching_refusal(config, shape)
+        if self.prefix_caching_disabled_reason is not None:
+            log.warning("prefix_caching_refused", reason=self.prefix_caching_disabled_reason)
         self.cache = CacheManager(num_blocks, block_size,
                                   eviction_policy=config.cache.eviction_policy,
-                                  enable_prefix_caching=config.cache.enable_prefix_caching,
+                                  enable_prefix_caching=(config.cache.enable_prefix_caching
+                                                         and self.prefix_caching_disabled_reason is None),
                                   hash_algo=config.cache.hash_algo)
         self.stats = EngineStats()
         self.scheduler = Scheduler(config.scheduler, self.cache, self.stats)
@@ -92,6 +107,7 @@ class LLMEngine:
         self._rope = shape.rope_description()
         self._kv_dtype = str(self.model.dtype).removeprefix("torch.")
         self._roots: dict[str | None, bytes] = {}
+        self._groups: dict[str, list[Request]] = {}  # group id -> its choices, while live
         log.info("engine_ready", model=self.model_name, revision=self.model.revision[:16],
                  num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
                  prefix_caching=config.cache.enable_prefix_caching,
@@ -139,19 +155,28 @@ class LLMEngine:
                 f"holds only {self.num_blocks} blocks of {self.block_size} tokens.")
         return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
                        params=params, cache_root=self.cache_root(cache_salt),
-                       detokenizer=IncrementalDetokenizer(self._decoder, params.stop),
+                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
                        generator=make_generator(params, self.config.device))
 
     def add_request(self, req: Request) -> None:
+        self._groups[req.group_id] = [req]
         self.scheduler.add(req)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort in any phase; its blocks are released now (steps run in this same thread)."""
-        req = self.scheduler.abort(request_id)
-        if req is None:
-            return None
-        req.finish_reason = "abort"
-        return self._output(req, [], "", finished=True)
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort every unfinished choice of a request, in any phase.
+
+        Blocks are released now: steps run in this same thread, so no step is in flight.
+
+        Returns:
+            One final output (``finish_reason="abort"``) per choice that was still live;
+            empty when the request is unknown or already finished.
+        """
+        outputs = []
+        for req in self._groups.pop(request_id, []):
+            if self.scheduler.abort(req.request_id) is not None:
+                req.finish_reason = "abort"
+                outputs.append(self._output(req, [], "", finished=True))
+        return outputs
 
     @property
     def has_work(self) -> bool:
@@ -159,27 +184,97 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Run one forward step over the scheduled requests and return their outputs."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        """Run one forward step over the scheduled chunks and return the outputs it produced.
+
+        A chunk that ends before the newest token (a partial suffix prefill) only advances
+        ``num_computed_tokens`` and publishes the blocks it completed; a chunk that reaches the
+        newest token samples the next one.
+        """
+        chunks = self.scheduler.schedule()
+        if not chunks:
             return []
         batch = self.runner.build_batch(
-            [(r.new_token_ids(), r.num_computed_tokens, self.cache.block_table(r.request_id))
-             for r in scheduled])
-        logits = self.runner.forward(batch)
-        tokens = sample_tokens(logits, [r.params for r in scheduled],
-                               [r.generator for r in scheduled])
+            [(c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
+              self.cache.block_table(c.request.request_id)) for c in chunks])
+        # Blocks released while the forward may still write (none in this synchronous loop,
+        # but the contract holds for an asynchronous device) are freed only at end_step.
+        self.cache.begin_step()
+        try:
+            logits = self.runner.forward(batch)
+        finally:
+            self.cache.end_step()
+        sampling_rows = [i for i, c in enumerate(chunks) if c.completes_prompt]
+        tokens: dict[int, int] = {}
+        if sampling_rows:
+            sampled = sample_tokens(logits[sampling_rows],
+                                    [chunks[i].request.params for i in sampling_rows],
+                                    [chunks[i].request.generator for i in sampling_rows])
+            tokens = dict(zip(sampling_rows, sampled))
         now = time.monotonic()
         outputs = []
-        for req, token in zip(scheduled, tokens):
-            req.num_computed_tokens = len(req.token_ids)
-            req.token_ids.append(token)
-            if req.first_token_s is None:
-                req.first_token_s = now
+        for i, chunk in enumerate(chunks):
+            req = chunk.request
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            token = tokens.get(i)
             # Publish the blocks this step completed (prompt or generated tokens alike).
             self.cache.publish(req.request_id, req.token_ids, req.num_computed_tokens)
-            outputs.append(self._postprocess(req, token))
+            if token is None:
+                continue
+            if req.params.n > 1 and req.index == 0 and len(self._groups.get(req.group_id, ())) == 1:
+                outputs += self._fork_choices(req, logits[i], now)
+            outputs.append(self._append_token(req, token, now))
         self.stats.record_generated(len(tokens))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
+        req.token_ids.append(token)
+        if req.first_token_s is None:
+            req.first_token_s = now
+        return self._postprocess(req, token)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy K/V of whole blocks ``src -> dst`` in every layer (copy-on-write of a tail)."""
+        if not copies:
+            return
+        device = self.runner.k_pools[0].device
+        src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=device)
+        for pool in (*self.runner.k_pools, *self.runner.v_pools):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
+    def _fork_choices(self, parent: Request, logits_row: torch.Tensor, now: float) -> list[RequestOutput]:
+        """Start choices 1..n-1 of ``parent`` from its prefilled prompt.
+
+        Each child shares the prompt's full blocks and gets a copy of the partial tail block
+        (copy-on-write), then samples its first token from the same logits with its own
+        generator (seed + index). If no block is left for a tail copy, the child waits in the
+        queue instead and recomputes its tail on admission (the logits are identical).
+        """
+        outputs = []
+        params = parent.params
+        prompt_len = len(parent.token_ids)
+        group = self._groups[parent.group_id]
+        for index in range(1, params.n):
+            child = Request(request_id=f"{parent.request_id}#{index}",
+                            prompt_token_ids=parent.prompt_token_ids, params=params,
+                            cache_root=parent.cache_root,
+                            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+                            generator=make_generator(params, self.config.device, index),
+                            admitted=True, num_cached_tokens=parent.num_cached_tokens,
+                            group_id=parent.group_id, index=index)
+            group.append(child)
+            copies = self.cache.fork(parent.request_id, child.request_id,
+                                     num_computed_tokens=prompt_len)
+            if copies is None:
+                self.scheduler.add(child)
+                continue
+            self._copy_blocks(copies)
+            child.num_computed_tokens = prompt_len
+            child.status = RequestStatus.RUNNING
+            self.scheduler.running.append(child)
+            (token,) = sample_tokens(logits_row[None], [params], [child.generator])
+            outputs.append(self._append_token(child, token, now))
+            self.stats.record_generated(1)
         return outputs
 
     def _postprocess(self, req: Request, token: int) -> RequestOutput:
@@ -195,27 +290,41 @@ class LLMEngine:
         if reason is not None:
             req.finish_reason = reason
             self.scheduler.finish(req, RequestStatus.FINISHED)
+            group = self._groups.get(req.group_id)
+            if group is not None and all(r.is_finished for r in group):
+                del self._groups[req.group_id]
         return self._output(req, [token], text, finished=reason is not None)
 
     def _output(self, req: Request, new_ids: list[int], text: str, *, finished: bool) -> RequestOutput:
-        return RequestOutput(request_id=req.request_id, new_token_ids=new_ids, new_text=text,
+        return RequestOutput(request_id=req.group_id, index=req.index, new_token_ids=new_ids,
+                             new_text=text,
                              finished=finished, finish_reason=req.finish_reason if finished else None,
                              num_prompt_tokens=req.num_prompt_tokens,
                              num_cached_tokens=req.num_cached_tokens,
                              num_generated_tokens=req.num_output_tokens)
 
     def stats_snapshot(self) -> dict:
-        return self.stats.snapshot(self.cache, self.runner.bytes_per_block)
+        out = self.stats.snapshot(self.cache, self.runner.bytes_per_block)
+        if self.prefix_caching_disabled_reason is not None:
+            out["prefix_caching_disabled_reason"] = self.prefix_caching_disabled_reason
+        return out
 
     # ------------------------------------------------------------------ offline helper
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  cache_salt: str | None = None, max_steps: int = 100_000) -> list[Request]:
-        """Run prompts to completion in this thread (tests, offline use); returns the requests."""
-        reqs = [self.make_request(p, params, cache_salt=cache_salt) for p in prompts]
-        for req in reqs:
+        """Run prompts to completion in this thread (tests, offline use).
+
+        Returns:
+            The requests, in prompt order; with ``params.n > 1``, each prompt's n choices in
+            index order.
+        """
+        parents = [self.make_request(p, params, cache_salt=cache_salt) for p in prompts]
+        groups = []
+        for req in parents:
             self.add_request(req)
+            groups.append(self._groups[req.group_id])
         for _ in range(max_steps):
-            if all(r.status in (RequestStatus.FINISHED, RequestStatus.ABORTED) for r in reqs):
-                return reqs
+            if all(len(g) == params.n and all(r.is_finished for r in g) for g in groups):
+                return [r for g in groups for r in sorted(g, key=lambda r: r.index)]
             self.step()
         raise RuntimeError(f"requests did not finish within {max_steps} steps")

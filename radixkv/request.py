@@ -24,6 +24,7 @@ from radixkv.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"   # waiting again after preemption by recompute
     FINISHED = "finished"
     ABORTED = "aborted"
 
@@ -41,6 +42,9 @@ class Request:
         num_computed_tokens: tokens whose K/V are in the pool.
         num_cached_tokens: prompt tokens served from the prefix cache at admission (m).
         admitted: stats for this request's lookup were recorded (exactly once).
+        group_id: the client-visible request id; choice ``index`` of an ``n > 1`` request is
+            a forked child with its own ``request_id`` and this group id.
+        index: choice index within the group (0 for the parent).
     """
 
     request_id: str
@@ -57,10 +61,14 @@ class Request:
     admitted: bool = False
     finish_reason: str | None = None
     first_token_s: float | None = None
+    group_id: str = ""
+    index: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if not self.group_id:
+            self.group_id = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,9 +83,5 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_output_tokens == 0
-
-    def new_token_ids(self) -> list[int]:
-        """Tokens the next forward step must compute (suffix prefill or the one decode token)."""
-        return self.token_ids[self.num_computed_tokens:]
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)

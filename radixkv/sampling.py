@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters (OpenAI semantics).
@@ -21,6 +24,9 @@ class SamplingParams:
             alone or inside any batch.
         stop: strings that end generation; the matched string is not returned.
         ignore_eos: keep generating past EOS (benchmarks).
+        n: number of choices sampled from the prompt. The prompt is prefilled once and the
+            sequence forked (shared prompt blocks, copy-on-write tail); choice i uses seed
+            ``seed + i``, so it equals an ``n = 1`` request with that seed.
 
     Raises:
         ValueError: naming the field, for an out-of-range value.
@@ -33,8 +39,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+            raise ValueError(f"n: must be an int in [1, 64], got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 2.0:
@@ -50,15 +59,22 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, softmax(logits / T) is one-hot in fp32 anyway, and dividing by T would
+        # overflow to inf (NaN probabilities); vLLM uses the same epsilon.
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
-def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator | None:
-    """A per-request generator: None for greedy requests (no randomness consumed)."""
+def make_generator(params: SamplingParams, device: str | torch.device = "cpu",
+                   choice_index: int = 0) -> torch.Generator | None:
+    """A per-choice generator: None for greedy requests (no randomness consumed).
+
+    Choice i of a seeded request is seeded with ``seed + i``.
+    """
     if params.greedy:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+    gen.manual_seed(params.seed + choice_index if params.seed is not None
+                    else random.getrandbits(63))
     return gen
 
 
@@ -90,6 +106,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
             # Keep the smallest set whose mass reaches top_p (the token crossing it included).
             cum = torch.cumsum(sorted_probs, dim=-1)
             drop = (cum - sorted_probs) >= p.top_p
+            drop[0] = False  # the most likely token always stays (top_p may underflow in fp32)
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, sorted_idx, sorted_probs)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))

@@ -1,12 +1,17 @@
 """Continuous-batching scheduler: waiting and running queues under a per-step token budget.
 
-Each step every running request decodes one token, and waiting requests are admitted in
-arrival order while the token budget and the pool allow. Admission matches the prompt against
-the prefix cache (the lookup is recorded in the stats exactly once, at first admission) and
-allocates blocks for the unmatched suffix; a request that does not fit waits: admitting never
-preempts a running request. When a running request needs a new block and none can be freed or
-evicted, the most recently admitted running request is preempted by recompute: its published
-blocks stay in the tree, so its resume is mostly a prefix hit.
+Each step packs, in one forward, one decode token for every decoding request plus suffix
+prefill chunks (at most ``prefill_chunk_tokens`` each) for requests still prefilling, within
+``max_num_batched_tokens``. Running requests go first (oldest first), then waiting requests are
+admitted in arrival order while the budget, ``max_num_seqs`` and the pool allow.
+
+Admission matches the prompt against the prefix cache; a request's lookup is recorded in the
+stats exactly once, at its first admission. Blocks are allocated chunk by chunk, so a long
+prompt holds only what it has computed plus the chunk in flight. A waiting request that does
+not fit waits: admitting never preempts a running request. When a running request needs a
+block to grow and none can be freed or evicted, the most recently admitted running request is
+preempted by recompute: its published blocks stay in the tree, so its resume is mostly a prefix
+hit (counted apart from first-admission hits).
 
 The scheduler talks only to the ``CacheManager`` facade, never to the tree or the pool.
 """
@@ -14,6 +19,7 @@ The scheduler talks only to the ``CacheManager`` facade, never to the tree or th
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from radixkv.cache_manager import CacheManager
 from radixkv.config import SchedulerConfig
@@ -24,13 +30,30 @@ from radixkv.stats import EngineStats
 log = get_logger(__name__)
 
 
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step: compute tokens ``[start, start + num_tokens)``."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def completes_prompt(self) -> bool:
+        """The chunk reaches the newest token, so this step samples the next one."""
+        return self.start + self.num_tokens == len(self.request.token_ids)
+
+
 class Scheduler:
-    """Decides which requests run in the next forward step.
+    """Decides which requests run in the next forward step, and how many tokens each.
 
     Args:
         config: batching limits.
         cache: the cache-manager facade.
-        stats: counters updated at admission.
+        stats: counters updated at admission, preemption and abort.
     """
 
     def __init__(self, config: SchedulerConfig, cache: CacheManager, stats: EngineStats) -> None:
@@ -39,7 +62,6 @@ class Scheduler:
         self.stats = stats
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions_total = 0
 
     @property
     def has_work(self) -> bool:
@@ -48,23 +70,22 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def schedule(self) -> list[Request]:
-        """Pick this step's requests and make sure each has blocks for its new tokens.
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick this step's work and make sure each chunk has blocks for its tokens.
 
         Returns:
-            The requests to run, running (decoding) ones first, then newly admitted ones whose
-            suffix is prefilled this step. For each, ``req.new_token_ids()`` are the tokens to
-            compute and ``req.num_computed_tokens`` the prefix already in the pool.
+            Chunks in batch order: running requests first, then newly admitted ones.
         """
         budget = self.config.max_num_batched_tokens
-        scheduled: list[Request] = []
+        scheduled: list[ScheduledChunk] = []
         preempted = False
         i = 0
-        while i < len(self.running):
+        while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self.cache.allocate(req.request_id, len(req.token_ids)):
-                scheduled.append(req)
-                budget -= len(req.token_ids) - req.num_computed_tokens
+            num_tokens = self._chunk_size(req, req.num_computed_tokens, budget)
+            if self.cache.allocate(req.request_id, req.num_computed_tokens + num_tokens):
+                scheduled.append(ScheduledChunk(req, num_tokens))
+                budget -= num_tokens
                 i += 1
                 continue
             victim = self.running[-1]
@@ -77,36 +98,39 @@ class Scheduler:
             self._admit(scheduled, budget)
         return scheduled
 
-    def _admit(self, scheduled: list[Request], budget: int) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+    def _chunk_size(self, req: Request, start: int, budget: int) -> int:
+        remaining = len(req.token_ids) - start
+        return min(remaining, self.config.prefill_chunk_tokens, budget)
+
+    def _admit(self, scheduled: list[ScheduledChunk], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             num_cached = self.cache.begin(req.request_id, req.cache_root, req.token_ids)
-            num_new = len(req.token_ids) - num_cached
-            # One prompt longer than the budget still runs, alone, so it cannot starve.
-            if (num_new > budget and scheduled) or not self.cache.allocate(
-                    req.request_id, len(req.token_ids)):
+            num_tokens = self._chunk_size(req, num_cached, budget)
+            if not self.cache.allocate(req.request_id, num_cached + num_tokens):
                 self.cache.release(req.request_id)
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            if not req.admitted:
+            if req.admitted:  # a resume after preemption: not a new lookup
+                self.stats.record_resume(num_cached)
+            else:
                 req.admitted = True
                 req.num_cached_tokens = num_cached
                 self.stats.record_admission(req.num_prompt_tokens, num_cached)
+                self.cache.record_admission(req.request_id)
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(req)
-            budget -= num_new
-            if budget <= 0:
-                break
+            scheduled.append(ScheduledChunk(req, num_tokens))
+            budget -= num_tokens
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.cache.release(req.request_id)
-        req.status = RequestStatus.WAITING
+        req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)
-        self.num_preemptions_total += 1
+        self.stats.record_preemption()
         log.info("preempted", request_id=req.request_id, num_tokens=len(req.token_ids))
 
     def finish(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
@@ -116,14 +140,18 @@ class Scheduler:
         req.status = status
 
     def abort(self, request_id: str) -> Request | None:
-        """Drop a request in any phase; returns it, or None if it is not here."""
+        """Drop a request in any phase; returns it, or None if it is not here (finished)."""
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
                 req.status = RequestStatus.ABORTED
-                return req
-        for req in self.running:
-            if req.request_id == request_id:
-                self.finish(req, RequestStatus.ABORTED)
-                return req
-        return None
+                break
+        else:
+            for req in self.running:
+                if req.request_id == request_id:
+                    self.finish(req, RequestStatus.ABORTED)
+                    break
+            else:
+                return None
+        self.stats.record_abort()
+        return req

@@ -34,6 +34,9 @@ class EngineStats:
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         self.generated_tokens_total = 0
+        self.requests_aborted_total = 0
+        self.preemptions_total = 0
+        self.resumed_cached_tokens_total = 0
 
     def record_admission(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         with self._lock:
@@ -42,6 +45,19 @@ class EngineStats:
             self.cached_prompt_tokens_total += num_cached_tokens
             if num_cached_tokens > 0:
                 self.requests_with_hit_total += 1
+
+    def record_abort(self) -> None:
+        with self._lock:
+            self.requests_aborted_total += 1
+
+    def record_preemption(self) -> None:
+        with self._lock:
+            self.preemptions_total += 1
+
+    def record_resume(self, num_cached_tokens: int) -> None:
+        """A preempted request re-admitted: its hit is not a new lookup, so it is kept apart."""
+        with self._lock:
+            self.resumed_cached_tokens_total += num_cached_tokens
 
     def record_generated(self, num_tokens: int) -> None:
         with self._lock:
@@ -56,12 +72,15 @@ class EngineStats:
             out: dict[str, Any] = {
                 "requests_total": requests,
                 "requests_with_hit_total": self.requests_with_hit_total,
+                "requests_aborted_total": self.requests_aborted_total,
                 "prompt_tokens_total": prompt,
                 "cached_prompt_tokens_total": cached,
                 "computed_prompt_tokens_total": prompt - cached,
                 "generated_tokens_total": self.generated_tokens_total,
                 "token_hit_rate": cached / prompt if prompt else 0.0,
                 "request_hit_rate": self.requests_with_hit_total / requests if requests else 0.0,
+                "preemptions_total": self.preemptions_total,
+                "resumed_cached_tokens_total": self.resumed_cached_tokens_total,
             }
         out["evicted_blocks_total"] = cache.evicted_blocks_total
         out["pool"] = {

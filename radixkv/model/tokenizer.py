@@ -8,6 +8,8 @@ from typing import Any
 
 import structlog
 
+from radixkv.model.tool_render import render_tools_fallback, template_handles_tools
+
 __all__ = ["ChatTokenizer"]
 
 log = structlog.get_logger(__name__)
@@ -26,7 +28,7 @@ def _normalise_content(index: int, content: Any) -> Any:
                 texts.append(part["text"])
             else:
                 raise ValueError(f"messages[{index}].content: only text parts are supported")
-        return "".join(texts)
+        return "\n".join(texts)
     raise ValueError(f"messages[{index}].content: must be a string, a list of text parts or null")
 
 
@@ -72,8 +74,9 @@ class ChatTokenizer:
         """Render chat messages with the model's template and tokenize them.
 
         ``content: None`` renders as empty text (assistant turns that only carry tool calls have
-        it). Tools and ``tool_calls`` are passed to the template as they are; a template that
-        ignores them (e.g. SmolLM2's plain ChatML) simply leaves them out.
+        it). Tools and ``tool_calls`` go to the template when it handles them; for a template
+        that ignores them (e.g. SmolLM2's plain ChatML) they are rendered as text by
+        :func:`radixkv.model.tool_render.render_tools_fallback`, never dropped.
 
         Args:
             messages: OpenAI-style ``{"role", "content", ...}`` dicts.
@@ -98,6 +101,9 @@ class ChatTokenizer:
             message = dict(message)
             message["content"] = _normalise_content(i, message.get("content"))
             normalised.append(message)
+        if not template_handles_tools(self.hf_tokenizer.chat_template):
+            normalised = render_tools_fallback(normalised, tools)
+            tools = None
         try:
             with self._lock:
                 ids = self.hf_tokenizer.apply_chat_template(

@@ -107,44 +107,56 @@ async def _close(gen) -> None:
         await aclose()
 
 
-async def _respond_json(completion: ChatCompletion, gen, first: RequestOutput) -> web.Response:
-    texts, last = [first.new_text], first
-    while not last.finished:
+def _usage(outputs: dict[int, RequestOutput]) -> dict:
+    """The prompt (and its cached tokens) once, completion tokens summed over choices."""
+    first = outputs[0]
+    return usage(first.num_prompt_tokens, sum(o.num_generated_tokens for o in outputs.values()),
+                 first.num_cached_tokens)
+
+
+async def _respond_json(completion: ChatCompletion, gen, first: RequestOutput, n: int
+                        ) -> web.Response:
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    last: dict[int, RequestOutput] = {}
+    out: RequestOutput | None = first
+    while out is not None:
+        texts[out.index].append(out.new_text)
+        last[out.index] = out
         try:
-            last = await gen.__anext__()
+            out = await gen.__anext__()
         except StopAsyncIteration:
-            break
+            out = None
         except EngineDeadError:
             raise _engine_dead()
-        texts.append(last.new_text)
-    if last.finish_reason == "abort":
+    if len(last) < n or any(o.finish_reason == "abort" for o in last.values()):
         raise APIError(503, "the request was aborted by the server", type=SERVER_ERROR,
                        code="aborted")
-    use = usage(last.num_prompt_tokens, last.num_generated_tokens, last.num_cached_tokens)
-    return json_response(completion.response("".join(texts), last.finish_reason, use))
+    choices = [("".join(texts[i]), last[i].finish_reason) for i in range(n)]
+    return json_response(completion.response(choices, _usage(last)))
 
 
 async def _respond_stream(request: web.Request, completion: ChatCompletion, gen,
-                          first: RequestOutput) -> web.StreamResponse:
+                          first: RequestOutput, n: int) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
-    out = first
+    last: dict[int, RequestOutput] = {}
     try:
-        await resp.write(completion.role_chunk())
-        while True:
+        for index in range(n):
+            await resp.write(completion.role_chunk(index))
+        out: RequestOutput | None = first
+        while out is not None:
+            last[out.index] = out
             if out.new_text:
-                await resp.write(completion.content_chunk(out.new_text))
+                await resp.write(completion.content_chunk(out.new_text, out.index))
             if out.finished:
-                break
+                await resp.write(completion.finish_chunk(out.finish_reason, out.index))
             try:
                 out = await gen.__anext__()
             except StopAsyncIteration:
-                break
-        await resp.write(completion.finish_chunk(out.finish_reason))
+                out = None
         if completion.include_usage:
-            await resp.write(completion.usage_chunk(
-                usage(out.num_prompt_tokens, out.num_generated_tokens, out.num_cached_tokens)))
+            await resp.write(completion.usage_chunk(_usage(last)))
         await resp.write(SSE_DONE)
         await resp.write_eof()
     except ConnectionResetError:
@@ -183,8 +195,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         first = await _first_output(gen)
         if req.stream:
-            return await _respond_stream(request, completion, gen, first)
-        return await _respond_json(completion, gen, first)
+            return await _respond_stream(request, completion, gen, first, req.n)
+        return await _respond_json(completion, gen, first, req.n)
     finally:
         await _close(gen)
 

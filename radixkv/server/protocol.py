@@ -2,7 +2,7 @@
 
 Everything here is pure (no engine, no I/O) so that the whole catalogue of bad input can be
 checked cheaply. A request that asks for something we do not implement and that would change
-what the caller gets (logit_bias, logprobs, penalties, JSON mode, n > 1, forced tool calls,
+what the caller gets (logit_bias, logprobs, penalties, JSON mode, forced tool calls,
 unknown keys) is refused with a 400 naming the parameter rather than silently ignored.
 """
 
@@ -39,6 +39,7 @@ _MESSAGE_KEYS = {
                   "function_call"},
     "tool": {"role", "content", "tool_call_id", "name"},
 }
+MAX_CHOICES = 64  # SamplingParams.n bound
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -172,10 +173,12 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 raise bad_request(f"'{p}.{key}' is not supported on a {role} message", f"{p}.{key}")
         if msg.get("name") is not None and not isinstance(msg["name"], str):
             raise bad_request(f"'{p}.name' must be a string", f"{p}.name")
+        if "content" not in msg and role != "assistant":
+            raise bad_request(f"'{p}.content' is required for a {role} message", f"{p}.content")
         clean: dict[str, Any] = {
             "role": "system" if role == "developer" else role,
-            "content": _content_text(msg.get("content"), f"{p}.content",
-                                     nullable=role == "assistant"),
+            # content null renders as empty text for every role (DESIGN.md §5).
+            "content": _content_text(msg.get("content"), f"{p}.content", nullable=True),
         }
         if role == "assistant":
             if msg.get("function_call") is not None or msg.get("audio") is not None:
@@ -254,19 +257,17 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None
+    n: int = 1
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Engine sampling parameters with the resolved ``max_tokens``."""
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, n=self.n)
 
 
 def _refuse_unimplemented(body: dict) -> None:
     """400 for options that would change the result and that we do not implement."""
-    n = _opt_int(body, "n", 1)
-    if n is not None and n != 1:
-        raise bad_request("'n' must be 1: only one choice per request is supported", "n")
     if _opt_bool(body, "logprobs"):
         raise bad_request("'logprobs' is not supported", "logprobs")
     if body.get("top_logprobs") is not None:
@@ -337,6 +338,9 @@ def parse_chat_request(body: dict[str, Any], served_model: str) -> ChatRequest:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
     top_k = _opt_int(body, "top_k", -1)
+    n = _opt_int(body, "n", 1)
+    if n is not None and n > MAX_CHOICES:
+        raise bad_request(f"'n' must be at most {MAX_CHOICES}, got {n}", "n")
     temperature = _opt_number(body, "temperature", 0.0, 2.0)
     top_p = _opt_number(body, "top_p", 0.0, 1.0, lo_open=True)
     return ChatRequest(
@@ -348,6 +352,7 @@ def parse_chat_request(body: dict[str, Any], served_model: str) -> ChatRequest:
         seed=_opt_int(body, "seed", _SEED_MIN, _SEED_MAX),
         stop=stop_t, ignore_eos=bool(_opt_bool(body, "ignore_eos")),
         stream=stream, include_usage=include_usage, cache_salt=salt,
+        n=1 if n is None else n,
     )
 
 

@@ -49,13 +49,14 @@ class ChatCompletion:
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def response(self, text: str, finish_reason: str | None, usage_: dict) -> dict:
-        """The non-streaming ``chat.completion`` body."""
+    def response(self, choices: list[tuple[str, str | None]], usage_: dict) -> dict:
+        """The non-streaming ``chat.completion`` body; ``choices[i] = (text, finish_reason)``."""
         return {
             "id": self.id, "object": "chat.completion", "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": reason}
+                        for i, (text, reason) in enumerate(choices)],
             "usage": usage_,
         }
 
@@ -66,17 +67,18 @@ class ChatCompletion:
             body["usage"] = usage_
         return body
 
-    def role_chunk(self) -> bytes:
-        """First event: the assistant role with empty content."""
-        return sse_event(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def role_chunk(self, index: int = 0) -> bytes:
+        """First event of a choice: the assistant role with empty content."""
+        return sse_event(self._chunk([{"index": index,
+                                       "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]))
 
-    def content_chunk(self, text: str) -> bytes:
-        return sse_event(self._chunk([{"index": 0, "delta": {"content": text},
+    def content_chunk(self, text: str, index: int = 0) -> bytes:
+        return sse_event(self._chunk([{"index": index, "delta": {"content": text},
                                        "logprobs": None, "finish_reason": None}]))
 
-    def finish_chunk(self, finish_reason: str | None) -> bytes:
-        return sse_event(self._chunk([{"index": 0, "delta": {}, "logprobs": None,
+    def finish_chunk(self, finish_reason: str | None, index: int = 0) -> bytes:
+        return sse_event(self._chunk([{"index": index, "delta": {}, "logprobs": None,
                                        "finish_reason": finish_reason}]))
 
     def usage_chunk(self, usage_: dict) -> bytes:

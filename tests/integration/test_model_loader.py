@@ -81,7 +81,8 @@ def test_chat_tokenizer_normalises_content(tiny_model: LoadedModel) -> None:
     assert tok.decode(none, skip_special_tokens=False) == "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\n<|im_end|>\n"
     parts = tok.apply_chat_template([{"role": "system", "content": "s"},
                                      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
-    assert tok.decode(parts, skip_special_tokens=False).endswith("<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n")
+    # Text parts are joined by newlines, as the server and shared/agent-transcripts do.
+    assert tok.decode(parts, skip_special_tokens=False).endswith("<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match=r"^messages\[1\]\.content"):
         tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": 5}])
     with pytest.raises(ValueError, match=r"^messages\[0\]"):

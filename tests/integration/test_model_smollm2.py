@@ -14,6 +14,7 @@ from radixkv.model import loader
 from radixkv.model.gguf_loader import unpermute_qk
 from radixkv.model.loader import LoadedModel, embedded_gguf_path, load_model
 from radixkv.model.runner import ModelRunner
+from radixkv.model.tool_render import TOOLS_FOOTER, TOOLS_HEADER
 
 pytestmark = pytest.mark.smollm2
 
@@ -67,7 +68,8 @@ def test_tokenizer_facts(smollm2: LoadedModel) -> None:
                                           add_generation_prompt=False)
     assert tok.decode(with_system, skip_special_tokens=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n")
-    # content None (an assistant turn that only carries tool calls) renders as empty text.
+    # content None renders as empty text; the ChatML template ignores tools and tool_calls,
+    # so they are rendered as text (radixkv.model.tool_render) instead of being dropped.
     none_turn = tok.apply_chat_template(
         [{"role": "user", "content": "hi"},
          {"role": "assistant", "content": None,
@@ -75,7 +77,10 @@ def test_tokenizer_facts(smollm2: LoadedModel) -> None:
          {"role": "tool", "content": "42", "tool_call_id": "c1"}],
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     assert tok.decode(none_turn, skip_special_tokens=False) == (
-        DEFAULT_SYSTEM + "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+        "<|im_start|>system\n" + TOOLS_HEADER + "\n<tools>\n"
+        '{"function":{"name":"f","parameters":{"type":"object"}},"type":"function"}\n</tools>\n'
+        + TOOLS_FOOTER + "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        '<tool_call>{"arguments":{},"name":"f"}</tool_call><|im_end|>\n'
         "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode([28120, 905, 2]) == "hello world"
     with pytest.raises(ValueError, match="messages"):

@@ -144,8 +144,28 @@ def test_official_openai_client(server):
     assert chunks[-1].usage.prompt_tokens == resp.usage.prompt_tokens
     n = resp.usage.prompt_tokens
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    many = client.chat.completions.create(model=server.engine.model_name, messages=messages,
+                                          n=3, max_tokens=4, temperature=1.0, seed=5)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert many.usage.prompt_tokens == n  # the prompt once, not n times
+    assert many.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert 3 <= many.usage.completion_tokens <= 12  # summed over the 3 choices
+    for c in many.choices:  # choice i equals an n=1 request with seed 5 + i
+        one = client.chat.completions.create(model=server.engine.model_name, messages=messages,
+                                             max_tokens=4, temperature=1.0, seed=5 + c.index)
+        assert one.choices[0].message.content == c.message.content
+    streamed = list(client.chat.completions.create(
+        model=server.engine.model_name, messages=messages, n=3, max_tokens=4, temperature=1.0,
+        seed=5, stream=True, stream_options={"include_usage": True}))
+    for c in many.choices:
+        text = "".join(ch.choices[0].delta.content or "" for ch in streamed
+                       if ch.choices and ch.choices[0].index == c.index)
+        assert text == c.message.content
+    finishes = [ch.choices[0].index for ch in streamed if ch.choices and ch.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    assert streamed[-1].usage.completion_tokens == many.usage.completion_tokens
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=server.engine.model_name, messages=messages, n=2)
+        client.chat.completions.create(model=server.engine.model_name, messages=messages, n=65)
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4o", messages=messages)
@@ -203,7 +223,8 @@ BAD_INPUT = [
     ("temperature-out-of-range", {"messages": HI, "temperature": 3}, None, 400, "temperature"),
     ("unknown-role", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400,
      "messages[0].role"),
-    ("n-2", {"messages": HI, "n": 2}, None, 400, "n"),
+    ("n-too-large", {"messages": HI, "n": 65}, None, 400, "n"),
+    ("n-zero", {"messages": HI, "n": 0}, None, 400, "n"),
     ("logit-bias", {"messages": HI, "logit_bias": {"42": 5}}, None, 400, "logit_bias"),
     ("unknown-key", {"messages": HI, "frobnicate": True}, None, 400, "frobnicate"),
     ("over-long-prompt", {"messages": [{"role": "user", "content": LONG}]}, None, 400,

@@ -83,7 +83,7 @@ def test_full_request_is_accepted():
     ({"messages": MSG, "stream": "yes"}, "stream"),
     ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": MSG, "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
-    ({"messages": MSG, "n": 2}, "n"),
+    ({"messages": MSG, "n": 65}, "n"),
     ({"messages": MSG, "logit_bias": {"5": 10}}, "logit_bias"),
     ({"messages": MSG, "logprobs": True}, "logprobs"),
     ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
@@ -163,3 +163,17 @@ async def test_unexpected_exception_is_500_in_the_error_shape(aiohttp_client):
     assert resp.status == 400
     assert await resp.json() == {"error": {"message": "bad", "type": "invalid_request_error",
                                            "param": "x", "code": None}}
+
+
+def test_null_content_renders_as_empty_text_for_every_role():
+    body = {"messages": [{"role": "system", "content": None}, {"role": "user", "content": None},
+                         {"role": "assistant", "content": None}]}
+    req = parse_chat_request(body, MODEL)
+    assert [m["content"] for m in req.messages] == ["", "", ""]
+    assert refused({"messages": [{"role": "user"}]}).param == "messages[0].content"
+
+
+def test_n_is_passed_to_sampling():
+    req = parse_chat_request({"messages": MSG, "n": 3, "seed": 9}, MODEL)
+    params = req.sampling_params(5)
+    assert (params.n, params.seed, params.max_tokens) == (3, 9, 5)
