@@ -37,6 +37,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one forward step")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="most suffix tokens of one request per step (default: the step budget)")
+    p.add_argument("--admission-policy", default="lpm", choices=["lpm", "fcfs"],
+                   help="waiting order: longest cached prefix first (bounded wait) or arrival")
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--log-level", default="info")
@@ -68,7 +70,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           hash_algo=args.hash_algo),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  prefill_chunk_tokens=args.prefill_chunk_tokens))
+                                  prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                  admission_policy=args.admission_policy))
 
 
 def _serve(args: argparse.Namespace) -> int:

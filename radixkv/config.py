@@ -57,11 +57,21 @@ class SchedulerConfig:
         prefill_chunk_tokens: most suffix tokens of one request prefilled in one step; longer
             suffixes are prefilled in chunks over several steps (interleaved with decodes).
             None = ``max_num_batched_tokens``.
+        admission_policy: ``lpm`` admits the waiting request with the longest cached prefix
+            first (SGLang's longest-prefix-match order: its blocks are reused before an
+            eviction can drop them); ``fcfs`` admits in arrival order.
+        max_bypass: under ``lpm``, a request overtaken this many times is admitted next
+            (arrival order among such requests), so no request waits forever.
+        admission_window: under ``lpm``, how many waiting requests are looked up per
+            admission (bounds the lookup cost per step).
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
     prefill_chunk_tokens: int | None = None
+    admission_policy: str = "lpm"
+    max_bypass: int = 8
+    admission_window: int = 64
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens is None:
@@ -69,6 +79,11 @@ class SchedulerConfig:
         _require(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens",
                  f"must be >= 1, got {self.prefill_chunk_tokens}")
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(self.admission_policy in ("lpm", "fcfs"), "admission_policy",
+                 f"must be 'lpm' or 'fcfs', got {self.admission_policy!r}")
+        _require(self.max_bypass >= 0, "max_bypass", f"must be >= 0, got {self.max_bypass}")
+        _require(self.admission_window >= 1, "admission_window",
+                 f"must be >= 1, got {self.admission_window}")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
 

@@ -232,16 +232,6 @@ class LLMEngine:
             req.first_token_s = now
         return self._postprocess(req, token)
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy K/V of whole blocks ``src -> dst`` in every layer (copy-on-write of a tail)."""
-        if not copies:
-            return
-        device = self.runner.k_pools[0].device
-        src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=device)
-        for pool in (*self.runner.k_pools, *self.runner.v_pools):
-            pool.index_copy_(0, dst, pool.index_select(0, src))
-
     def _fork_choices(self, parent: Request, logits_row: torch.Tensor, now: float) -> list[RequestOutput]:
         """Start choices 1..n-1 of ``parent`` from its prefilled prompt.
 
@@ -268,7 +258,7 @@ class LLMEngine:
             if copies is None:
                 self.scheduler.add(child)
                 continue
-            self._copy_blocks(copies)
+            self.runner.copy_blocks(copies)
             child.num_computed_tokens = prompt_len
             child.status = RequestStatus.RUNNING
             self.scheduler.running.append(child)

@@ -63,6 +63,7 @@ class Request:
     first_token_s: float | None = None
     group_id: str = ""
     index: int = 0
+    num_bypassed: int = 0   # times a later arrival was admitted first (bounded wait)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

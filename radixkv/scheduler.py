@@ -5,8 +5,11 @@ prefill chunks (at most ``prefill_chunk_tokens`` each) for requests still prefil
 ``max_num_batched_tokens``. Running requests go first (oldest first), then waiting requests are
 admitted in arrival order while the budget, ``max_num_seqs`` and the pool allow.
 
-Admission matches the prompt against the prefix cache; a request's lookup is recorded in the
-stats exactly once, at its first admission. Blocks are allocated chunk by chunk, so a long
+Admission order (``admission_policy``): preempted requests resume first; then, under ``lpm``,
+the waiting request with the longest cached prefix (a read-only ``peek``), unless some request
+has been overtaken ``max_bypass`` times, in which case the oldest such one goes next; ``fcfs``
+is plain arrival order. Admission matches the prompt against the prefix cache; a request's
+lookup is recorded in the stats exactly once, at its first admission. Blocks are allocated chunk by chunk, so a long
 prompt holds only what it has computed plus the chunk in flight. A waiting request that does
 not fit waits: admitting never preempts a running request. When a running request needs a
 block to grow and none can be freed or evicted, the most recently admitted running request is
@@ -102,15 +105,31 @@ class Scheduler:
         remaining = len(req.token_ids) - start
         return min(remaining, self.config.prefill_chunk_tokens, budget)
 
+    def _next_waiting(self) -> Request:
+        """The waiting request to admit next (see the module docstring for the order)."""
+        head = self.waiting[0]
+        if self.config.admission_policy == "fcfs" or head.status is RequestStatus.PREEMPTED:
+            return head
+        window = [r for _, r in zip(range(self.config.admission_window), self.waiting)]
+        for req in window:
+            if req.num_bypassed >= self.config.max_bypass:
+                return req
+        # Longest cached prefix first; arrival order breaks ties (max keeps the first).
+        return max(window, key=lambda r: self.cache.peek(r.cache_root, r.token_ids))
+
     def _admit(self, scheduled: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self._next_waiting()
             num_cached = self.cache.begin(req.request_id, req.cache_root, req.token_ids)
             num_tokens = self._chunk_size(req, num_cached, budget)
             if not self.cache.allocate(req.request_id, num_cached + num_tokens):
                 self.cache.release(req.request_id)
                 break
-            self.waiting.popleft()
+            for older in self.waiting:
+                if older is req:
+                    break
+                older.num_bypassed += 1
+            self.waiting.remove(req)
             req.num_computed_tokens = num_cached
             if req.admitted:  # a resume after preemption: not a new lookup
                 self.stats.record_resume(num_cached)

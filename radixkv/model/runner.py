@@ -181,6 +181,23 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy the K/V of whole blocks ``src -> dst`` in every layer's pools.
+
+        Used for copy-on-write of a partial tail block when a sequence forks (``n > 1``).
+
+        Args:
+            copies: ``(src_block, dst_block)`` pairs; dst blocks must be distinct from srcs.
+        """
+        if not copies:
+            return
+        device = self.k_pools[0].device
+        src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=device)
+        for pool in (*self.k_pools, *self.v_pools):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> torch.Tensor:
         """Run one step: write K/V of every row into the pools and return logits.
 

@@ -292,3 +292,30 @@ def test_parallel_sampling_abort_ends_every_choice(tiny_model):
     assert all(o.finish_reason == "abort" and o.request_id == parent.request_id for o in outs)
     assert not engine.has_work
     assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("policy,max_bypass,expected_order", [
+    ("lpm", 8, ["long", "medium", "cold"]),   # longest cached prefix first
+    ("lpm", 1, ["long", "cold", "medium"]),   # "cold" was overtaken once: it goes next
+    ("fcfs", 8, ["cold", "long", "medium"]),  # arrival order
+])
+def test_prefix_aware_admission_with_bounded_wait(tiny_model, policy, max_bypass, expected_order):
+    engine = LLMEngine(EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=1, admission_policy=policy, max_bypass=max_bypass)),
+        tiny_model)
+    shared = [600 + i for i in range(16)]
+    engine.generate([shared + [1]], greedy(1))  # warm 16 tokens
+    prompts = {"cold": [700 + i for i in range(17)], "long": shared + [2, 3],
+               "medium": shared[:8] + [4, 5, 6]}
+    reqs = {name: engine.make_request(p, greedy(2)) for name, p in prompts.items()}
+    for name in ("cold", "long", "medium"):  # arrival order
+        engine.add_request(reqs[name])
+    order = []
+    while engine.has_work:
+        engine.step()
+        for name, req in reqs.items():
+            if req.status is not RequestStatus.WAITING and name not in order:
+                order.append(name)
+    assert order == expected_order
+    assert (reqs["long"].num_cached_tokens, reqs["medium"].num_cached_tokens) == (16, 8)
