@@ -3,6 +3,8 @@
 Installed as ``radixkv.eviction``. Import a policy by name with :func:`get_policy`.
 """
 
+from . import fifo as _fifo  # noqa: F401  (registers "fifo")
+from . import lfu as _lfu  # noqa: F401  (registers "lfu")
 from . import lru as _lru  # noqa: F401  (registers "lru")
 from .base import (
     EvictionPolicy,

@@ -10,8 +10,12 @@ can take:
   The key of a node must only depend on fields that change on tree events (insert, hit,
   unlock, split, trim), because the tree re-keys a leaf only on those events.
 * **victim-naming** policies (:class:`VictimPolicy`) keep their own order (queues, ghost
-  lists, as S3-FIFO or ARC do); the tree tells them which leaves are evictable and asks them
-  to name the next victim.
+  lists, as S3-FIFO or ARC do); the tree tells them which leaves are evictable
+  (``add_leaf`` / ``remove_leaf``), every hit and insert (``on_hit`` / ``on_insert``) and every
+  trim (``on_evict``), and asks them to name the next victim among the evictable leaves.
+
+Registered here: ``lru``, ``lfu``, ``fifo``. Priorities may only read :class:`NodeView`
+fields; the tree appends the node ``uid`` to every key, so ties are broken deterministically.
 
 This package must stay importable without torch and without the rest of radixkv: nodes are
 seen only through :class:`NodeView`.
@@ -76,6 +80,17 @@ class EvictionPolicy(abc.ABC):
             node: The leaf that lost blocks (its fields already reflect the trim).
             num_blocks: Blocks removed from it, ≥ 1.
         """
+
+    def on_hit(self, node: NodeView) -> None:  # noqa: B027 - optional hook
+        """Hook (victim-naming policies only): a lookup matched ``node`` (leaf or not).
+
+        Called after ``hit_count`` and ``last_access_s`` were updated. Priority policies are
+        re-keyed by the tree instead and never see this call.
+        """
+
+    def on_insert(self, node: NodeView, num_blocks: int) -> None:  # noqa: B027 - optional hook
+        """Hook (victim-naming policies only): ``num_blocks`` new blocks were published into
+        ``node`` (a new node, or an existing one grown in place)."""
 
 
 class PriorityPolicy(EvictionPolicy):

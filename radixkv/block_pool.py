@@ -10,12 +10,18 @@ Blocks are ``0 .. num_blocks-1``. The pool tracks who *owns* each block:
 
 The pool never evicts: when ``allocate`` cannot be served, the cache manager asks the tree to
 evict leaves, returns their blocks with :meth:`free_cached`, and retries.
+
+**Deferred free.** Between :meth:`begin_step` and :meth:`end_step` a forward step is in flight
+and may still write any private block it was given. A private block whose last owner lets go
+during that window stays ``PRIVATE`` with ref count 0 ("deferred": still in use by the step,
+never handed out) and joins the free list only at :meth:`end_step`. Cached blocks need no such
+care: a published block is never written again.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Iterable, Sequence
 
 FREE = 0
 PRIVATE = 1
@@ -43,6 +49,8 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._num_private = 0
         self._num_cached = 0
+        self._in_step = False
+        self._deferred: list[int] = []
 
     # ---- gauges -------------------------------------------------------------------------
     @property
@@ -54,6 +62,16 @@ class BlockPool:
     def num_private_blocks(self) -> int:
         """Blocks owned by running requests and not in the tree."""
         return self._num_private
+
+    @property
+    def num_deferred_blocks(self) -> int:
+        """Private blocks released during the in-flight step, freed at :meth:`end_step`."""
+        return len(self._deferred)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a forward step is in flight (between ``begin_step`` and ``end_step``)."""
+        return self._in_step
 
     @property
     def num_cached_blocks(self) -> int:
@@ -89,59 +107,117 @@ class BlockPool:
             return None
         popleft = self._free.popleft
         ids = [popleft() for _ in range(num)]
+        state, ref = self._state, self._ref
         for block_id in ids:
-            self._state[block_id] = PRIVATE
-            self._ref[block_id] = 1
+            state[block_id] = PRIVATE
+            ref[block_id] = 1
         self._num_private += num
         return ids
 
     def incref(self, block_id: int) -> None:
-        """Add an owner to a private block (a forked sequence sharing its tail)."""
+        """Add an owner to a private block (a forked sequence sharing a full, unpublished block).
+
+        Raises:
+            RuntimeError: if the block is not private or its free is deferred.
+        """
         self._expect(block_id, PRIVATE)
+        if self._ref[block_id] <= 0:
+            raise RuntimeError(f"block {block_id}: cannot share a block whose free is deferred")
         self._ref[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one owner of each private block; blocks with no owner left become free.
 
+        During a step (:meth:`begin_step`) a block losing its last owner is deferred instead:
+        it stays private with ref count 0 until :meth:`end_step`.
+
         Raises:
-            RuntimeError: if a block is not private (double free, or a cached block).
+            RuntimeError: if a block is not private or has no owner left (double free, a cached
+                block, or a deferred one).
         """
         for block_id in block_ids:
             self._expect(block_id, PRIVATE)
+            if self._ref[block_id] <= 0:
+                raise RuntimeError(f"block {block_id}: freed again while its free is deferred")
             self._ref[block_id] -= 1
             if self._ref[block_id] == 0:
+                if self._in_step:
+                    self._deferred.append(block_id)
+                    continue
                 self._state[block_id] = FREE
                 self._num_private -= 1
                 self._free.append(block_id)
 
-    def to_cached(self, block_ids: Iterable[int]) -> None:
+    def begin_step(self) -> None:
+        """A forward step is about to run: from now on, released private blocks are deferred.
+
+        Raises:
+            RuntimeError: if a step is already in flight.
+        """
+        if self._in_step:
+            raise RuntimeError("begin_step: a step is already in flight")
+        self._in_step = True
+
+    def end_step(self) -> list[int]:
+        """The step finished writing: deferred blocks join the free list.
+
+        Returns:
+            The blocks freed now, in release order.
+
+        Raises:
+            RuntimeError: if no step is in flight.
+        """
+        if not self._in_step:
+            raise RuntimeError("end_step: no step is in flight")
+        self._in_step = False
+        freed, self._deferred = self._deferred, []
+        for block_id in freed:
+            self._state[block_id] = FREE
+            self._num_private -= 1
+            self._free.append(block_id)
+        return freed
+
+    def to_cached(self, block_ids: Sequence[int]) -> None:
         """Hand private blocks (ref count 1) over to the tree after they are published.
 
         Raises:
-            RuntimeError: if a block is not private or still shared by several owners.
+            RuntimeError: if a block is not private or is shared by several owners (a fork) or
+                none (deferred); nothing is changed then.
         """
-        for block_id in block_ids:
+        state, ref = self._state, self._ref
+        done = 0
+        try:
+            for block_id in block_ids:  # one pass (the publish hot path); rolled back on error
+                if state[block_id] != PRIVATE or ref[block_id] != 1 or block_id < 0:
+                    raise LookupError(block_id)
+                state[block_id] = CACHED
+                ref[block_id] = 0
+                done += 1
+        except LookupError:
+            for block_id in block_ids[:done]:
+                state[block_id] = PRIVATE
+                ref[block_id] = 1
+            block_id = block_ids[done]
             self._expect(block_id, PRIVATE)
-            if self._ref[block_id] != 1:
-                raise RuntimeError(
-                    f"block {block_id}: cannot publish a block with {self._ref[block_id]} owners"
-                )
-            self._state[block_id] = CACHED
-            self._ref[block_id] = 0
-            self._num_private -= 1
-            self._num_cached += 1
+            raise RuntimeError(
+                f"block {block_id}: cannot publish a block with {ref[block_id]} owners") from None
+        self._num_private -= done
+        self._num_cached += done
 
-    def free_cached(self, block_ids: Iterable[int]) -> None:
+    def free_cached(self, block_ids: list[int]) -> None:
         """Return blocks the tree evicted to the free list.
 
         Raises:
-            RuntimeError: if a block is not cached.
+            RuntimeError: if a block is not cached (nothing is changed then).
         """
+        state = self._state
         for block_id in block_ids:
-            self._expect(block_id, CACHED)
-            self._state[block_id] = FREE
-            self._num_cached -= 1
-            self._free.append(block_id)
+            if not 0 <= block_id < self.num_blocks or state[block_id] != CACHED:
+                self._expect(block_id, CACHED)
+        for block_id in block_ids:
+            state[block_id] = FREE
+        self._num_cached -= len(block_ids)
+        self._free.extend(block_ids)
 
     def _expect(self, block_id: int, state: int) -> None:
         if not 0 <= block_id < self.num_blocks:
@@ -160,6 +236,9 @@ class BlockPool:
         """
         free_set = set(self._free)
         assert len(free_set) == len(self._free), "free list holds a block twice"
+        deferred = set(self._deferred)
+        assert len(deferred) == len(self._deferred), "deferred list holds a block twice"
+        assert self._in_step or not deferred, "blocks deferred while no step is in flight"
         counts = {FREE: 0, PRIVATE: 0, CACHED: 0}
         for block_id, state in enumerate(self._state):
             counts[state] += 1
@@ -167,7 +246,9 @@ class BlockPool:
                 f"block {block_id}: state {STATE_NAMES[state]} disagrees with free-list membership"
             )
             if state == PRIVATE:
-                assert self._ref[block_id] >= 1, f"block {block_id}: private with ref count 0"
+                assert (self._ref[block_id] >= 1) != (block_id in deferred), (
+                    f"block {block_id}: private with ref count {self._ref[block_id]}, "
+                    f"deferred={block_id in deferred}")
             else:
                 assert self._ref[block_id] == 0, (
                     f"block {block_id}: {STATE_NAMES[state]} with ref count {self._ref[block_id]}"

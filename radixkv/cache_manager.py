@@ -1,53 +1,46 @@
-"""The cache facade the engine talks to: match + lock, allocate (+ evict), publish, release.
+"""The cache facade the engine talks to: match + lock, allocate (+ evict), publish, release, fork.
 
-A request's life: :meth:`CacheManager.begin` matches its prompt under its identity root
-(comparing stored tokens, hashing nothing cached), caps the hit at
-``m = floor(min(match, N-1) / B) * B`` and locks the matched path; :meth:`allocate` grows its
-block table with private blocks, evicting unlocked leaves through the policy when the free
-list is short (all-or-nothing); :meth:`publish` inserts each block once it is full *and*
-computed (prompt or generated tokens), hashing it exactly once; :meth:`release` unlocks the
-path and frees the private blocks, leaving published blocks cached-evictable.
+A request's life (all calls from the engine thread)::
+
+    m = begin(rid, root, prompt, mm_items=…)   match under the identity root (compare tokens +
+                                                extras, hash nothing cached), cap the hit at
+                                                floor(min(match, N-1)/B)*B, lock the path,
+                                                classify the missed tokens
+    allocate(rid, num_tokens) -> bool           grow the block table (evict leaves if short);
+                                                all-or-nothing; the first success admits the
+                                                request's lookup into the policy fields
+    record_admission(rid)                       count its miss causes once (scheduler, first
+                                                admission only)
+    begin_step() … forward … end_step()         blocks released while a step is in flight are
+                                                freed only after it
+    publish(rid, token_ids, num_computed)       insert every full computed block, hashed once
+    fork(rid, child_rid) -> copies              n > 1: share full blocks, copy the partial tail
+    release(rid)                                unlock, free private blocks; published blocks
+                                                stay cached-evictable (matchable until evicted)
 
 Block states (DESIGN.md §4): free, cached-evictable, cached-locked, private. The pool knows
 free / private / cached; the tree knows which cached blocks are locked.
-``in_use = private + cached-locked``, and ``free + cached-evictable + in_use = num_blocks``.
+``in_use = private + cached-locked`` and ``free + cached-evictable + in_use = num_blocks``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
+from array import array
 from typing import Callable, Sequence
 
-from radixkv.block_pool import CACHED, FREE, BlockPool
+from radixkv.block_pool import BlockPool
+from radixkv.cache_gauges import CacheGauges
+from radixkv.cache_check import RequestState, check_manager
 from radixkv.eviction import get_policy
-from radixkv.hashing import BlockHasher, CacheIdentity, HashFn
-from radixkv.radix_tree import Node, RadixTree
-
-@dataclasses.dataclass
-class _RequestState:
-    """Cache-side state of one active request.
-
-    Attributes:
-        cursor: Tree node at whose end the request's cached/published prefix ends (it holds one
-            lock there); None when prefix caching is off.
-        last_hash: Chained hash of the last published/matched block (root hash at first).
-        block_table: Physical block per block position.
-        num_cached_tokens: m, the capped hit returned by ``begin``.
-        num_published_blocks: Leading positions that are in the tree (matched or published).
-        duplicate_ids: Private blocks at published positions whose content the tree already had
-            (a concurrent request published it first); freed at release.
-    """
-
-    cursor: Node | None
-    last_hash: bytes
-    block_table: list[int]
-    num_cached_tokens: int
-    num_published_blocks: int
-    duplicate_ids: list[int] = dataclasses.field(default_factory=list)
+from radixkv.hashing import (BlockHasher, CacheIdentity, HashFn, as_packed_tokens, block_extras,
+                             pack_tokens, validate_mm_items)
+from radixkv.miss_causes import GhostList, classify_miss, empty_breakdown
+from radixkv.radix_tree import RadixTree
+from radixkv.tree_node import BLOCK_ID_TYPECODE
 
 
-class CacheManager:
+class CacheManager(CacheGauges):
     """Radix-tree prefix cache over a paged KV block pool.
 
     Args:
@@ -58,6 +51,8 @@ class CacheManager:
         hash_algo: ``"xxh3_128"`` or ``"sha256"``.
         hash_fn: Test hook replacing the hash function ``H`` (e.g. a tiny-digest hash).
         clock: Time source for policy fields (seconds); tests inject a counter.
+        ghost_capacity: Evicted block hashes remembered for the ``evicted`` miss cause
+            (default ``num_blocks`` clamped to [1024, 131072]; ~200 bytes each).
 
     Raises:
         ValueError: naming the offending argument.
@@ -65,8 +60,8 @@ class CacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, eviction_policy: str = "lru",
                  enable_prefix_caching: bool = True, hash_algo: str = "xxh3_128",
-                 hash_fn: HashFn | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 hash_fn: HashFn | None = None, clock: Callable[[], float] = time.monotonic,
+                 ghost_capacity: int | None = None) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
         self.block_size = block_size
@@ -77,9 +72,12 @@ class CacheManager:
         self.hash_algo = self.hasher.algo
         self.pool = BlockPool(num_blocks)
         self.tree = RadixTree(block_size, get_policy(eviction_policy), clock)
+        self.ghost = GhostList(ghost_capacity or min(max(1024, num_blocks), 1 << 17))
         self._evicted_blocks_total = 0
+        self._miss_tokens = empty_breakdown()
         self._roots: dict[CacheIdentity, bytes] = {}
-        self._requests: dict[str, _RequestState] = {}
+        self._tenants: dict[bytes, str | None] = {}
+        self._requests: dict[str, RequestState] = {}
 
     # ---- identity -----------------------------------------------------------------------
     def identity_root(self, identity: CacheIdentity) -> bytes:
@@ -95,51 +93,138 @@ class CacheManager:
                                  f"cache uses {self.block_size}")
             root = self.hasher.identity_root(identity)
             self._roots[identity] = root
+            self._tenants[root] = identity.cache_salt
         return root
 
-    # ---- request lifecycle --------------------------------------------------------------
-    def begin(self, request_id: str, root: bytes, prompt_token_ids: Sequence[int]) -> int:
+    # ---- lookup -------------------------------------------------------------------------
+    def _lookup_inputs(self, root: bytes, prompt_token_ids: Sequence[int] | bytes,
+                       mm_items: Sequence[Sequence] | None):
+        if type(root) is not bytes:
+            raise ValueError(f"root: must be bytes from identity_root(), got {type(root).__name__}")
+        if type(prompt_token_ids) is bytes and not mm_items and not len(prompt_token_ids) & 3:
+            # Fast path: tokens already packed, text only.
+            num_prompt_tokens = len(prompt_token_ids) >> 2
+            if num_prompt_tokens == 0:
+                raise ValueError("prompt_token_ids: must hold at least one token")
+            return (prompt_token_ids, num_prompt_tokens, (),
+                    (num_prompt_tokens - 1) // self.block_size, None)
+        pb = as_packed_tokens(prompt_token_ids)
+        num_prompt_tokens = len(pb) >> 2
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt_token_ids: must hold at least one token")
+        items = validate_mm_items(mm_items, num_prompt_tokens)
+        # Hit cap: at least the last prompt token is computed; a block boundary ends the hit.
+        cap_blocks = (num_prompt_tokens - 1) // self.block_size
+        extras = block_extras(items, cap_blocks, self.block_size) if items else None
+        return pb, num_prompt_tokens, items, cap_blocks, extras
+
+    def begin(self, request_id: str, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
+              mm_items: Sequence[Sequence] | None = None) -> int:
         """Match, cap and lock the cached prefix of a prompt; seed the request's block table.
+
+        Policy fields (``hit_count``, ``last_access_s``) are not touched here: the hit is
+        recorded when the request is admitted (first successful :meth:`allocate`, or
+        :meth:`record_admission`), so a lookup that is released unadmitted (waiting for blocks)
+        leaves no trace but a possible split. The miss breakdown is computed and stored for
+        :meth:`record_admission` / :meth:`miss_breakdown`.
 
         Args:
             request_id: Unique id of a request not currently active.
             root: Identity root hash from :meth:`identity_root`.
-            prompt_token_ids: The prompt, N ≥ 1 tokens.
+            prompt_token_ids: The prompt, N ≥ 1 token ids in ``[0, 2**32)``, or the same
+                already packed as uint32-LE ``bytes`` (what ``hashing.pack_tokens`` returns:
+                an engine that packs each request's tokens once as they arrive saves the
+                per-lookup packing, the largest part of a lookup's cost).
+            mm_items: Multimodal items of the prompt, each ``(token_offset, num_tokens,
+                media_digest)``; a block's extras are derived from the items overlapping it.
 
         Returns:
             m = num_cached_tokens, a multiple of B with m ≤ N - 1 (0 when caching is off).
 
         Raises:
-            ValueError: naming ``request_id`` if already active, ``prompt_token_ids`` if empty,
-                ``root`` if not bytes.
+            ValueError: naming ``request_id`` if already active, ``prompt_token_ids`` if empty
+                or holding a bad id, ``root`` if not bytes, ``mm_items`` if malformed.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already active")
-        num_prompt_tokens = len(prompt_token_ids)
-        if num_prompt_tokens == 0:
-            raise ValueError("prompt_token_ids: must hold at least one token")
-        if not isinstance(root, bytes):
-            raise ValueError(f"root: must be bytes from identity_root(), got {type(root).__name__}")
+        pb, num_prompt_tokens, items, cap_blocks, extras = self._lookup_inputs(
+            root, prompt_token_ids, mm_items)
         if not self.enable_prefix_caching:
-            self._requests[request_id] = _RequestState(None, root, [], 0, 0)
+            self._requests[request_id] = RequestState(None, None, root, array(BLOCK_ID_TYPECODE),
+                                                      0, 0, items)
             return 0
-        root_node = self.tree.root(root)
-        # Hit cap: at least the last prompt token is computed, and a block boundary ends the hit.
-        max_blocks = (num_prompt_tokens - 1) // self.block_size
-        result = self.tree.match(root_node, tuple(prompt_token_ids), max_blocks)
+        root_node = self.tree.root(root, self._tenants.get(root))
+        result = self.tree.match(root_node, pb, cap_blocks, extras=extras, touch=False)
         self.tree.lock(result.node)
-        num_cached_tokens = len(result.block_ids) * self.block_size
-        self._requests[request_id] = _RequestState(
-            cursor=result.node, last_hash=result.last_hash, block_table=result.block_ids,
-            num_cached_tokens=num_cached_tokens, num_published_blocks=len(result.block_ids))
-        return num_cached_tokens
+        num_blocks = len(result.block_ids)
+        miss, known = classify_miss(self.tree, root_node, pb, extras, num_prompt_tokens,
+                                    num_blocks, result.last_hash, self.ghost)
+        self._requests[request_id] = RequestState(
+            root_node, result.node, result.last_hash, result.block_ids,
+            num_blocks * self.block_size, num_blocks, items, miss=miss, known_hashes=known,
+            known_start=num_blocks, num_computed_tokens=num_blocks * self.block_size,
+            match_node=result.node if num_blocks else None)
+        return num_blocks * self.block_size
+
+    def peek(self, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
+             mm_items: Sequence[Sequence] | None = None) -> int:
+        """Return what :meth:`begin` would return, changing nothing (no split, touch or lock)."""
+        pb, _, _, cap_blocks, extras = self._lookup_inputs(root, prompt_token_ids, mm_items)
+        root_node = self.tree.roots.get(root)
+        if not self.enable_prefix_caching or root_node is None:
+            return 0
+        num_blocks = self.tree.match_length(root_node, pb, cap_blocks, extras=extras)
+        return num_blocks * self.block_size
+
+    def record_admission(self, request_id: str) -> None:
+        """Count the request's lookup once: add its miss breakdown to :attr:`miss_tokens`.
+
+        Idempotent per request (a forked child never counts). Also records the hit on the
+        matched path if no allocation did yet.
+
+        Raises:
+            KeyError: unknown ``request_id``.
+        """
+        req = self._requests[request_id]
+        self._admit(req)
+        if not req.counted:
+            req.counted = True
+            for cause, num_tokens in req.miss.items():
+                self._miss_tokens[cause] += num_tokens
+
+    def miss_breakdown(self, request_id: str) -> dict[str, int]:
+        """Missed prompt tokens of this request's lookup by cause (sums to N - m)."""
+        return dict(self._requests[request_id].miss)
+
+    def _admit(self, req: RequestState) -> None:
+        if not req.admitted:
+            req.admitted = True
+            if req.match_node is not None and req.match_node.parent is not None:
+                self.tree.touch_path(req.match_node)
+
+    # ---- blocks -------------------------------------------------------------------------
+    def _take_blocks(self, num: int) -> list[int] | None:
+        """``num`` private blocks, evicting if the free list is short; None changes nothing."""
+        short = num - self.pool.num_free_blocks
+        if short > 0:
+            if short > self.tree.num_evictable_blocks:
+                return None
+            evicted: list = []
+            freed = self.tree.evict(short, evicted)
+            self.pool.free_cached(freed)
+            self.ghost.add(evicted)
+            self._evicted_blocks_total += len(freed)
+        ids = self.pool.allocate(num)
+        if ids is None:  # pragma: no cover - guarded by the evictable count above
+            raise RuntimeError(f"allocate: {num} blocks not free after evicting {short}")
+        return ids
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the block table to cover token slots ``[0, num_tokens)``.
 
-        Evicts cached-evictable blocks through the policy when the free list is short.
-        All-or-nothing: when free + evictable blocks cannot cover the need, returns False and
-        changes nothing (no eviction either).
+        Evicts cached-evictable blocks through the policy when the free list is short (blocks
+        whose free is deferred by an in-flight step are not free yet). All-or-nothing: when
+        free + evictable blocks cannot cover the need, returns False and changes nothing.
 
         Raises:
             KeyError: unknown ``request_id``.
@@ -149,20 +234,26 @@ class CacheManager:
         if num_tokens < 0:
             raise ValueError(f"num_tokens: must be >= 0, got {num_tokens}")
         need = -(-num_tokens // self.block_size) - len(req.block_table)
-        if need <= 0:
-            return True
-        short = need - self.pool.num_free_blocks
-        if short > 0:
-            if short > self.tree.num_evictable_blocks:
+        if need > 0:
+            ids = self._take_blocks(need)
+            if ids is None:
                 return False
-            freed = self.tree.evict(short)
-            self.pool.free_cached(freed)
-            self._evicted_blocks_total += len(freed)
-        ids = self.pool.allocate(need)
-        if ids is None:  # pragma: no cover - guarded by the evictable count above
-            raise RuntimeError(f"allocate: {need} blocks not free after evicting {short}")
-        req.block_table.extend(ids)
+            req.block_table.extend(ids)
+        self._admit(req)
         return True
+
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` cached-evictable blocks now (memory pressure, tests).
+
+        Returns:
+            Blocks evicted (returned to the free list).
+        """
+        evicted: list = []
+        freed = self.tree.evict(num_blocks, evicted)
+        self.pool.free_cached(freed)
+        self.ghost.add(evicted)
+        self._evicted_blocks_total += len(freed)
+        return len(freed)
 
     def block_table(self, request_id: str) -> list[int]:
         """Return a copy of the request's block table (physical id per block position).
@@ -170,21 +261,24 @@ class CacheManager:
         Raises:
             KeyError: unknown ``request_id``.
         """
-        return list(self._requests[request_id].block_table)
+        return self._requests[request_id].block_table.tolist()
 
     def num_cached_tokens(self, request_id: str) -> int:
         """Return m as returned by ``begin`` for this request."""
         return self._requests[request_id].num_cached_tokens
 
-    def publish(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    # ---- publish ------------------------------------------------------------------------
+    def publish(self, request_id: str, token_ids: Sequence[int] | bytes, num_computed_tokens: int, *,
+                mm_items: Sequence[Sequence] | None = None) -> None:
         """Insert every full, computed block not yet published into the tree.
 
         Args:
             request_id: An active request.
             token_ids: The sequence so far (prompt + generated), at least
-                ``num_computed_tokens`` long.
+                ``num_computed_tokens`` long; ids, or packed uint32-LE ``bytes``.
             num_computed_tokens: Tokens whose K/V sit in the pool; blocks fully inside
                 ``[0, num_computed_tokens)`` are published, each hashed exactly once.
+            mm_items: Multimodal items of ``token_ids``; None keeps those given to ``begin``.
 
         Raises:
             KeyError: unknown ``request_id``.
@@ -192,137 +286,151 @@ class CacheManager:
                 allocated block table.
         """
         req = self._requests[request_id]
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
-        if num_computed_tokens > len(token_ids):
+        packed = isinstance(token_ids, (bytes, bytearray))
+        num_tokens = len(token_ids) >> 2 if packed else len(token_ids)
+        if num_computed_tokens > num_tokens:
             raise ValueError(f"num_computed_tokens: {num_computed_tokens} exceeds the "
-                             f"{len(token_ids)} token_ids given")
+                             f"{num_tokens} token_ids given")
         num_full = num_computed_tokens // bs
         if num_full > len(req.block_table):
             raise ValueError(f"num_computed_tokens: {num_computed_tokens} exceeds the "
                              f"{len(req.block_table)} allocated blocks")
+        if num_computed_tokens > req.num_computed_tokens:
+            req.num_computed_tokens = num_computed_tokens
+        if mm_items is not None:
+            items = validate_mm_items(mm_items, num_tokens)
+            if items != req.mm_items:
+                req.mm_items, req.known_hashes = items, []
         start = req.num_published_blocks
-        if num_full <= start:
+        if num_full <= start or not self.enable_prefix_caching:
             return
-        blocks = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start, num_full)]
-        result = self.tree.insert(req.cursor, req.last_hash, blocks,  # type: ignore[arg-type]
-                                  req.block_table[start:num_full], self.hasher.block_hash)
+        if packed:
+            tb = bytes(token_ids[start * 4 * bs : num_full * 4 * bs])
+        else:
+            tb = pack_tokens(token_ids[start * bs : num_full * bs])
+        extras = block_extras(req.mm_items, num_full, bs, start) if req.mm_items else None
+        known: Sequence[bytes] = ()
+        if req.known_hashes:
+            offset = start - req.known_start
+            known = req.known_hashes[offset:] if offset >= 0 else ()
+            if num_full >= req.known_start + len(req.known_hashes):
+                req.known_hashes = []
+        result = self.tree.insert(req.cursor, tb, req.block_table[start:num_full], self.hasher,
+                                  extras=extras, known_hashes=known)
         self.pool.to_cached(result.inserted_ids)
-        req.duplicate_ids.extend(result.duplicate_ids)
+        if result.duplicate_ids:
+            req.duplicate_ids += result.duplicate_ids
         req.cursor = result.node
         req.last_hash = result.last_hash
         req.num_published_blocks = num_full
+
+    # ---- fork / release / steps ---------------------------------------------------------
+    def fork(self, parent_request_id: str, child_request_id: str, *,
+             num_computed_tokens: int | None = None) -> list[tuple[int, int]] | None:
+        """Start ``child_request_id`` as a copy of a running request (``n > 1`` sampling).
+
+        The child shares every full computed block of the parent: published ones through a
+        lock on the parent's tree path, unpublished ones (prefix caching off) through pool
+        reference counts. The partial tail block, which both will write next, is copied: the
+        child gets a fresh private block and the caller must copy the K/V of every returned
+        pair ``(src_block, dst_block)`` in every layer's K and V pools before the child's next
+        forward step. Blocks past the computed tokens are not shared; the child allocates its
+        own. The child's lookup is not counted again (its ``record_admission`` adds nothing).
+
+        Args:
+            parent_request_id: An active request whose full computed blocks are published
+                (call ``publish`` after the step, before forking).
+            child_request_id: A new request id.
+            num_computed_tokens: Tokens of the parent with K/V in the pool (default: the most
+                given to ``publish``, or ``begin``'s m).
+
+        Returns:
+            The copy pairs (empty when the computed tokens end on a block boundary), or None
+            when no block can be found for the tail copy (nothing changed then).
+
+        Raises:
+            KeyError: unknown ``parent_request_id``.
+            ValueError: naming ``child_request_id`` if already active, ``num_computed_tokens``
+                if outside the parent's table, or ``parent_request_id`` if full computed
+                blocks are not published yet.
+        """
+        parent = self._requests[parent_request_id]
+        if child_request_id in self._requests:
+            raise ValueError(f"child_request_id: {child_request_id!r} is already active")
+        bs = self.block_size
+        computed = parent.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if not parent.num_published_blocks * bs <= computed <= len(parent.block_table) * bs:
+            raise ValueError(f"num_computed_tokens: {computed} outside the parent's "
+                             f"{len(parent.block_table)} blocks / published prefix")
+        num_full, has_tail = divmod(computed, bs)
+        if self.enable_prefix_caching and parent.num_published_blocks < num_full:
+            raise ValueError(f"parent_request_id: publish its {num_full} full computed blocks "
+                             f"before forking ({parent.num_published_blocks} published)")
+        copies: list[tuple[int, int]] = []
+        table = parent.block_table[:num_full]
+        if has_tail:
+            ids = self._take_blocks(1)
+            if ids is None:
+                return None
+            copies.append((parent.block_table[num_full], ids[0]))
+            table.append(ids[0])
+        if parent.cursor is not None:
+            self.tree.lock(parent.cursor)
+        for block_id in [*parent.duplicate_ids,
+                         *parent.block_table[parent.num_published_blocks : num_full]]:
+            self.pool.incref(block_id)
+        self._requests[child_request_id] = RequestState(
+            parent.root, parent.cursor, parent.last_hash, table, parent.num_cached_tokens,
+            parent.num_published_blocks, parent.mm_items,
+            duplicate_ids=list(parent.duplicate_ids), num_computed_tokens=computed,
+            admitted=True, counted=True, known_hashes=list(parent.known_hashes),
+            known_start=parent.known_start)
+        return copies
 
     def release(self, request_id: str) -> None:
         """Unlock the request's path and free its private blocks.
 
         Published blocks stay cached-evictable (matchable until an allocation evicts them).
+        Inside a step (:meth:`begin_step`), freed private blocks are deferred to
+        :meth:`end_step`. A request never admitted leaves ``last_access_s`` alone.
 
         Raises:
             KeyError: unknown ``request_id`` (including a second release).
         """
         req = self._requests.pop(request_id)
         if req.cursor is not None:
-            self.tree.unlock(req.cursor)
+            self.tree.unlock(req.cursor, touch=req.admitted)
         self.pool.free(req.duplicate_ids)
         self.pool.free(req.block_table[req.num_published_blocks :])
+
+    def begin_step(self) -> None:
+        """Mark a forward step in flight: blocks released from now on are freed at ``end_step``.
+
+        The engine calls it after scheduling and before launching the forward (after
+        ``allocate``, which cannot hand out a deferred block anyway).
+        """
+        self.pool.begin_step()
+
+    def end_step(self) -> int:
+        """The in-flight step's K/V writes are complete: free the deferred blocks.
+
+        Returns:
+            Blocks returned to the free list.
+        """
+        return len(self.pool.end_step())
 
     def is_active(self, request_id: str) -> bool:
         """Return whether ``request_id`` began and was not released."""
         return request_id in self._requests
 
-    # ---- gauges -------------------------------------------------------------------------
-    @property
-    def evicted_blocks_total(self) -> int:
-        """Counter: cached blocks evicted (dropped from the tree) since start."""
-        return self._evicted_blocks_total
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks with no content."""
-        return self.pool.num_free_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks held by the tree (evictable + locked)."""
-        return self.tree.num_cached_blocks
-
-    @property
-    def num_cached_evictable_blocks(self) -> int:
-        """Cached blocks no running request holds."""
-        return self.tree.num_evictable_blocks
-
-    @property
-    def num_in_use_blocks(self) -> int:
-        """Blocks held by running requests: private + cached-locked."""
-        return self.pool.num_private_blocks + self.tree.num_locked_blocks
-
-    @property
-    def num_tree_nodes(self) -> int:
-        """Non-root tree nodes."""
-        return self.tree.num_nodes
-
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._requests)
-
-    def block_states(self) -> list[str]:
-        """State of every block: "free", "private", "cached_evictable" or "cached_locked".
-
-        O(num_blocks + tree size); for tests and debugging.
-        """
-        states = ["private"] * self.num_blocks
-        for block_id in range(self.num_blocks):
-            if self.pool.state(block_id) == FREE:
-                states[block_id] = "free"
-        for node in self.tree.iter_nodes():
-            label = "cached_locked" if node.lock_ref > 0 else "cached_evictable"
-            for block_id in node.block_ids:
-                states[block_id] = label
-        return states
-
-    def check_integrity(self) -> None:
+    def check_integrity(self, *, verify_hashes: bool = False) -> None:
         """Verify pool, tree, and their agreement with every active request.
+
+        Args:
+            verify_hashes: Also recompute every stored chained hash (O(cached blocks) hashes).
 
         Raises:
             AssertionError: describing the first violated invariant.
         """
-        self.pool.check_integrity()
-        cursors = [r.cursor for r in self._requests.values() if r.cursor is not None]
-        tree_ids = self.tree.check_integrity(cursors)
-        pool_cached = {b for b in range(self.num_blocks) if self.pool.state(b) == CACHED}
-        assert tree_ids == pool_cached, (
-            f"tree holds {sorted(tree_ids ^ pool_cached)} without the pool agreeing")
-        private_refs: dict[int, int] = {}
-        for request_id, req in self._requests.items():
-            table = req.block_table
-            assert req.num_published_blocks <= len(table), f"{request_id}: published past table"
-            path_ids: list[int] = []
-            node = req.cursor
-            while node is not None and node.parent is not None:
-                path_ids[:0] = node.block_ids
-                node = node.parent
-            if req.cursor is not None:
-                assert len(path_ids) == req.num_published_blocks, (
-                    f"{request_id}: cursor path has {len(path_ids)} blocks, "
-                    f"published {req.num_published_blocks}")
-                assert req.last_hash == req.cursor.end_hash, f"{request_id}: chain hash drifted"
-            dups = set(req.duplicate_ids)
-            for pos in range(req.num_published_blocks):
-                if table[pos] in dups:
-                    continue
-                assert table[pos] == path_ids[pos], (
-                    f"{request_id}: block position {pos} holds {table[pos]}, tree path "
-                    f"has {path_ids[pos]}")
-            for block_id in req.duplicate_ids + table[req.num_published_blocks :]:
-                private_refs[block_id] = private_refs.get(block_id, 0) + 1
-        for block_id in range(self.num_blocks):
-            assert self.pool.ref_count(block_id) == private_refs.get(block_id, 0), (
-                f"block {block_id}: ref count {self.pool.ref_count(block_id)}, "
-                f"held by {private_refs.get(block_id, 0)} requests")
-        total = self.num_free_blocks + self.num_cached_evictable_blocks + self.num_in_use_blocks
-        assert total == self.num_blocks, (
-            f"free + cached_evictable + in_use = {total} != num_blocks {self.num_blocks}")
-        if not self.enable_prefix_caching:
-            assert self.tree.num_cached_blocks == 0, "prefix caching off but the tree holds blocks"
+        check_manager(self, self._requests, self.hasher.hash_fn if verify_hashes else None)

@@ -12,8 +12,15 @@ payload``, so ``None`` and ``""`` differ and no two field lists encode alike. No
 Python's ``hash()``, so hashes are identical across processes and runs (golden vectors in
 ``tests/unit/test_hashing.py`` pin the derivation).
 
+Extras of a block are the multimodal items overlapping it: ``enc(((digest, offset), ...))``
+with ``offset`` the item's first token relative to the block start (negative when the item began
+in an earlier block), items sorted by (offset, digest); a text block's extras are empty, so its
+hash is ``H(h_{i-1} || tokens)``. A media digest is ``H(b"radixkv/media/v1" || enc(format) ||
+enc(shape) || enc(bytes))``: two images with the same placeholder tokens never share KV.
+
 ``H`` is xxh3-128 by default (16-byte digest) or SHA-256. The radix tree never trusts a hash
-alone: a lookup compares the stored block tokens, so a collision cannot return foreign KV.
+alone: a lookup compares the stored block tokens and extras, so a collision cannot return
+foreign KV.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import hashlib
 import struct
 import sys
 from array import array
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import xxhash
 
@@ -31,6 +38,8 @@ HashFn = Callable[[bytes], bytes]
 
 #: Domain-separation prefix of every identity root; bump the version when the derivation changes.
 ROOT_DOMAIN = b"radixkv/v1"
+#: Domain-separation prefix of media digests.
+MEDIA_DOMAIN = b"radixkv/media/v1"
 
 HASH_FUNCTIONS: dict[str, HashFn] = {
     "xxh3_128": xxhash.xxh3_128_digest,
@@ -65,6 +74,103 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
+
+
+def as_packed_tokens(token_ids: Sequence[int] | bytes | bytearray) -> bytes:
+    """Token ids as packed uint32-LE bytes: ``bytes``/``bytearray`` are taken as already packed
+    (the engine may pack a request's tokens once, as they arrive), anything else is packed.
+
+    Raises:
+        ValueError: naming ``token_ids`` for a packed buffer whose length is not a multiple of
+            4, or an id outside ``[0, 2**32)``.
+    """
+    if isinstance(token_ids, (bytes, bytearray)):
+        if len(token_ids) % 4:
+            raise ValueError(f"token_ids: packed tokens need a multiple of 4 bytes, got "
+                             f"{len(token_ids)}")
+        return bytes(token_ids)
+    return pack_tokens(token_ids)
+
+
+def unpack_tokens(data: bytes) -> tuple[int, ...]:
+    """Inverse of :func:`pack_tokens`: little-endian uint32 bytes back to a tuple of ids."""
+    arr = array(_U32_CODE)
+    arr.frombytes(data)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return tuple(arr)
+
+
+class MMItem(NamedTuple):
+    """One multimodal input inside a prompt (an image's placeholder run).
+
+    Attributes:
+        token_offset: Index of the item's first placeholder token in the prompt (≥ 0).
+        num_tokens: Placeholder tokens the item occupies (≥ 1).
+        media_digest: :func:`media_digest` of the item's content (non-empty bytes).
+    """
+
+    token_offset: int
+    num_tokens: int
+    media_digest: bytes
+
+
+def validate_mm_items(mm_items: Sequence[Sequence] | None, num_tokens: int) -> tuple[MMItem, ...]:
+    """Normalise ``mm_items`` to sorted :class:`MMItem` tuples lying inside ``num_tokens``.
+
+    Raises:
+        ValueError: naming ``mm_items`` for a malformed item or one outside the prompt.
+    """
+    if not mm_items:
+        return ()
+    items = []
+    for raw in mm_items:
+        try:
+            offset, length, digest = raw
+        except (TypeError, ValueError):
+            raise ValueError("mm_items: each item must be (token_offset, num_tokens, media_digest)"
+                             ) from None
+        if (not isinstance(offset, int) or not isinstance(length, int) or isinstance(offset, bool)
+                or offset < 0 or length < 1 or offset + length > num_tokens):
+            raise ValueError(f"mm_items: item at offset {offset!r} with {length!r} tokens must lie "
+                             f"inside the {num_tokens}-token prompt")
+        if not isinstance(digest, (bytes, bytearray)) or not digest:
+            raise ValueError("mm_items: media_digest must be non-empty bytes")
+        items.append(MMItem(offset, length, bytes(digest)))
+    items.sort()
+    return tuple(items)
+
+
+def block_extras(mm_items: Sequence[MMItem], num_blocks: int, block_size: int,
+                 first_block: int = 0) -> list[bytes] | None:
+    """Extra keys of blocks ``[first_block, num_blocks)``, or None when no item overlaps them.
+
+    Block ``i`` covers tokens ``[i*B, (i+1)*B)``; its extras encode every item overlapping it as
+    ``(media_digest, token_offset - i*B)`` (typed, in (offset, digest) order). Blocks no item
+    touches get ``b""``.
+
+    Args:
+        mm_items: Items from :func:`validate_mm_items` (sorted).
+        num_blocks: End (exclusive) of the block range.
+        block_size: B.
+        first_block: Start of the block range.
+
+    Returns:
+        ``num_blocks - first_block`` byte strings, or None if every one would be empty.
+    """
+    per_block: dict[int, list[tuple[bytes, int]]] = {}
+    for offset, length, digest in mm_items:
+        first = max(offset // block_size, first_block)
+        last = min((offset + length - 1) // block_size, num_blocks - 1)
+        for i in range(first, last + 1):
+            per_block.setdefault(i, []).append((digest, offset - i * block_size))
+    if not per_block:
+        return None
+    out = [b""] * (num_blocks - first_block)
+    for i, entries in per_block.items():
+        entries.sort(key=lambda e: (e[1], e[0]))
+        out[i - first_block] = _enc(tuple(entries))
+    return out
 
 
 def _enc(value: object) -> bytes:
@@ -168,6 +274,51 @@ class BlockHasher:
         """Return ``H(b"radixkv/v1" || enc(identity))``."""
         return self.hash_fn(ROOT_DOMAIN + identity.encode())
 
+    def media_digest(self, media_format: str, shape: Sequence[int], data: bytes) -> bytes:
+        """Digest of one multimodal input: ``H(b"radixkv/media/v1" || enc(format, shape, bytes))``.
+
+        Args:
+            media_format: Content type, e.g. ``"image/png"`` or ``"rgb8"``.
+            shape: Dimensions of the decoded input (e.g. ``(height, width, channels)``).
+            data: The raw bytes.
+
+        Raises:
+            ValueError: naming ``shape`` if it is not a sequence of ints.
+        """
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+            raise ValueError(f"shape: must be a sequence of ints, got {shape!r}")
+        return self.hash_fn(MEDIA_DOMAIN + _enc(str(media_format)) + _enc(tuple(shape))
+                            + _enc(bytes(data)))
+
+    def hash_blocks(self, parent_hash: bytes, token_bytes: bytes, block_size: int,
+                    extras: Sequence[bytes] | None = None) -> list[bytes]:
+        """Chained hashes of the packed blocks in ``token_bytes`` (the insert hot path).
+
+        Args:
+            parent_hash: Chain value before the first block.
+            token_bytes: ``k * block_size`` tokens packed by :func:`pack_tokens`.
+            block_size: B.
+            extras: Per-block extras (``k`` entries) or None for text.
+
+        Returns:
+            ``k`` digests; each block is fed to ``H`` exactly once.
+        """
+        fn = self.hash_fn
+        step = 4 * block_size
+        out: list[bytes] = []
+        append = out.append
+        h = parent_hash
+        if extras is None:
+            for start in range(0, len(token_bytes), step):
+                h = fn(h + token_bytes[start : start + step])
+                append(h)
+        else:
+            for i, start in enumerate(range(0, len(token_bytes), step)):
+                h = fn(h + token_bytes[start : start + step] + extras[i])
+                append(h)
+        self.num_block_hashes += len(out)
+        return out
+
     def block_hash(self, parent_hash: bytes, token_ids: Sequence[int], extras: bytes = b"") -> bytes:
         """Return the chained hash of one block.
 
@@ -183,22 +334,24 @@ class BlockHasher:
         self.num_block_hashes += 1
         return self.hash_fn(parent_hash + pack_tokens(token_ids) + extras)
 
-    def chain(self, parent_hash: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    def chain(self, parent_hash: bytes, token_ids: Sequence[int], block_size: int,
+              mm_items: Sequence[Sequence] | None = None) -> list[bytes]:
         """Return the chained hashes of every full block of ``token_ids``.
 
         Args:
             parent_hash: Root (or hash of the block before ``token_ids[0]``).
             token_ids: Tokens; a partial tail block is ignored.
             block_size: B, tokens per block (> 0).
+            mm_items: Multimodal items ``(token_offset, num_tokens, media_digest)`` of this
+                token sequence (offsets relative to ``token_ids[0]``).
 
         Returns:
             ``len(token_ids) // block_size`` digests.
         """
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
-        hashes: list[bytes] = []
-        h = parent_hash
-        for start in range(0, len(token_ids) - block_size + 1, block_size):
-            h = self.block_hash(h, token_ids[start : start + block_size])
-            hashes.append(h)
-        return hashes
+        num_blocks = len(token_ids) // block_size
+        items = validate_mm_items(mm_items, len(token_ids))
+        extras = block_extras(items, num_blocks, block_size) if items else None
+        return self.hash_blocks(parent_hash, pack_tokens(token_ids[: num_blocks * block_size]),
+                                block_size, extras)

@@ -1,142 +1,45 @@
 """Radix tree of published KV blocks: match, insert, split, lock, evict.
 
-One root per cache identity (keyed by its root hash). A node holds a run of full blocks, each
-``(token tuple, chained hash, block id)``; a node's children are keyed by their first block's
-exact tokens plus an extras digest (empty until multimodal inputs exist), so the key is exact
-and the path from the root *is* the hash chain.
+One root per cache identity (keyed by its root hash). A node holds a run of full blocks (see
+:mod:`radixkv.tree_node`); children are keyed by their first block's exact token bytes plus its
+extras, so the key is exact and the path from the root *is* the hash chain.
 
-* ``match`` walks the tree comparing the prompt's block tokens with the stored tokens: it is
-  O(matched blocks) and hashes nothing (blocks are hashed once, when inserted).
+* ``match`` walks the tree comparing the prompt's packed tokens with each node's packed run in
+  one ``memcmp`` per node (a binary search over block ranges finds a mismatch inside a run):
+  O(matched blocks) bytes compared, O(matched nodes) Python steps, and nothing hashed (blocks
+  are hashed once, when inserted).
 * ``lock_ref`` of a node = number of request cursors at the node or anywhere below it, so a
   lock on a cursor node propagates to the root and every block on a held path is protected.
 * A request cursor always sits at the *end* of a node: a match ending inside a node splits it,
   and a split keeps the deeper half in the original node object, so cursors stay valid.
-* Evictable leaves (``lock_ref == 0``, no children) live in a sorted index keyed by the
-  eviction policy's priority; keys change only on events (insert, hit, unlock, split, trim,
-  becoming a leaf). ``evict(k)`` trims blocks off the tail of the lowest-priority leaf, so the
-  cached set stays prefix-closed.
+* Evictable leaves (``lock_ref == 0``, no children) live in a :class:`LeafIndex` keyed by the
+  eviction policy; keys change only on events (insert, hit, unlock, split, trim, becoming a
+  leaf). ``evict(k)`` trims blocks off the tail of the first leaf, so the cached set stays
+  prefix-closed, in O(k log n).
 """
 
 from __future__ import annotations
 
 import itertools
+from array import array
 import time
-from typing import Callable, Iterable, NamedTuple
-
-from sortedcontainers import SortedList
+from typing import Callable, Iterable, Protocol, Sequence
 
 from radixkv.eviction import EvictionPolicy
-
-BlockTokens = tuple[int, ...]
-HashBlock = Callable[[bytes, BlockTokens], bytes]
-
-
-def child_key(tokens: tuple[int, ...], extras: bytes = b"") -> object:
-    """Key of a child node: its first block's tokens, plus the extras digest when non-empty.
-
-    Text blocks (no extras) use the bare token tuple so a lookup builds no extra object; a
-    ``(tokens, extras)`` pair can never equal a tuple of ints, so the two forms cannot collide.
-    """
-    return (tokens, extras) if extras else tokens
+from radixkv.hashing import as_packed_tokens as as_token_bytes
+from radixkv.tree_evict import LeafEviction
+from radixkv.tree_node import (BLOCK_ID_TYPECODE, InsertResult, LeafIndex, MatchResult, Node,
+                               child_key, common_blocks, extras_agree)
 
 
-class Node:
-    """A run of cached blocks (or an identity root, which holds none).
+class RunHasher(Protocol):
+    """What ``insert`` needs to hash new blocks (``radixkv.hashing.BlockHasher`` is one)."""
 
-    Attributes:
-        uid: Unique id (creation order within the tree).
-        parent: Parent node, None for a root.
-        key: ``child_key(first block tokens, extras digest)``, the key in ``parent.children``.
-        children: Child nodes by key.
-        blocks: Token tuple of each block (B tokens each).
-        hashes: Chained hash of each block.
-        block_ids: Physical block id of each block.
-        lock_ref: Request cursors at this node or below.
-        last_access_s, hit_count, created_s: Policy inputs (clock units).
-        depth_tokens: Tokens before this node's first block.
-        block_size: B.
-        root_hash: For a root, its identity root hash; else b"".
-    """
-
-    __slots__ = (
-        "uid", "parent", "key", "children", "blocks", "hashes", "block_ids", "lock_ref",
-        "last_access_s", "hit_count", "created_s", "depth_tokens", "block_size", "root_hash",
-        "leaf_entry",
-    )
-
-    def __init__(self, uid: int, parent: Node | None, block_size: int, now: float) -> None:
-        self.uid = uid
-        self.parent = parent
-        self.key: object = None
-        self.children: dict[object, Node] = {}
-        self.blocks: list[BlockTokens] = []
-        self.hashes: list[bytes] = []
-        self.block_ids: list[int] = []
-        self.lock_ref = 0
-        self.last_access_s = now
-        self.hit_count = 0
-        self.created_s = now
-        self.depth_tokens = 0
-        self.block_size = block_size
-        self.root_hash = b""
-        # The exact entry under which the node sits in the leaf index (None when not a leaf).
-        self.leaf_entry: object = None
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks held by the node."""
-        return len(self.block_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens held by the node (``num_blocks * block_size``)."""
-        return len(self.block_ids) * self.block_size
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def end_hash(self) -> bytes:
-        """Chained hash of the node's last block (the root hash for a root)."""
-        return self.hashes[-1] if self.hashes else self.root_hash
-
-    def __repr__(self) -> str:
-        return (f"Node(uid={self.uid}, depth_tokens={self.depth_tokens}, "
-                f"num_blocks={self.num_blocks}, lock_ref={self.lock_ref})")
+    def hash_blocks(self, parent_hash: bytes, token_bytes: bytes, block_size: int,
+                    extras: Sequence[bytes] | None = None) -> list[bytes]: ...
 
 
-class MatchResult(NamedTuple):
-    """Result of :meth:`RadixTree.match`.
-
-    Attributes:
-        node: The node at whose end the match stops (the root on a miss).
-        block_ids: Matched physical block ids, in prompt order.
-        last_hash: Chained hash of the last matched block (the root hash on a miss).
-    """
-
-    node: Node
-    block_ids: list[int]
-    last_hash: bytes
-
-
-class InsertResult(NamedTuple):
-    """Result of :meth:`RadixTree.insert`.
-
-    Attributes:
-        node: The new cursor node (the caller's lock now sits here).
-        last_hash: Chained hash of the last block of the inserted run.
-        inserted_ids: Block ids the tree took ownership of.
-        duplicate_ids: Block ids whose content the tree already held (stay private).
-    """
-
-    node: Node
-    last_hash: bytes
-    inserted_ids: list[int]
-    duplicate_ids: list[int]
-
-
-class RadixTree:
+class RadixTree(LeafEviction):
     """Prefix tree over cached blocks with policy-ordered evictable leaves.
 
     Args:
@@ -148,25 +51,26 @@ class RadixTree:
         num_nodes: Non-root nodes.
         num_cached_blocks: Blocks held by all nodes.
         num_locked_blocks: Blocks in nodes with ``lock_ref > 0``.
+        leaves: The evictable-leaf index.
     """
 
     def __init__(self, block_size: int, policy: EvictionPolicy,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
-        if policy.kind not in ("priority", "victims"):
-            raise ValueError(f"eviction_policy: policy kind {policy.kind!r} is not supported")
         self.block_size = block_size
+        self.block_bytes = 4 * block_size
         self.policy = policy
+        self.leaves = LeafIndex(policy)
+        self._notify_policy = not self.leaves.by_priority
         self._clock = clock
         self._uids = itertools.count()
         self.roots: dict[bytes, Node] = {}
+        # First-block key -> roots having a child with that key (cheap "isolated" miss check).
+        self.root_child_keys: dict[object, dict[Node, None]] = {}  # insertion-ordered sets
         self.num_nodes = 0
         self.num_cached_blocks = 0
         self.num_locked_blocks = 0
-        self._by_priority = policy.kind == "priority"
-        self._leaves: SortedList = SortedList()  # (priority, uid) entries, priority policies
-        self._leaf_nodes: dict[int, Node] = {}    # uid -> node for every evictable leaf
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -176,106 +80,138 @@ class RadixTree:
     @property
     def num_evictable_leaves(self) -> int:
         """Nodes currently in the evictable-leaf index."""
-        return len(self._leaf_nodes)
+        return len(self.leaves)
 
-    def root(self, root_hash: bytes) -> Node:
+    def root(self, root_hash: bytes, tenant: str | None = None) -> Node:
         """Return (creating on first use) the root of the identity with hash ``root_hash``."""
         node = self.roots.get(root_hash)
         if node is None:
             node = Node(next(self._uids), None, self.block_size, self._clock())
             node.root_hash = root_hash
+            node.tenant = tenant
             self.roots[root_hash] = node
         return node
 
-    # ---- leaf index ---------------------------------------------------------------------
-    def _leaf_add(self, node: Node) -> None:
-        if self._by_priority:
-            entry = (self.policy.priority(node), node.uid)
-            self._leaves.add(entry)
-            node.leaf_entry = entry
-        else:
-            self.policy.add_leaf(node)
-            node.leaf_entry = True
-        self._leaf_nodes[node.uid] = node
+    def roots_holding(self, key: object, exclude: Node) -> list[Node]:
+        """Roots other than ``exclude`` with a child keyed ``key`` (same first block)."""
+        holders = self.root_child_keys.get(key)
+        return [r for r in holders if r is not exclude] if holders else []
 
-    def _leaf_remove(self, node: Node) -> None:
-        if self._by_priority:
-            self._leaves.remove(node.leaf_entry)
-        else:
-            self.policy.remove_leaf(node)
-        node.leaf_entry = None
-        del self._leaf_nodes[node.uid]
+    # ---- walking and matching -----------------------------------------------------------
+    def walk(self, start: Node, pb: bytes, px: Sequence[bytes] | None,
+             max_blocks: int) -> tuple[list[tuple[Node, int]], int]:
+        """Follow the cached prefix of packed tokens ``pb`` below ``start``; change nothing.
 
-    def _next_victim(self) -> Node | None:
-        if self._by_priority:
-            return self._leaf_nodes[self._leaves[0][1]] if self._leaves else None
-        victim = self.policy.choose_victim()
-        if victim is not None and victim.uid not in self._leaf_nodes:
-            raise RuntimeError(f"eviction policy named {victim!r}, which is not an evictable leaf")
-        return victim  # type: ignore[return-value]
+        Args:
+            start: Node whose end the tokens continue (an identity root for a lookup).
+            pb: Packed tokens (at least ``max_blocks`` full blocks).
+            px: Extras per block of ``pb`` or None for text.
+            max_blocks: Most blocks to match.
 
-    def _touch(self, node: Node, now: float, hit: bool) -> None:
-        """Record an access; re-key the node if it sits in the leaf index."""
-        in_leaves = node.leaf_entry is not None
-        if in_leaves:
-            self._leaf_remove(node)
-        node.last_access_s = now
-        if hit:
-            node.hit_count += 1
-        if in_leaves:
-            self._leaf_add(node)
+        Returns:
+            ``(path, num_blocks)``: each visited child with the number of its leading blocks
+            that matched (only the last entry can be short of the node), and the total.
+        """
+        bb = self.block_bytes
+        end = max_blocks * bb
+        node, pos = start, 0
+        path: list[tuple[Node, int]] = []
+        while pos < end:
+            key = pb[pos : pos + bb]
+            if px is not None and px[pos // bb]:
+                key = (key, px[pos // bb])
+            child = node.children.get(key)
+            if child is None:
+                break
+            ct = child.tokens
+            n = len(ct)
+            room = end - pos
+            if n <= room:  # the whole run may match: one memcmp, no copy
+                j = n // bb
+                if not pb.startswith(ct, pos):
+                    j = common_blocks(pb, pos, ct, j, bb)
+            else:
+                j = room // bb
+                if not pb.startswith(ct[:room], pos):
+                    j = common_blocks(pb, pos, ct, j, bb)
+            if px is not None or child.extras is not None:
+                j = extras_agree(child.extras, px, pos // bb, j)
+            path.append((child, j))
+            pos += j * bb
+            if j * bb < n:
+                break
+            node = child
+        return path, pos // bb
 
-    # ---- match / split ------------------------------------------------------------------
-    def match(self, root: Node, token_ids: tuple[int, ...], max_blocks: int) -> MatchResult:
+    def match(self, root: Node, token_ids: Sequence[int] | bytes, max_blocks: int, *,
+              extras: Sequence[bytes] | None = None, touch: bool = True) -> MatchResult:
         """Longest cached prefix of ``token_ids`` under ``root``, at most ``max_blocks`` blocks.
 
-        Compares stored block tokens (no hashing). If the match ends inside a node, the node is
-        split there so the returned node ends exactly at the match. Matched nodes are touched
-        (``last_access_s``, ``hit_count``). Nothing is locked.
+        Compares stored tokens and extras (no hashing). If the match ends inside a node, the
+        node is split there so the returned node ends exactly at the match. Nothing is locked.
 
         Args:
             root: Identity root from :meth:`root`.
-            token_ids: Prompt tokens as a tuple (slices are compared with stored tuples).
+            token_ids: Prompt tokens, or the prompt already packed by ``pack_tokens``.
             max_blocks: Cap on matched blocks (the hit cap), ≥ 0.
+            extras: Per-block extras of the prompt's full blocks, None for text.
+            touch: Record the access (``hit_count``, ``last_access_s``) on the matched path;
+                False leaves policy fields alone (see :meth:`touch_path`).
 
         Returns:
             A :class:`MatchResult`.
         """
-        if type(token_ids) is not tuple:
-            token_ids = tuple(token_ids)  # slices must be tuples to compare with stored blocks
-        bs = self.block_size
-        end = min(max_blocks, len(token_ids) // bs) * bs
-        node = root
-        matched: list[int] = []
-        path: list[Node] = []
-        pos = 0
-        while pos < end:
-            child = node.children.get(token_ids[pos : pos + bs])  # text key = token tuple
-            if child is None:
-                break
-            stored = child.blocks
-            limit = min(len(stored), (end - pos) // bs)
-            j = 1
-            pos += bs
-            while j < limit and stored[j] == token_ids[pos : pos + bs]:
-                j += 1
-                pos += bs
-            if j < len(stored):
-                child = self._split(child, j)
-            matched += child.block_ids
-            path.append(child)
-            node = child
-            if j < limit:  # mismatch inside the node: nothing deeper can match
-                break
-        if path:
+        pb = token_ids if type(token_ids) is bytes else as_token_bytes(token_ids)
+        if max_blocks * self.block_bytes > len(pb):
+            max_blocks = len(pb) // self.block_bytes
+        path, _ = self.walk(root, pb, extras, max_blocks)
+        if not path:
+            return MatchResult(root, array(BLOCK_ID_TYPECODE), root.root_hash)
+        last, j = path[-1]
+        if j < len(last.block_ids):
+            last = self._split(last, j)
+            path[-1] = (last, j)
+        block_ids = array(BLOCK_ID_TYPECODE)
+        for node, _ in path:
+            block_ids += node.block_ids
+        if touch:
             now = self._clock()
-            for n in path:
-                if n.leaf_entry is None:  # fast path: not in the leaf index, no re-key
-                    n.last_access_s = now
-                    n.hit_count += 1
-                else:
-                    self._touch(n, now, hit=True)
-        return MatchResult(node, matched, node.end_hash)
+            for node, _ in path:
+                self._touch(node, now)
+        return MatchResult(last, block_ids, last.end_hash)
+
+    def match_length(self, root: Node, token_ids: Sequence[int] | bytes, max_blocks: int, *,
+                     extras: Sequence[bytes] | None = None) -> int:
+        """Blocks :meth:`match` would return, without splitting, touching or locking anything."""
+        pb = as_token_bytes(token_ids)
+        return self.walk(root, pb, extras, min(max_blocks, len(pb) // self.block_bytes))[1]
+
+    def _touch(self, node: Node, now: float) -> None:
+        """Record a hit on ``node``; re-key it if it sits in the leaf index."""
+        if node.leaf_entry is None:
+            node.last_access_s = now
+            node.hit_count += 1
+        else:
+            self.leaves.remove(node)
+            node.last_access_s = now
+            node.hit_count += 1
+            self.leaves.add(node)
+        if self._notify_policy:
+            self.policy.on_hit(node)
+
+    def touch_path(self, node: Node) -> None:
+        """Record a hit on ``node`` and every ancestor (a deferred ``match(touch=True)``)."""
+        now = self._clock()
+        notify = self.policy.on_hit if self._notify_policy else None
+        while node.parent is not None:
+            if node.leaf_entry is None:  # the usual case: the path is locked by the request
+                node.last_access_s = now
+                node.hit_count += 1
+                if notify is not None:
+                    notify(node)
+            else:
+                self._touch(node, now)
+            node = node.parent
 
     def _split(self, node: Node, j: int) -> Node:
         """Split ``node`` before its block ``j``; return the new head (blocks ``[0, j)``).
@@ -283,26 +219,31 @@ class RadixTree:
         The original object keeps the tail so cursors at its end stay valid; the head inherits
         the lock count (every cursor at or below the node is below the head too).
         """
+        bb = self.block_bytes
         head = Node(next(self._uids), node.parent, self.block_size, node.created_s)
         head.key = node.key
-        head.blocks = node.blocks[:j]
+        head.tokens = node.tokens[: j * bb]
         head.hashes = node.hashes[:j]
         head.block_ids = node.block_ids[:j]
+        if node.extras is not None:
+            head.extras = node.extras[:j]
+            del node.extras[:j]
         head.lock_ref = node.lock_ref
         head.last_access_s = node.last_access_s
         head.hit_count = node.hit_count
         head.depth_tokens = node.depth_tokens
+        head.tenant = node.tenant
         node.parent.children[head.key] = head  # type: ignore[union-attr]
         in_leaves = node.leaf_entry is not None
         if in_leaves:
-            self._leaf_remove(node)
-        del node.blocks[:j], node.hashes[:j], node.block_ids[:j]
-        node.key = child_key(node.blocks[0])
+            self.leaves.remove(node)
+        del node.tokens[: j * bb], node.hashes[:j], node.block_ids[:j]
+        node.key = child_key(bytes(node.tokens[:bb]), node.block_extras(0))
         node.parent = head
         node.depth_tokens += j * self.block_size
         head.children[node.key] = node
         if in_leaves:
-            self._leaf_add(node)
+            self.leaves.add(node)
         self.num_nodes += 1
         return head
 
@@ -310,19 +251,28 @@ class RadixTree:
     def _lock_one(self, node: Node) -> None:
         if node.lock_ref == 0 and node.parent is not None:
             if node.leaf_entry is not None:
-                self._leaf_remove(node)
-            self.num_locked_blocks += node.num_blocks
+                self.leaves.remove(node)
+            self.num_locked_blocks += len(node.block_ids)
         node.lock_ref += 1
 
     def lock(self, node: Node) -> None:
         """Add one cursor lock at ``node``; every ancestor up to the root is locked too."""
         n: Node | None = node
         while n is not None:
-            self._lock_one(n)
+            if n.lock_ref == 0 and n.parent is not None:
+                if n.leaf_entry is not None:
+                    self.leaves.remove(n)
+                self.num_locked_blocks += len(n.block_ids)
+            n.lock_ref += 1
             n = n.parent
 
-    def unlock(self, node: Node) -> None:
-        """Remove one cursor lock at ``node`` (and on its ancestors), touching the path.
+    def unlock(self, node: Node, *, touch: bool = True) -> None:
+        """Remove one cursor lock at ``node`` (and on its ancestors).
+
+        Args:
+            node: The cursor node.
+            touch: Set ``last_access_s`` on the path (False for a request that was never
+                admitted, so a failed admission does not refresh recency).
 
         Raises:
             RuntimeError: if any node on the path is not locked (nothing is changed then).
@@ -337,16 +287,18 @@ class RadixTree:
         while n is not None:
             n.lock_ref -= 1
             if n.parent is not None:
-                n.last_access_s = now  # not in the leaf index while locked: no re-key needed
+                if touch:
+                    n.last_access_s = now  # not in the leaf index while locked: no re-key
                 if n.lock_ref == 0:
-                    self.num_locked_blocks -= n.num_blocks
+                    self.num_locked_blocks -= len(n.block_ids)
                     if not n.children:
-                        self._leaf_add(n)
+                        self.leaves.add(n)
             n = n.parent
 
     # ---- insert -------------------------------------------------------------------------
-    def insert(self, cursor: Node, parent_hash: bytes, blocks: list[BlockTokens],
-               block_ids: list[int], hash_block: HashBlock) -> InsertResult:
+    def insert(self, cursor: Node, tokens: Sequence[int] | bytes, block_ids: list[int],
+               hasher: RunHasher, *, extras: Sequence[bytes] | None = None,
+               known_hashes: Sequence[bytes] = ()) -> InsertResult:
         """Publish full blocks continuing the chain at the end of ``cursor``.
 
         The caller holds one lock at ``cursor`` (its request cursor); that lock moves to the
@@ -356,92 +308,84 @@ class RadixTree:
 
         Args:
             cursor: Node at whose end the blocks continue (locked by the caller).
-            parent_hash: ``cursor.end_hash``, the chain value before ``blocks[0]``.
-            blocks: Token tuple of each block (B tokens each).
+            tokens: The blocks' tokens, ``len(block_ids) * B`` ids or their packed bytes.
             block_ids: The caller's physical block holding each block.
-            hash_block: ``(parent_hash, tokens) -> hash`` for new blocks.
+            hasher: Hashes new blocks (``hash_blocks``).
+            extras: Per-block extras, None for text.
+            known_hashes: Chained hashes already computed for the leading blocks of the run
+                (e.g. by a lookup's ghost check); used instead of hashing them again.
 
         Returns:
             An :class:`InsertResult`.
+
+        Raises:
+            RuntimeError: if the caller does not lock ``cursor``.
+            ValueError: naming ``block_ids`` if the sizes disagree.
         """
         if cursor.lock_ref <= 0:
             raise RuntimeError(f"insert at {cursor!r} which the caller does not lock")
-        if len(blocks) != len(block_ids):
-            raise ValueError("block_ids: must have one id per block")
+        tb = as_token_bytes(tokens)
+        count = len(block_ids)
+        if len(tb) != count * self.block_bytes or (extras is not None and len(extras) != count):
+            raise ValueError(f"block_ids: {count} ids for {len(tb) // 4} tokens "
+                             f"(block size {self.block_size})")
         now = self._clock()
-        node, h, i, n = cursor, parent_hash, 0, len(blocks)
-        duplicates: list[int] = []
-        while i < n:
-            key = child_key(blocks[i])
-            child = node.children.get(key)
-            if child is None:
-                return self._add_run(node, h, blocks[i:], block_ids[i:], hash_block, now, duplicates)
-            j = 1
-            while j < child.num_blocks and i + j < n and child.blocks[j] == blocks[i + j]:
-                j += 1
-            if j < child.num_blocks:
-                child = self._split(child, j)
-            duplicates.extend(block_ids[i : i + j])
-            # Move the caller's cursor one level down: it still counts in ``node`` and above.
-            self._lock_one(child)
-            child.last_access_s = now
-            node, h, i = child, child.end_hash, i + j
-        return InsertResult(node, h, [], duplicates)
+        node = cursor
+        k = 0
+        if cursor.children:
+            path, k = self.walk(cursor, tb, extras, count)
+            for child, j in path:
+                if j < len(child.block_ids):
+                    child = self._split(child, j)
+                # Move the caller's cursor one level down: it still counts in ``node`` and above.
+                self._lock_one(child)
+                child.last_access_s = now
+                node = child
+        if k == count:
+            return InsertResult(node, node.end_hash, [], list(block_ids))
+        bb = self.block_bytes
+        rest_tb = tb[k * bb :] if k else tb
+        rest_ids = block_ids[k:] if k else block_ids
+        rest_x = extras[k:] if extras is not None and k else extras
+        known = list(known_hashes[k:count])
+        hashes = known + hasher.hash_blocks(known[-1] if known else node.end_hash,
+                                            rest_tb[len(known) * bb :], self.block_size,
+                                            rest_x[len(known) :] if rest_x is not None else None)
+        return self._add_run(node, rest_tb, rest_ids, rest_x, hashes, now, list(block_ids[:k]))
 
-    def _add_run(self, node: Node, h: bytes, blocks: list[BlockTokens], block_ids: list[int],
-                 hash_block: HashBlock, now: float, duplicates: list[int]) -> InsertResult:
-        hashes = []
-        for tokens in blocks:
-            h = hash_block(h, tokens)
-            hashes.append(h)
-        count = len(blocks)
+    def _add_run(self, node: Node, tb: bytes, block_ids: list[int],
+                 extras: Sequence[bytes] | None, hashes: list[bytes], now: float,
+                 duplicates: list[int]) -> InsertResult:
+        count = len(block_ids)
+        if extras is not None and not any(extras):
+            extras = None
         if node.parent is not None and not node.children and node.lock_ref == 1:
             # Only the caller holds this childless node: grow it in place (keeps runs compressed).
-            node.blocks.extend(blocks)
-            node.hashes.extend(hashes)
+            if extras is not None or node.extras is not None:
+                old = node.extras if node.extras is not None else [b""] * len(node.block_ids)
+                node.extras = old + (list(extras) if extras is not None else [b""] * count)
+            node.tokens += tb
+            node.hashes += hashes
             node.block_ids.extend(block_ids)
             node.last_access_s = now
             new = node
         else:
             new = Node(next(self._uids), node, self.block_size, now)
-            new.key = child_key(blocks[0])
-            new.blocks, new.hashes, new.block_ids = list(blocks), hashes, list(block_ids)
-            new.depth_tokens = node.depth_tokens + node.num_tokens
+            new.key = child_key(tb[: self.block_bytes], extras[0] if extras is not None else b"")
+            new.tokens = bytearray(tb)
+            new.extras = list(extras) if extras is not None else None
+            new.hashes, new.block_ids = hashes, array(BLOCK_ID_TYPECODE, block_ids)
+            new.depth_tokens = node.depth_tokens + len(node.block_ids) * self.block_size
             new.lock_ref = 1  # the caller's cursor moves here; ancestors already count it
             node.children[new.key] = new
+            if node.parent is None:
+                self.root_child_keys.setdefault(new.key, {})[node] = None
             self.num_nodes += 1
         self.num_cached_blocks += count
         self.num_locked_blocks += count
-        return InsertResult(new, h, list(block_ids), duplicates)
-
-    # ---- eviction -----------------------------------------------------------------------
-    def evict(self, num_blocks: int) -> list[int]:
-        """Evict up to ``num_blocks`` blocks, tail-first from the lowest-priority leaves.
-
-        Returns:
-            Freed block ids in eviction order (fewer than asked when nothing is evictable).
-        """
-        freed: list[int] = []
-        while len(freed) < num_blocks:
-            victim = self._next_victim()
-            if victim is None:
-                break
-            self._leaf_remove(victim)
-            take = min(num_blocks - len(freed), victim.num_blocks)
-            freed.extend(reversed(victim.block_ids[-take:]))
-            del victim.blocks[-take:], victim.hashes[-take:], victim.block_ids[-take:]
-            self.num_cached_blocks -= take
-            self.policy.on_evict(victim, take)
-            if victim.block_ids:
-                self._leaf_add(victim)  # partially trimmed: still the same leaf
-                continue
-            parent = victim.parent
-            del parent.children[victim.key]  # type: ignore[union-attr]
-            victim.parent = None
-            self.num_nodes -= 1
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                self._leaf_add(parent)  # type: ignore[arg-type]
-        return freed
+        if self._notify_policy:
+            self.policy.on_insert(new, count)
+        return InsertResult(new, hashes[-1], block_ids, duplicates)
 
     # ---- inspection ---------------------------------------------------------------------
     def iter_nodes(self) -> Iterable[Node]:
@@ -453,75 +397,13 @@ class RadixTree:
                 yield node
             stack.extend(node.children.values())
 
-    def check_integrity(self, cursors: Iterable[Node] | None = None) -> set[int]:
-        """Verify structure, lock counts, leaf index and counters.
-
-        Args:
-            cursors: When given, every request cursor (one entry per request); lock counts are
-                then checked exactly (``lock_ref`` = cursors here + children's ``lock_ref``).
+    def check_integrity(self, cursors: Iterable[Node] | None = None,
+                        hash_fn: Callable[[bytes], bytes] | None = None) -> set[int]:
+        """Verify structure, locks, leaf index and counters; see ``radixkv.tree_check``.
 
         Returns:
             The set of block ids the tree holds.
-
-        Raises:
-            AssertionError: describing the first violated invariant.
         """
-        bs = self.block_size
-        here: dict[int, int] = {}
-        for c in cursors or ():
-            here[c.uid] = here.get(c.uid, 0) + 1
-        owned: set[int] = set()
-        num_nodes = num_blocks = num_locked = 0
-        leaves: set[int] = set()
-        stack = list(self.roots.values())
-        for root_hash, root in self.roots.items():
-            assert root.root_hash == root_hash and not root.block_ids, f"bad root {root!r}"
-        while stack:
-            node = stack.pop()
-            child_locks = 0
-            for key, child in node.children.items():
-                assert child.parent is node, f"{child!r}: parent pointer disagrees"
-                assert child.key == key == child_key(child.blocks[0]), f"{child!r}: bad key"
-                assert child.depth_tokens == node.depth_tokens + node.num_tokens, (
-                    f"{child!r}: depth_tokens should be {node.depth_tokens + node.num_tokens}")
-                child_locks += child.lock_ref
-                stack.append(child)
-            assert node.lock_ref >= child_locks, f"{node!r}: lock below its children's"
-            if cursors is not None:
-                assert node.lock_ref == child_locks + here.get(node.uid, 0), (
-                    f"{node!r}: lock_ref != {here.get(node.uid, 0)} cursors + {child_locks} below")
-            if node.parent is None:
-                continue
-            num_nodes += 1
-            assert node.num_blocks >= 1, f"{node!r}: empty non-root node"
-            assert len(node.blocks) == len(node.hashes) == node.num_blocks, f"{node!r}: ragged"
-            assert all(len(t) == bs for t in node.blocks), f"{node!r}: partial block stored"
-            for block_id in node.block_ids:
-                assert block_id not in owned, f"block {block_id} held by two tree positions"
-                owned.add(block_id)
-            num_blocks += node.num_blocks
-            if node.lock_ref > 0:
-                num_locked += node.num_blocks
-            is_leaf = node.lock_ref == 0 and not node.children
-            assert (node.uid in self._leaf_nodes) == is_leaf, (
-                f"{node!r}: evictable-leaf membership should be {is_leaf}")
-            assert (node.leaf_entry is not None) == is_leaf, f"{node!r}: stale leaf entry"
-            if is_leaf:
-                leaves.add(node.uid)
-                if self._by_priority:
-                    assert node.leaf_entry == (self.policy.priority(node), node.uid), (
-                        f"{node!r}: leaf key is stale")
-        for c in cursors or ():
-            n: Node | None = c
-            while n is not None and n.parent is not None:
-                n = n.parent
-            assert n is not None and self.roots.get(n.root_hash) is n, f"cursor {c!r} detached"
-        assert leaves == set(self._leaf_nodes), "leaf index holds nodes that are not leaves"
-        if self._by_priority:
-            assert len(self._leaves) == len(leaves), "sorted leaf index size disagrees"
-        assert num_nodes == self.num_nodes, f"num_nodes {self.num_nodes} != {num_nodes}"
-        assert num_blocks == self.num_cached_blocks, (
-            f"num_cached_blocks {self.num_cached_blocks} != {num_blocks}")
-        assert num_locked == self.num_locked_blocks, (
-            f"num_locked_blocks {self.num_locked_blocks} != {num_locked}")
-        return owned
+        from radixkv.tree_check import check_tree
+
+        return check_tree(self, cursors, hash_fn)

@@ -83,6 +83,7 @@ class EngineStats:
                 "resumed_cached_tokens_total": self.resumed_cached_tokens_total,
             }
         out["evicted_blocks_total"] = cache.evicted_blocks_total
+        out["miss_tokens"] = dict(cache.miss_tokens)
         out["pool"] = {
             "block_size_tokens": cache.block_size,
             "bytes_per_block": bytes_per_block,

@@ -155,7 +155,7 @@ def test_concurrent_duplicate_publish() -> None:
     assert cm.num_cached_blocks == 2 and cm.num_tree_nodes == 1
     assert cm.num_in_use_blocks == 6  # r1: 2 locked + 1 private; r2: 3 private
     node = next(iter(cm.tree.iter_nodes()))
-    assert node.lock_ref == 2 and node.block_ids == [0, 1]
+    assert node.lock_ref == 2 and list(node.block_ids) == [0, 1]
     cm.check_integrity()
     # Both continue decoding: neither may grow the shared node in place.
     for rid in ("r1", "r2"):

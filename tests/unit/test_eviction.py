@@ -15,6 +15,8 @@ from radixkv.eviction import (
     get_policy,
     register,
 )
+from radixkv.eviction.fifo import FIFOPolicy
+from radixkv.eviction.lfu import LFUPolicy
 from radixkv.eviction.lru import LRUPolicy
 
 
@@ -80,3 +82,29 @@ def test_eviction_imports_neither_torch_nor_radixkv_modules() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, timeout=60).stdout.strip()
     assert out == "[]"
+
+
+def test_registry_lists_lru_lfu_fifo() -> None:
+    assert {"lru", "lfu", "fifo"} <= set(available_policies())
+    assert isinstance(get_policy("lfu"), LFUPolicy) and isinstance(get_policy("fifo"), FIFOPolicy)
+
+
+def test_lfu_order_fewest_hits_then_lru() -> None:
+    policy = get_policy("lfu")
+    nodes = [
+        FakeNode(uid=0, hit_count=3, last_access_s=1.0),
+        FakeNode(uid=1, hit_count=1, last_access_s=9.0),
+        FakeNode(uid=2, hit_count=1, last_access_s=2.0),
+        FakeNode(uid=3, hit_count=1, last_access_s=2.0, depth_tokens=8),
+    ]
+    assert [n.uid for n in sorted(nodes, key=policy.priority)] == [3, 2, 1, 0]
+
+
+def test_fifo_order_oldest_then_deeper_ignoring_hits() -> None:
+    policy = get_policy("fifo")
+    nodes = [
+        FakeNode(uid=0, created_s=2.0, hit_count=0),
+        FakeNode(uid=1, created_s=1.0, hit_count=50, last_access_s=99.0),
+        FakeNode(uid=2, created_s=2.0, depth_tokens=16),
+    ]
+    assert [n.uid for n in sorted(nodes, key=policy.priority)] == [1, 2, 0]

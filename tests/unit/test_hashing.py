@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from radixkv.hashing import BlockHasher, CacheIdentity, pack_tokens
+from radixkv.hashing import (BlockHasher, CacheIdentity, MMItem, as_packed_tokens, block_extras,
+                             pack_tokens, unpack_tokens, validate_mm_items)
 
 ROPE = "theta=100000.0;scaling=None"
 IDENT = CacheIdentity("r1", 4, "float32", ROPE)
@@ -153,3 +154,89 @@ def test_c02_reproducible_across_processes() -> None:
                               text=True, check=True, timeout=60)
         outputs.append(proc.stdout.strip().split(","))
     assert outputs[0] == outputs[1] == GOLDEN["xxh3_128"]["blocks"]
+
+
+# Multimodal golden vectors: a 2x2 RGB image (bytes 0..11) at prompt offset 2 for 4 tokens,
+# B=4, prompt [1, 2, 999, 999, 999, 999, 3, 4, 5] under IDENT.
+MM_PROMPT = [1, 2, 999, 999, 999, 999, 3, 4, 5]
+GOLDEN_MM = {
+    "xxh3_128": {
+        "media": "a4bfc9e04578603e1f7648b318190b12",
+        "extras": [
+            "540100000054020000004210000000a4bfc9e04578603e1f7648b318190b12"
+            "49080000000200000000000000",
+            "540100000054020000004210000000a4bfc9e04578603e1f7648b318190b12"
+            "4908000000feffffffffffffff",
+        ],
+        "blocks": ["d3d3abc08fe3d8edfb8d0ffd464c8b28", "4096f02220e3ed01cf507330763dc893"],
+    },
+    "sha256": {
+        "media": "c2b9c37ace5c5ff4a14ecdaa63598c848490e19c1b312409fc82548c569597a9",
+        "blocks": [
+            "8ce151de2933c5eb14e084ee5191367e25aae1f60aed78439dc5846065d34335",
+            "0499f80c7f3f793f79723677407b8693588cc32c0148e291447a3b35014c8c52",
+        ],
+    },
+}
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_multimodal_golden_vectors(algo: str) -> None:
+    hasher = BlockHasher(algo)
+    digest = hasher.media_digest("rgb8", (2, 2, 3), bytes(range(12)))
+    assert digest.hex() == GOLDEN_MM[algo]["media"]
+    items = [MMItem(2, 4, digest)]
+    if "extras" in GOLDEN_MM[algo]:
+        extras = block_extras(validate_mm_items(items, 9), 2, 4)
+        assert [e.hex() for e in extras] == GOLDEN_MM[algo]["extras"]
+    root = hasher.identity_root(IDENT)
+    got = [h.hex() for h in hasher.chain(root, MM_PROMPT, 4, mm_items=items)]
+    assert got == GOLDEN_MM[algo]["blocks"]
+    # Text blocks keep the text derivation (empty extras): the golden text vectors still hold.
+    assert hasher.chain(root, list(range(1, 9)), 4, mm_items=[]) == hasher.chain(
+        root, list(range(1, 9)), 4)
+
+
+def test_media_digest_covers_format_shape_and_bytes() -> None:
+    hasher = BlockHasher()
+    base = hasher.media_digest("rgb8", (2, 2, 3), bytes(12))
+    assert len({base, hasher.media_digest("bgr8", (2, 2, 3), bytes(12)),
+                hasher.media_digest("rgb8", (1, 4, 3), bytes(12)),
+                hasher.media_digest("rgb8", (2, 2, 3), bytes(11) + b"\x01")}) == 4
+    with pytest.raises(ValueError, match="shape"):
+        hasher.media_digest("rgb8", (2.0, 2), bytes(4))
+
+
+def test_block_extras_offsets_relative_to_block_start() -> None:
+    d1, d2 = b"\x01" * 16, b"\x02" * 16
+    items = validate_mm_items([(9, 2, d2), (2, 4, d1)], 12)
+    assert items == (MMItem(2, 4, d1), MMItem(9, 2, d2))  # sorted by offset
+    extras = block_extras(items, 3, 4)
+    # Block 0 sees d1 at +2, block 1 sees d1 at -2 (began earlier), block 2 sees d2 at +1.
+    assert extras[0] != extras[1] and extras[2] != b""
+    assert block_extras(items, 3, 4, first_block=1) == extras[1:]
+    assert block_extras(validate_mm_items([(8, 4, d1)], 12), 2, 4) is None  # no full block
+    for bad in ([(0, 0, d1)], [(10, 4, d1)], [(-1, 2, d1)], [(0, 2, b"")], [(0, 2)]):
+        with pytest.raises(ValueError, match="mm_items"):
+            validate_mm_items(bad, 12)
+
+
+def test_c04_blocks_keyed_by_digest_and_offset() -> None:
+    hasher = BlockHasher()
+    root = hasher.identity_root(IDENT)
+    h1 = hasher.media_digest("rgb8", (1,), b"image-1")
+    h2 = hasher.media_digest("rgb8", (1,), b"image-2")
+    r1 = hasher.chain(root, MM_PROMPT, 4, mm_items=[(2, 4, h1)])
+    r2 = hasher.chain(root, MM_PROMPT, 4, mm_items=[(2, 4, h2)])
+    text = hasher.chain(root, MM_PROMPT, 4)
+    assert r1[0] != r2[0] and r1[0] != text[0]  # block 0 already covers part of the image
+    shifted = hasher.chain(root, MM_PROMPT, 4, mm_items=[(3, 3, h1)])
+    assert shifted[0] != r1[0]  # same image at another offset
+
+
+def test_packed_tokens_round_trip() -> None:
+    data = pack_tokens([0, 1, 70000, 2**32 - 1])
+    assert unpack_tokens(data) == (0, 1, 70000, 2**32 - 1)
+    assert as_packed_tokens(data) == data and as_packed_tokens([0, 1, 70000, 2**32 - 1]) == data
+    with pytest.raises(ValueError, match="token_ids"):
+        as_packed_tokens(b"\x00" * 5)

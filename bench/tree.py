@@ -1,0 +1,320 @@
+"""``radixkv bench tree``: cache-index throughput against the raw-hashing floor.
+
+Replays a generated agent-like workload through the real ``CacheManager`` (tree + pool
+bookkeeping, no model): a shared system prompt (default 2,048 tokens), sessions growing turn by
+turn (each turn re-sends the whole history: the previous reply, then a tool output, as agents
+do), replies generated token by token (the engine publishes each block as it fills), block size
+16, and a pool holding only part of the distinct blocks so that eviction runs.
+
+Operations, each timed around the cache-manager call that does it:
+
+* ``match``: ``begin`` (pack the prompt, walk the tree comparing tokens, lock, classify the
+  miss), per prompt block (``N // B``);
+* ``insert``: ``publish`` calls that insert blocks (after prefill: the new prompt blocks; during
+  decode: one block each time one fills), per new block; split into ``insert_prefill`` and
+  ``insert_decode``;
+* ``evict``: the tree's ``evict`` inside ``allocate``, per evicted block;
+* ``hash``: ``BlockHasher.hash_blocks`` over each prompt's packed tokens, per block;
+* ``pack``: packing the prompt's Python ints as uint32-LE, once per request, per block.
+
+Every prompt arrives as a list of fresh Python ints (as a tokenizer returns them) and is packed
+once; the lookup, the floor and the inserts all work on those same token bytes (an engine keeps
+each request's tokens packed, appending each sampled token).
+
+The **floor**, measured in the same run on the same token bytes (interleaved with the lookups):
+per block one chained xxh3-128 (``H(h || block bytes)``) and one dict probe against the hashes
+of every block seen so far (what a hash-every-block index must at least do). ``ratio_to_floor``
+= time per block of the operation ÷ time per block of the floor (below 1 is faster than the
+floor). ``from_token_ids`` gives the match ratio when both sides start from the int lists
+(each packs first): packing touches every Python int, which no index can avoid, and it bounds
+that ratio from below.
+
+Also C18 (``shared/cases``): evicting 1,000 single blocks and 1,000 hits on leaves in the middle
+of the LRU order, in trees of 5k and 50k one-block leaves; per-operation times and the ratio.
+
+Usage::
+
+    radixkv bench tree [--sessions 48] [--turns 10] [--json out.json]
+"""
+
+# No ``from __future__ import annotations``: the CLI loads this file by path (see bench/serve.py).
+import argparse
+import gc
+import json
+import random
+import time
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from radixkv.cache_manager import CacheManager
+from radixkv.eviction import get_policy
+from radixkv.hashing import BlockHasher, CacheIdentity, pack_tokens
+from radixkv.radix_tree import RadixTree
+
+VOCAB = 49152
+
+
+@dataclass
+class Turn:
+    """One request of the workload: the prompt (fresh int objects) and the reply to generate."""
+
+    session: int
+    prompt: list
+    reply: list
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the driver's flags on ``parser`` (used by ``radixkv bench tree``)."""
+    parser.add_argument("--sessions", type=int, default=48, help="agent sessions")
+    parser.add_argument("--turns", type=int, default=10, help="turns per session")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (B)")
+    parser.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt")
+    parser.add_argument("--capacity-fraction", type=float, default=0.35,
+                        help="pool blocks as a fraction of the workload's distinct blocks")
+    parser.add_argument("--policy", default="lru", help="eviction policy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="replays of the workload; each operation keeps its fastest replay "
+                             "(the machine may be shared)")
+    parser.add_argument("--c18-sizes", default="5000,50000", help="leaf counts for C18")
+    parser.add_argument("--c18-ops", type=int, default=1000, help="evictions and hits for C18")
+    parser.add_argument("--skip-c18", action="store_true")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+
+
+def make_workload(sessions: int, turns: int, system_tokens: int, seed: int) -> list:
+    """Interleaved agent turns: each prompt is system + the session's whole history so far."""
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(system_tokens)]
+    history = [[rng.randrange(VOCAB) for _ in range(rng.randint(100, 400))]
+               for _ in range(sessions)]
+    left = [turns] * sessions
+    out = []
+    while any(left):
+        s = rng.choice([i for i, n in enumerate(left) if n])
+        left[s] -= 1
+        reply = [rng.randrange(VOCAB) for _ in range(rng.randint(30, 300))]
+        # Fresh int objects, as a tokenizer returns them (no identity shortcuts in comparisons).
+        out.append(Turn(s, array("I", system + history[s]).tolist(), reply))
+        history[s] += reply + [rng.randrange(VOCAB) for _ in range(rng.randint(200, 1500))]
+    return out
+
+
+def _floor(data: bytes, block_size: int, index: dict) -> None:
+    """Per block of packed tokens: one chained xxh3-128 and one dict probe (the floor)."""
+    step = 4 * block_size
+    fn, probe = xxhash.xxh3_128_digest, index.get
+    h = b"\0" * 16
+    for start in range(0, len(data) - step + 1, step):
+        h = fn(h + data[start : start + step])
+        probe(h)
+
+
+def _floor_index_add(data: bytes, block_size: int, index: dict) -> None:
+    step = 4 * block_size
+    h = b"\0" * 16
+    for start in range(0, len(data) - step + 1, step):
+        h = xxhash.xxh3_128_digest(h + data[start : start + step])
+        index[h] = True
+
+
+OPS = ("pack", "floor", "match", "insert_prefill", "insert_decode", "evict", "hash")
+
+
+def replay(workload: list, block_size: int, num_blocks: int, policy: str) -> dict:
+    """Run the workload through a CacheManager; return per-operation times and block counts.
+
+    Each prompt arrives as a list of fresh Python ints (as from a tokenizer) and is packed
+    once (``pack``, timed apart); the lookup, the floor and the inserts then work on the same
+    packed bytes, as an engine that keeps each request's tokens packed does.
+    """
+    cm = CacheManager(num_blocks, block_size, eviction_policy=policy)
+    root = cm.identity_root(CacheIdentity("bench-rev", block_size, "bfloat16", "theta=1e4"))
+    ns = dict.fromkeys(OPS, 0)
+    blocks = dict.fromkeys(OPS, 0)
+    tree_evict = cm.tree.evict
+    clock = time.perf_counter_ns
+
+    def timed_evict(num, evicted=None):
+        t = clock()
+        freed = tree_evict(num, evicted)
+        ns["evict"] += clock() - t
+        blocks["evict"] += len(freed)
+        return freed
+
+    cm.tree.evict = timed_evict
+    hasher = BlockHasher()
+    floor_index: dict = {}
+    cached_tokens = prompt_tokens = 0
+    bs = block_size
+    for i, turn in enumerate(workload):
+        rid = f"r{i}"
+        prompt = turn.prompt
+        n_blocks = len(prompt) // bs
+        t = clock()
+        packed = pack_tokens(prompt)
+        ns["pack"] += clock() - t
+        blocks["pack"] += n_blocks
+        t = clock()
+        _floor(packed, bs, floor_index)
+        ns["floor"] += clock() - t
+        blocks["floor"] += n_blocks
+        t = clock()
+        m = cm.begin(rid, root, packed)
+        cm.record_admission(rid)
+        ns["match"] += clock() - t
+        blocks["match"] += n_blocks
+        t = clock()
+        hasher.hash_blocks(b"\0" * 16, packed[: n_blocks * 4 * bs], bs)
+        ns["hash"] += clock() - t
+        blocks["hash"] += n_blocks
+        _floor_index_add(packed, bs, floor_index)
+        cached_tokens += m
+        prompt_tokens += len(prompt)
+        if not cm.allocate(rid, len(prompt)):
+            raise SystemExit("bench tree: pool too small for one request; raise --capacity-fraction")
+        t = clock()
+        cm.publish(rid, packed, len(prompt))
+        ns["insert_prefill"] += clock() - t
+        blocks["insert_prefill"] += n_blocks - m // bs
+        # The engine appends each sampled token to the request's packed buffer as it arrives.
+        seq = packed + pack_tokens(turn.reply)
+        num_seq = len(prompt) + len(turn.reply)
+        # Decode: the token sampled at position p is computed by the next step; a block is
+        # published by the step that writes its last token's K/V.
+        for end in range((len(prompt) // bs + 1) * bs, num_seq, bs):
+            if not cm.allocate(rid, end + 1):
+                raise SystemExit("bench tree: pool too small for one request")
+            t = clock()
+            cm.publish(rid, seq, end)
+            ns["insert_decode"] += clock() - t
+            blocks["insert_decode"] += 1
+        cm.release(rid)
+    cm.tree.evict = tree_evict
+    cm.check_integrity()
+    return {"ns": ns, "blocks": blocks, "requests": len(workload),
+            "token_hit_rate": cached_tokens / prompt_tokens,
+            "evicted_blocks_total": cm.evicted_blocks_total, "miss_tokens": cm.miss_tokens}
+
+
+def c18(num_leaves: int, num_ops: int, seed: int = 0) -> dict:
+    """Evict ``num_ops`` single blocks, then hit ``num_ops`` mid-order leaves, in an LRU tree."""
+    ticks = iter(range(10**12))
+    tree = RadixTree(4, get_policy("lru"), clock=lambda: float(next(ticks)))
+    hasher = BlockHasher()
+    root = tree.root(b"c18")
+    for i in range(num_leaves):
+        tree.lock(root)
+        r = tree.insert(root, [i + 1, 0, 0, 0], [i], hasher)
+        tree.unlock(r.node)
+    rng = random.Random(seed)
+    order = sorted(tree.leaves.nodes.values(), key=lambda n: n.leaf_entry)
+    middle = order[len(order) // 3 : 2 * len(order) // 3]
+    targets = [bytes(n.tokens) for n in rng.sample(middle, num_ops)]
+    t = time.perf_counter_ns()
+    for _ in range(num_ops):
+        tree.evict(1)
+    evict_ns = time.perf_counter_ns() - t
+    t = time.perf_counter_ns()
+    for packed in targets:
+        tree.match(root, packed, 1)
+    hit_ns = time.perf_counter_ns() - t
+    return {"num_leaves": num_leaves, "evict_us_per_op": evict_ns / num_ops / 1e3,
+            "hit_us_per_op": hit_ns / num_ops / 1e3}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark per ``args``, print a table, write ``--json``; returns the results."""
+    bs = args.block_size
+    workload = make_workload(args.sessions, args.turns, args.system_tokens, args.seed)
+    distinct = args.system_tokens // bs + sum(
+        (len(t.prompt) - args.system_tokens + len(t.reply)) // bs
+        for t in workload if t is _last_turns(workload)[t.session])
+    num_blocks = max(int(distinct * args.capacity_fraction), 1)
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
+    runs = []
+    for _ in range(args.repeat):
+        gc.collect()
+        gc.disable()
+        try:
+            runs.append(replay(workload, bs, num_blocks, args.policy))
+        finally:
+            gc.enable()
+    res = runs[0]
+    ns = {op: min(r["ns"][op] for r in runs) for op in res["ns"]}
+    blocks = res["blocks"]
+    ns["insert"] = ns["insert_prefill"] + ns["insert_decode"]
+    blocks["insert"] = blocks["insert_prefill"] + blocks["insert_decode"]
+    per_block = {op: ns[op] / blocks[op] for op in ns if blocks[op]}
+    floor_ns = per_block["floor"]
+    ops = ("match", "insert", "evict", "hash", "insert_prefill", "insert_decode", "pack")
+    out: dict[str, Any] = {
+        "workload": {"sessions": args.sessions, "turns": args.turns, "block_size": bs,
+                     "system_tokens": args.system_tokens, "requests": res["requests"],
+                     "distinct_blocks": distinct, "pool_blocks": num_blocks,
+                     "policy": args.policy, "seed": args.seed, "repeat": args.repeat},
+        "blocks": {op: blocks[op] for op in ops},
+        "blocks_per_s": {op: 1e9 / per_block[op] for op in ops if op in per_block},
+        "floor_blocks_per_s": 1e9 / floor_ns,
+        "ratio_to_floor": {op: per_block[op] / floor_ns for op in ops if op in per_block},
+        # Both sides starting from lists of Python ints (each packs the prompt first).
+        "from_token_ids": {
+            "match_blocks_per_s": 1e9 / (per_block["match"] + per_block["pack"]),
+            "floor_blocks_per_s": 1e9 / (floor_ns + per_block["pack"]),
+            "match_ratio_to_floor": (per_block["match"] + per_block["pack"])
+            / (floor_ns + per_block["pack"]),
+        },
+        "token_hit_rate": res["token_hit_rate"],
+        "evicted_blocks_total": res["evicted_blocks_total"],
+        "miss_tokens": res["miss_tokens"],
+    }
+    if not args.skip_c18:
+        sizes = [int(x) for x in args.c18_sizes.split(",")]
+        c18_runs = []
+        for n in sizes:  # fastest of ``repeat`` trials per size
+            trials = [c18(n, args.c18_ops, args.seed) for _ in range(args.repeat)]
+            c18_runs.append({"num_leaves": n,
+                             "evict_us_per_op": min(t["evict_us_per_op"] for t in trials),
+                             "hit_us_per_op": min(t["hit_us_per_op"] for t in trials)})
+        runs = c18_runs
+        out["c18"] = {"runs": runs,
+                      "evict_ratio": runs[-1]["evict_us_per_op"] / runs[0]["evict_us_per_op"],
+                      "hit_ratio": runs[-1]["hit_us_per_op"] / runs[0]["hit_us_per_op"]}
+    _print(out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+def _last_turns(workload: list) -> dict:
+    last: dict = {}
+    for t in workload:
+        last[t.session] = t
+    return last
+
+
+def _print(out: dict) -> None:
+    w = out["workload"]
+    print(f"bench tree: {w['requests']} requests, {w['sessions']} sessions x {w['turns']} turns, "
+          f"B={w['block_size']}, pool {w['pool_blocks']} of {w['distinct_blocks']} distinct "
+          f"blocks, policy {w['policy']}, token hit rate {out['token_hit_rate']:.3f}, "
+          f"evicted {out['evicted_blocks_total']} blocks")
+    print(f"{'op':16s} {'blocks':>9s} {'blocks/s':>12s} {'ratio_to_floor':>15s}")
+    print(f"{'floor':16s} {'':>9s} {out['floor_blocks_per_s']:12.0f} {1.0:15.3f}")
+    for op, rate in out["blocks_per_s"].items():
+        print(f"{op:16s} {out['blocks'][op]:9d} {rate:12.0f} {out['ratio_to_floor'][op]:15.3f}")
+    f = out["from_token_ids"]
+    print(f"from token-id lists (both pack first): match {f['match_blocks_per_s']:.0f} blocks/s, "
+          f"floor {f['floor_blocks_per_s']:.0f} blocks/s, ratio {f['match_ratio_to_floor']:.3f}")
+    print(f"miss tokens: {out['miss_tokens']}")
+    if "c18" in out:
+        for r in out["c18"]["runs"]:
+            print(f"C18 {r['num_leaves']:>6d} leaves: evict {r['evict_us_per_op']:.2f} us/op, "
+                  f"hit {r['hit_us_per_op']:.2f} us/op")
+        print(f"C18 ratio largest/smallest: evict {out['c18']['evict_ratio']:.2f}, "
+              f"hit {out['c18']['hit_ratio']:.2f} (must be < 3)")

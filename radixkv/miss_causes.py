@@ -1,0 +1,151 @@
+"""Why prompt tokens missed the cache: cold, evicted, isolated, unaligned tail.
+
+For a prompt of N tokens whose lookup returned ``m`` cached tokens (a multiple of B), the
+``N - m`` missed tokens are split into four causes that always add up to ``N - m``:
+
+* ``unaligned_tail``: tokens past the hit cap ``floor((N-1)/B)*B``, which no cache could serve
+  (the partial last block, or the last full block when N is a multiple of B: at least the last
+  prompt token is always computed).
+* ``evicted``: full blocks right after the hit that were evicted recently. The **ghost list**
+  remembers each eviction (a run trimmed off a leaf's tail) under the exact hash input of its
+  first block (``parent hash || packed tokens || extras``) with the run's tokens, extras and
+  chained hashes, in a bounded FIFO (capacity in blocks). A lookup probes it once per evicted
+  run and compares the prompt with the run in one ``memcmp``, hashing nothing; the hashes it
+  recovers are handed to ``publish``, which then need not hash those blocks again.
+* ``isolated``: on a complete miss (``m == 0``, not evicted) the same first block is cached
+  under *another* identity (another tenant, adapter or revision): found through the tree's
+  root-child key index in O(1), then the other identity's match length is measured (at most
+  ``MAX_ISOLATION_ROOTS`` roots, compare only). Partial hits are never called isolated.
+* ``cold``: the remaining full blocks (never seen, or evicted long enough ago to leave the
+  ghost list).
+
+The breakdown is computed at every lookup but counted once per request, at admission
+(``CacheManager.record_admission``): a request waiting for blocks looks up again each step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, NamedTuple, Sequence
+
+from radixkv.radix_tree import RadixTree
+from radixkv.tree_node import Node, child_key, common_blocks, extras_agree
+
+MISS_CAUSES = ("cold", "evicted", "isolated", "unaligned_tail")
+#: Other identities examined for an isolated miss (bounds the lookup cost with many tenants).
+MAX_ISOLATION_ROOTS = 4
+
+
+class GhostRun(NamedTuple):
+    """Blocks evicted together from one leaf's tail, in token order.
+
+    Attributes:
+        tokens: Packed tokens of the run (``len(hashes) * B * 4`` bytes).
+        hashes: Chained hash of each block.
+        extras: Extras of each block, or None for text.
+    """
+
+    tokens: bytes
+    hashes: list[bytes]
+    extras: list[bytes] | None
+
+
+class GhostList:
+    """Bounded FIFO of recently evicted runs, keyed by their first block's hash input.
+
+    The key ``parent hash || packed tokens || extras`` is exactly what ``H`` hashed for that
+    block, so a lookup can tell "this very block was evicted" and recover its chained hash
+    without hashing.
+
+    Args:
+        capacity: Most blocks remembered (> 0); the oldest runs are forgotten first.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"ghost_capacity: must be positive, got {capacity}")
+        self.capacity = capacity
+        self.num_blocks = 0
+        self._runs: OrderedDict[bytes, GhostRun] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Runs remembered."""
+        return len(self._runs)
+
+    def get(self, key: bytes) -> GhostRun | None:
+        """The evicted run whose first block had hash input ``key``, or None."""
+        return self._runs.get(key)
+
+    def add(self, evicted: Iterable[tuple[bytes, GhostRun]]) -> None:
+        """Remember evicted runs ``(first block's hash input, run)``; forget the oldest."""
+        runs = self._runs
+        for key, raw in evicted:
+            run = GhostRun._make(raw)
+            old = runs.pop(key, None)
+            if old is not None:
+                self.num_blocks -= len(old.hashes)
+            runs[key] = run
+            self.num_blocks += len(run.hashes)
+        while self.num_blocks > self.capacity:
+            self.num_blocks -= len(runs.popitem(last=False)[1].hashes)
+
+
+def empty_breakdown() -> dict[str, int]:
+    """``{cause: 0}`` for every miss cause."""
+    return dict.fromkeys(MISS_CAUSES, 0)
+
+
+def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | None,
+                  num_prompt_tokens: int, num_matched_blocks: int, last_hash: bytes,
+                  ghost: GhostList) -> tuple[dict[str, int], list[bytes]]:
+    """Split a lookup's missed tokens by cause; hashes nothing.
+
+    Args:
+        tree: The radix tree.
+        root: The request's identity root.
+        pb: The prompt's packed tokens (at least every full block below the hit cap).
+        px: Extras per full block of the prompt, or None.
+        num_prompt_tokens: N.
+        num_matched_blocks: Blocks the lookup returned.
+        last_hash: Chained hash of the last matched block (the root hash on a miss).
+        ghost: Recently evicted blocks.
+
+    Returns:
+        ``(breakdown, hashes)``: tokens per cause (summing to ``N - m``), and the chained hashes
+        of the evicted blocks ``num_matched_blocks, …`` found in the ghost list (for
+        ``insert(known_hashes=…)``).
+    """
+    bs = tree.block_size
+    bb = tree.block_bytes
+    cap_blocks = (num_prompt_tokens - 1) // bs
+    missing = cap_blocks - num_matched_blocks
+    hashes: list[bytes] = []
+    if missing <= 0:
+        return {"cold": 0, "evicted": 0, "isolated": 0,
+                "unaligned_tail": num_prompt_tokens - cap_blocks * bs}, hashes
+    i, h, bb_x = num_matched_blocks, last_hash, b""
+    while len(ghost) and i < cap_blocks:
+        if px is not None:
+            bb_x = px[i]
+        run = ghost.get(h + pb[i * bb : (i + 1) * bb] + bb_x)
+        if run is None:
+            break
+        limit = min(len(run.hashes), cap_blocks - i)
+        j = limit
+        if not pb.startswith(run.tokens[: limit * bb], i * bb):
+            j = common_blocks(pb, i * bb, run.tokens, limit, bb)
+        if px is not None or run.extras is not None:
+            j = extras_agree(run.extras, px, i, j)
+        hashes += run.hashes[:j]
+        i += j
+        if j < len(run.hashes):
+            break
+        h = run.hashes[-1]
+    evicted = len(hashes)
+    isolated = 0
+    if evicted == 0 and num_matched_blocks == 0:
+        key = child_key(pb[:bb], px[0] if px is not None else b"")
+        for other in tree.roots_holding(key, root)[:MAX_ISOLATION_ROOTS]:
+            isolated = max(isolated, tree.walk(other, pb, px, cap_blocks)[1])
+    return {"cold": (missing - evicted - isolated) * bs, "evicted": evicted * bs,
+            "isolated": isolated * bs, "unaligned_tail": num_prompt_tokens - cap_blocks * bs}, hashes

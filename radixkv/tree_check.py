@@ -1,0 +1,108 @@
+"""``check_integrity`` for the radix tree: every structural invariant, verified by a full walk.
+
+Tests call it after every operation; the engine may call it when idle. It is O(tree size) (plus
+one hash per block when ``hash_fn`` is given) and changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from radixkv.tree_node import Node, child_key
+
+if TYPE_CHECKING:
+    from radixkv.radix_tree import RadixTree
+
+
+def check_tree(tree: RadixTree, cursors: Iterable[Node] | None = None,
+               hash_fn: Callable[[bytes], bytes] | None = None) -> set[int]:
+    """Verify structure, lock counts, leaf index, root-key index and counters.
+
+    Args:
+        tree: The tree to check.
+        cursors: When given, every request cursor (one entry per request); lock counts are
+            then checked exactly (``lock_ref`` = cursors here + children's ``lock_ref``).
+        hash_fn: When given, every stored hash is recomputed from the parent's chain value,
+            the block's packed tokens and extras (the chain is intact).
+
+    Returns:
+        The set of block ids the tree holds.
+
+    Raises:
+        AssertionError: describing the first violated invariant.
+    """
+    bb = tree.block_bytes
+    cursors = list(cursors) if cursors is not None else None
+    here: dict[int, int] = {}
+    for c in cursors or ():
+        here[c.uid] = here.get(c.uid, 0) + 1
+    owned: set[int] = set()
+    num_nodes = num_blocks = num_locked = 0
+    leaves: set[int] = set()
+    root_keys: dict[object, dict[Node, None]] = {}
+    for root_hash, root in tree.roots.items():
+        assert root.root_hash == root_hash and not root.block_ids and not root.tokens, (
+            f"bad root {root!r}")
+        for key in root.children:
+            root_keys.setdefault(key, {})[root] = None
+    assert {k: set(v) for k, v in root_keys.items()} == {
+        k: set(v) for k, v in tree.root_child_keys.items()}, "root child-key index disagrees"
+    stack = list(tree.roots.values())
+    while stack:
+        node = stack.pop()
+        child_locks = 0
+        for key, child in node.children.items():
+            assert child.parent is node, f"{child!r}: parent pointer disagrees"
+            assert child.key == key == child_key(bytes(child.tokens[:bb]), child.block_extras(0)), (
+                f"{child!r}: key is not its first block")
+            assert child.depth_tokens == node.depth_tokens + node.num_tokens, (
+                f"{child!r}: depth_tokens should be {node.depth_tokens + node.num_tokens}")
+            assert child.tenant == node.tenant, f"{child!r}: tenant differs from its parent's"
+            child_locks += child.lock_ref
+            stack.append(child)
+        assert node.lock_ref >= child_locks, f"{node!r}: lock below its children's"
+        if cursors is not None:
+            assert node.lock_ref == child_locks + here.get(node.uid, 0), (
+                f"{node!r}: lock_ref != {here.get(node.uid, 0)} cursors + {child_locks} below")
+        if node.parent is None:
+            continue
+        num_nodes += 1
+        n = node.num_blocks
+        assert n >= 1, f"{node!r}: empty non-root node"
+        assert len(node.tokens) == n * bb, f"{node!r}: {len(node.tokens)} token bytes for {n} blocks"
+        assert len(node.hashes) == n, f"{node!r}: ragged hashes"
+        assert node.extras is None or len(node.extras) == n, f"{node!r}: ragged extras"
+        if hash_fn is not None:
+            h = node.parent.end_hash
+            for j in range(n):
+                h = hash_fn(h + bytes(node.tokens[j * bb : (j + 1) * bb]) + node.block_extras(j))
+                assert node.hashes[j] == h, f"{node!r}: block {j} hash breaks the chain"
+        for block_id in node.block_ids:
+            assert block_id not in owned, f"block {block_id} held by two tree positions"
+            owned.add(block_id)
+        num_blocks += n
+        if node.lock_ref > 0:
+            num_locked += n
+        is_leaf = node.lock_ref == 0 and not node.children
+        assert (node.uid in tree.leaves.nodes) == is_leaf, (
+            f"{node!r}: evictable-leaf membership should be {is_leaf}")
+        assert (node.leaf_entry is not None) == is_leaf, f"{node!r}: stale leaf entry"
+        if is_leaf:
+            leaves.add(node.uid)
+            if tree.leaves.by_priority:
+                assert node.leaf_entry == (tree.policy.priority(node), node.uid), (
+                    f"{node!r}: leaf key is stale")
+    for c in cursors or ():
+        n2: Node | None = c
+        while n2 is not None and n2.parent is not None:
+            n2 = n2.parent
+        assert n2 is not None and tree.roots.get(n2.root_hash) is n2, f"cursor {c!r} detached"
+    assert leaves == set(tree.leaves.nodes), "leaf index holds nodes that are not leaves"
+    if tree.leaves.by_priority:
+        assert len(tree.leaves.sorted) == len(leaves), "sorted leaf index size disagrees"
+    assert num_nodes == tree.num_nodes, f"num_nodes {tree.num_nodes} != {num_nodes}"
+    assert num_blocks == tree.num_cached_blocks, (
+        f"num_cached_blocks {tree.num_cached_blocks} != {num_blocks}")
+    assert num_locked == tree.num_locked_blocks, (
+        f"num_locked_blocks {tree.num_locked_blocks} != {num_locked}")
+    return owned

@@ -1,0 +1,243 @@
+"""Radix-tree nodes and the evictable-leaf index.
+
+A :class:`Node` holds a run of full KV blocks of one cache identity: their tokens packed as
+little-endian uint32 (one ``bytearray``, ``num_blocks * B * 4`` bytes, so a run is compared with
+one ``memcmp``), their extras (multimodal keys, None for an all-text run), chained hashes and
+physical block ids. A node is keyed in its parent by its first block's exact token bytes (plus
+its extras when non-empty), so a lookup never needs a hash.
+
+The :class:`LeafIndex` holds every *evictable leaf* (unlocked, childless, non-root node) in the
+order the eviction policy wants: a ``sortedcontainers.SortedList`` of ``(priority, uid)`` for a
+priority-key policy, or the policy's own structure for a victim-naming one.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import NamedTuple, Sequence
+
+from sortedcontainers import SortedList
+
+from radixkv.eviction import EvictionPolicy
+from radixkv.hashing import unpack_tokens
+
+#: ``array`` typecode of block-id runs (8-byte signed): a match concatenates runs in C, without
+#: touching one Python int per block.
+BLOCK_ID_TYPECODE = "q"
+
+
+def child_key(first_block: bytes, extras: bytes = b"") -> object:
+    """Key of a child node: its first block's packed tokens, paired with its extras if any.
+
+    Text blocks use the bare ``bytes`` so a lookup builds no extra object; a ``(bytes, extras)``
+    pair never equals a ``bytes``, so a text prompt cannot match a multimodal block by key.
+    """
+    return (first_block, extras) if extras else first_block
+
+
+def extras_agree(node_extras: list[bytes] | None, px: Sequence[bytes] | None, first: int,
+                  limit: int) -> int:
+    """Leading blocks (of ``limit``) whose extras agree: node blocks vs prompt blocks ``first…``."""
+    if node_extras is None:
+        if px is None:
+            return limit
+        for j in range(limit):
+            if px[first + j]:
+                return j
+        return limit
+    if px is None:
+        for j in range(limit):
+            if node_extras[j]:
+                return j
+        return limit
+    for j in range(limit):
+        if node_extras[j] != px[first + j]:
+            return j
+    return limit
+
+
+def common_blocks(pb: bytes, pos: int, stored: bytes | bytearray, limit: int, bb: int) -> int:
+    """Leading equal blocks of ``pb[pos:]`` and ``stored`` among the first ``limit``.
+
+    Block 0 is known equal (it matched a key). Binary search over block ranges: O(log limit)
+    ``memcmp`` calls, O(limit) bytes compared in total.
+
+    Args:
+        pb: Packed prompt tokens.
+        pos: Byte offset in ``pb`` of the first block to compare.
+        stored: Packed tokens of a stored run.
+        limit: Blocks to compare at most (≥ 1).
+        bb: Bytes per block (4 * B).
+    """
+    lo, hi = 1, limit  # blocks [0, lo) are equal; the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if pb.startswith(stored[lo * bb : mid * bb], pos + lo * bb):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Node:
+    """A run of cached blocks (or an identity root, which holds none).
+
+    Attributes:
+        uid: Unique id (creation order within the tree).
+        parent: Parent node, None for a root.
+        key: ``child_key(first block bytes, first block extras)``: the key in ``parent.children``.
+        children: Child nodes by key.
+        tokens: Packed uint32-LE tokens of every block (``num_blocks * B * 4`` bytes).
+        extras: Extras of each block (``b""`` for text), or None when every block is text.
+        hashes: Chained hash of each block.
+        block_ids: Physical block id of each block (``array('q')``).
+        lock_ref: Request cursors at this node or below (a held path is locked to the root).
+        last_access_s, hit_count, created_s: Policy inputs (clock units).
+        depth_tokens: Tokens before this node's first block.
+        block_size: B.
+        root_hash: For a root, its identity root hash; else b"".
+        tenant: Tenant label of the identity (inherited from the root), for policies and stats.
+        leaf_entry: Entry in the leaf index (None when the node is not an evictable leaf).
+    """
+
+    __slots__ = (
+        "uid", "parent", "key", "children", "tokens", "extras", "hashes", "block_ids", "lock_ref",
+        "last_access_s", "hit_count", "created_s", "depth_tokens", "block_size", "root_hash",
+        "tenant", "leaf_entry",
+    )
+
+    def __init__(self, uid: int, parent: Node | None, block_size: int, now: float) -> None:
+        self.uid = uid
+        self.parent = parent
+        self.key: object = None
+        self.children: dict[object, Node] = {}
+        self.tokens = bytearray()
+        self.extras: list[bytes] | None = None
+        self.hashes: list[bytes] = []
+        self.block_ids = array(BLOCK_ID_TYPECODE)
+        self.lock_ref = 0
+        self.last_access_s = now
+        self.hit_count = 0
+        self.created_s = now
+        self.depth_tokens = 0
+        self.block_size = block_size
+        self.root_hash = b""
+        self.tenant: str | None = parent.tenant if parent is not None else None
+        self.leaf_entry: object = None
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held by the node."""
+        return len(self.block_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held by the node (``num_blocks * block_size``)."""
+        return len(self.block_ids) * self.block_size
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def end_hash(self) -> bytes:
+        """Chained hash of the node's last block (the root hash for a root)."""
+        return self.hashes[-1] if self.hashes else self.root_hash
+
+    def block_tokens(self, j: int) -> tuple[int, ...]:
+        """Token ids of block ``j`` (slow path: tests and debugging)."""
+        step = 4 * self.block_size
+        return unpack_tokens(bytes(self.tokens[j * step : (j + 1) * step]))
+
+    def block_extras(self, j: int) -> bytes:
+        """Extras encoding of block ``j`` (``b""`` for a text block)."""
+        return self.extras[j] if self.extras is not None else b""
+
+    @property
+    def blocks(self) -> list[tuple[int, ...]]:
+        """Token ids of every block (slow path: tests and debugging)."""
+        return [self.block_tokens(j) for j in range(len(self.block_ids))]
+
+    def __repr__(self) -> str:
+        return (f"Node(uid={self.uid}, depth_tokens={self.depth_tokens}, "
+                f"num_blocks={self.num_blocks}, lock_ref={self.lock_ref})")
+
+
+class MatchResult(NamedTuple):
+    """Result of ``RadixTree.match``.
+
+    Attributes:
+        node: The node at whose end the match stops (the root on a miss).
+        block_ids: Matched physical block ids, in prompt order (``array('q')``).
+        last_hash: Chained hash of the last matched block (the root hash on a miss).
+    """
+
+    node: Node
+    block_ids: list[int]
+    last_hash: bytes
+
+
+class InsertResult(NamedTuple):
+    """Result of ``RadixTree.insert``.
+
+    Attributes:
+        node: The new cursor node (the caller's lock now sits here).
+        last_hash: Chained hash of the last block of the inserted run.
+        inserted_ids: Block ids the tree took ownership of (a sequence; do not modify).
+        duplicate_ids: Block ids whose content the tree already held (they stay private).
+    """
+
+    node: Node
+    last_hash: bytes
+    inserted_ids: list[int]
+    duplicate_ids: list[int]
+
+
+class LeafIndex:
+    """Evictable leaves in eviction order; O(log n) per add / remove / first.
+
+    Args:
+        policy: A priority-key policy (kept in a ``SortedList`` of ``(priority, uid)``: lowest is
+            evicted first, ``uid`` breaks ties) or a victim-naming policy (told about every
+            add/remove and asked for victims).
+    """
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        if policy.kind not in ("priority", "victims"):
+            raise ValueError(f"eviction_policy: policy kind {policy.kind!r} is not supported")
+        self.policy = policy
+        self.by_priority = policy.kind == "priority"
+        self.sorted: SortedList = SortedList()
+        self.nodes: dict[int, Node] = {}
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def add(self, node: Node) -> None:
+        """Insert ``node`` under its current priority."""
+        if self.by_priority:
+            entry = (self.policy.priority(node), node.uid)
+            self.sorted.add(entry)
+            node.leaf_entry = entry
+        else:
+            self.policy.add_leaf(node)
+            node.leaf_entry = True
+        self.nodes[node.uid] = node
+
+    def remove(self, node: Node) -> None:
+        """Remove ``node`` (which must be in the index)."""
+        if self.by_priority:
+            self.sorted.remove(node.leaf_entry)
+        else:
+            self.policy.remove_leaf(node)
+        node.leaf_entry = None
+        del self.nodes[node.uid]
+
+    def first(self) -> Node | None:
+        """The next victim, or None when no leaf is evictable."""
+        if self.by_priority:
+            return self.nodes[self.sorted[0][1]] if self.sorted else None
+        victim = self.policy.choose_victim()
+        if victim is not None and victim.uid not in self.nodes:
+            raise RuntimeError(f"eviction policy named {victim!r}, which is not an evictable leaf")
+        return victim  # type: ignore[return-value]
