@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 from radixkv.block_pool import BlockPool
 from radixkv.cache_gauges import CacheGauges
 from radixkv.cache_check import RequestState, check_manager
-from radixkv.eviction import get_policy
+from radixkv.eviction import make_policy
 from radixkv.hashing import (BlockHasher, CacheIdentity, HashFn, as_packed_tokens, block_extras,
                              pack_tokens, validate_mm_items)
 from radixkv.miss_causes import GhostList, classify_miss, empty_breakdown
@@ -53,6 +53,9 @@ class CacheManager(CacheGauges):
         clock: Time source for policy fields (seconds); tests inject a counter.
         ghost_capacity: Evicted block hashes remembered for the ``evicted`` miss cause
             (default ``num_blocks`` clamped to [1024, 131072]; ~200 bytes each).
+        model_shape: The served model's shape (``radixkv.model.ModelShape``, a cost-model
+            preset name or ``CostShape``) for cost-aware policies (``gdsf``, ``cost``); None
+            uses their default shape. Other policies ignore it.
 
     Raises:
         ValueError: naming the offending argument.
@@ -61,7 +64,7 @@ class CacheManager(CacheGauges):
     def __init__(self, num_blocks: int, block_size: int, *, eviction_policy: str = "lru",
                  enable_prefix_caching: bool = True, hash_algo: str = "xxh3_128",
                  hash_fn: HashFn | None = None, clock: Callable[[], float] = time.monotonic,
-                 ghost_capacity: int | None = None) -> None:
+                 ghost_capacity: int | None = None, model_shape: object | None = None) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
         self.block_size = block_size
@@ -71,7 +74,8 @@ class CacheManager(CacheGauges):
         self.hasher = BlockHasher(hash_algo, hash_fn)
         self.hash_algo = self.hasher.algo
         self.pool = BlockPool(num_blocks)
-        self.tree = RadixTree(block_size, get_policy(eviction_policy), clock)
+        self.tree = RadixTree(block_size, make_policy(eviction_policy, model_shape=model_shape),
+                              clock)
         self.ghost = GhostList(ghost_capacity or min(max(1024, num_blocks), 1 << 17))
         self._evicted_blocks_total = 0
         self._miss_tokens = empty_breakdown()

@@ -42,6 +42,19 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--log-level", default="info")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help='JSON {"<key>": {"tenant": "<name>", "admin": false}}: require '
+                        "'Authorization: Bearer <key>', one cache namespace per tenant")
+    p.add_argument("--max-queue", type=_non_negative, default=None,
+                   help="most sequences waiting beyond --max-num-seqs; more get 503 with "
+                        "Retry-After (default: unbounded)")
+    p.add_argument("--max-concurrency-per-tenant", type=_positive, default=None,
+                   help="most in-flight requests per tenant; more get 429 (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may finish before they are "
+                        "aborted")
+    p.add_argument("--max-body-bytes", type=_positive, default=8 << 20,
+                   help="largest request body; larger ones get 413")
 
 
 def _port(text: str) -> int:
@@ -49,6 +62,20 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
     return port
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _cuda_available() -> bool:
@@ -77,15 +104,21 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _serve(args: argparse.Namespace) -> int:
     from radixkv.engine import AsyncEngine
     from radixkv.server.app import run_server
+    from radixkv.server.auth import load_api_keys
 
     try:
+        api_keys = load_api_keys(args.api_keys) if args.api_keys else None
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         config = engine_config_from_args(args)
-        engine = AsyncEngine(config)
-    except (ValueError, OSError) as exc:  # bad flag values, missing model files
+        engine = AsyncEngine(config, max_queue=args.max_queue)
+    except (ValueError, OSError) as exc:  # bad flag values, key file, missing model files
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
     try:
-        run_server(engine, host=args.host, port=args.port)
+        run_server(engine, host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
+                   shutdown_timeout_s=args.shutdown_timeout, api_keys=api_keys,
+                   max_concurrency_per_tenant=args.max_concurrency_per_tenant)
     except OSError as exc:  # e.g. the port is taken
         print(f"radixkv serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,10 @@ inbox that the engine thread drains before each step, and outputs come back thro
 ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request. Tokenizing (chat
 template rendering) runs in a worker thread, so a long prompt never blocks the loop; the
 ``ChatTokenizer`` serialises calls into the HF tokenizer, which is not re-entrant.
+
+Admission control lives here too: ``max_queue`` bounds the sequences waiting beyond the
+scheduler's ``max_num_seqs`` (``QueueFullError`` past it, the server's 503), and every request's
+tenant, time to first token and inter-token latency are recorded as its outputs are delivered.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, Sequence
 
 from radixkv.config import EngineConfig
 from radixkv.llm_engine import LLMEngine, RequestOutput
@@ -24,11 +29,87 @@ from radixkv.sampling import SamplingParams
 
 log = get_logger(__name__)
 
-__all__ = ["AsyncEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestOutput", "RequestStream",
+           "SamplingParams"]
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; no request can make progress."""
+
+
+class QueueFullError(RuntimeError):
+    """Admitting the request would queue more than ``max_queue`` sequences (server: 503)."""
+
+
+class _Live:
+    """Engine-thread side of one request's output stream."""
+
+    __slots__ = ("loop", "queue", "remaining", "tenant", "arrival_s", "last_token_s")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, out_queue: asyncio.Queue, n: int,
+                 tenant: str | None, arrival_s: float) -> None:
+        self.loop = loop
+        self.queue = out_queue
+        self.remaining = n
+        self.tenant = tenant
+        self.arrival_s = arrival_s
+        self.last_token_s: dict[int, float] = {}  # choice index -> when its last token came
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator (``AsyncEngine.generate``).
+
+    With ``n > 1`` the choices' outputs arrive interleaved (``RequestOutput.index``); the
+    iteration ends after every choice finished, or at the first ``finish_reason == "abort"``
+    (the request was aborted: by ``close``, ``AsyncEngine.abort`` or ``abort_all``). Closing it
+    earlier aborts the request; its blocks are released within one engine step. Every stream
+    must be closed or run to its end: it holds its place in the admission bound until then.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, n: int, out_queue: asyncio.Queue
+                 ) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self.n = n
+        self._queue = out_queue
+        self._remaining = n
+        self._open = True
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._remaining or not self._open:
+            self._release()
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._release()
+            raise item
+        self._remaining -= item.finished
+        if item.finish_reason == "abort":
+            self._remaining = 0
+        if not self._remaining:
+            self._release()
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return not self._remaining
+
+    def close(self) -> None:
+        """Abort the request if it is unfinished; idempotent."""
+        if self._open and self._remaining:
+            self._engine.abort(self.request_id)
+        self._release()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def _release(self) -> None:
+        if self._open:
+            self._open = False
+            self._engine._release(self)
 
 
 class AsyncEngine:
@@ -39,20 +120,30 @@ class AsyncEngine:
         model: an already loaded model (tests share one); None loads ``config.model``.
         check_integrity_when_idle: run the cache manager's ``check_integrity()`` whenever the
             engine runs out of work (tests turn this on).
+        max_queue: most sequences (choices) in flight beyond ``max_num_seqs``; one more is
+            refused with ``QueueFullError``. None: unbounded. A request arriving when nothing is
+            in flight is always accepted, whatever its ``n``.
     """
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *,
-                 check_integrity_when_idle: bool = False) -> None:
+                 check_integrity_when_idle: bool = False, max_queue: int | None = None) -> None:
+        if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 0):
+            raise ValueError(f"max_queue: must be an int >= 0 or None, got {max_queue!r}")
         self._engine = LLMEngine(config, model)
         self.tokenizer = self._engine.tokenizer
         self.model_name = self._engine.model_name
         self.max_model_len = self._engine.max_model_len
         self.block_size = self._engine.block_size
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_queue = max_queue
         self._check_integrity = check_integrity_when_idle
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        # request id -> (client loop, output queue, [choices still unfinished])
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
+        self._streams: dict[str, _Live] = {}  # request id -> delivery target (engine thread)
+        self._streams_lock = threading.Lock()  # registration vs. the dying thread's final flush
+        self._closed = False
+        self._active: set[RequestStream] = set()  # event-loop side: open streams
+        self._num_seqs = 0  # choices of the open streams
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-tok")
@@ -92,55 +183,95 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, self.tokenizer.encode, text)
 
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of token ids, in a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, partial(self.tokenizer.decode, list(token_ids),
+                                         skip_special_tokens=skip_special_tokens))
+
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return self._engine.default_max_tokens(num_prompt_tokens)
 
-    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                 cache_salt: str | None = None, request_id: str | None = None
-                 ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and return its stream of per-step outputs.
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Requests whose stream is open (queued or running)."""
+        return len(self._active)
 
-        Validation happens here, before anything is queued. With ``params.n > 1`` the outputs
-        of all choices arrive interleaved, told apart by ``RequestOutput.index``; the iterator
-        ends after every choice finished. Closing or cancelling the returned iterator before
-        that aborts the request; its blocks are released within one engine step.
+    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                 cache_salt: str | None = None, request_id: str | None = None,
+                 tenant: str | None = None) -> RequestStream:
+        """Submit a request and return its stream of per-step outputs (call from the loop).
+
+        Validation happens here, before anything is queued. See ``RequestStream``.
+
+        Args:
+            tenant: labels the request for per-tenant stats and latency (not isolation: that
+                is ``cache_salt``).
 
         Raises:
             ValueError: the request is invalid (see ``LLMEngine.make_request``).
+            QueueFullError: the admission bound (``max_queue``) is reached.
             EngineDeadError: the engine thread has stopped.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
+        if (self.max_queue is not None and self._num_seqs
+                and self._num_seqs + params.n > self.max_num_seqs + self.max_queue):
+            raise QueueFullError(
+                f"the engine is at capacity: {self._num_seqs} sequences in flight, "
+                f"{self.max_num_seqs} running at most and {self.max_queue} queued at most")
         req = self._engine.make_request(prompt_token_ids, params, cache_salt=cache_salt,
-                                        request_id=request_id)
-        return self._stream(req)
-
-    async def _stream(self, req) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
+                                        request_id=request_id, tenant=tenant)
         out_queue: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = (loop, out_queue, [req.params.n])
+        live = _Live(asyncio.get_running_loop(), out_queue, params.n, tenant, req.arrival_s)
+        with self._streams_lock:
+            if self._closed:
+                raise EngineDeadError(f"engine stopped: {self.error!r}")
+            self._streams[req.request_id] = live
+        stream = RequestStream(self, req.request_id, params.n, out_queue)
+        self._active.add(stream)
+        self._num_seqs += params.n
         self._inbox.put(("add", req))
         self._wake.set()
-        remaining = req.params.n
-        try:
-            while remaining:
-                item = await out_queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                remaining -= item.finished
-                yield item
-        finally:
-            if remaining:
-                self.abort(req.request_id)
+        return stream
+
+    def _release(self, stream: RequestStream) -> None:
+        if stream in self._active:
+            self._active.discard(stream)
+            self._num_seqs -= stream.n
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to abort a request (any phase); returns immediately."""
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self) -> int:
+        """Abort every open request (graceful shutdown past its timeout); returns how many."""
+        streams = [s for s in self._active if not s.finished]
+        for stream in streams:
+            self.abort(stream.request_id)
+        return len(streams)
+
     def stats(self) -> dict:
-        """The latest ``/stats`` snapshot, taken by the engine thread after each step."""
-        return self._stats
+        """The latest ``/stats`` snapshot (taken by the engine thread after each step), with
+        ``latency_ms`` over the recent window."""
+        out = dict(self._stats)
+        out["latency_ms"] = self._engine.stats.latency_ms()
+        return out
+
+    def tenant_stats(self, tenant: str) -> dict:
+        """One tenant's counters, rates and latency (DESIGN.md §7 tenant view)."""
+        return self._engine.stats.tenant_snapshot(tenant)
+
+    @property
+    def engine_stats(self):
+        """The live ``EngineStats`` (latency histograms for /metrics)."""
+        return self._engine.stats
+
+    def scheduler_gauges(self) -> dict[str, int]:
+        """Sequences running and waiting in the scheduler now (read across threads)."""
+        sched = self._engine.scheduler
+        return {"running": len(sched.running), "waiting": len(sched.waiting)}
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -163,9 +294,11 @@ class AsyncEngine:
             self.error = exc
         finally:
             dead = EngineDeadError(f"engine stopped: {self.error!r}" if self.error else "engine stopped")
-            for loop, out_queue, _ in list(self._streams.values()):
-                self._put(loop, out_queue, dead)
-            self._streams.clear()
+            with self._streams_lock:
+                self._closed = True
+                for live in list(self._streams.values()):
+                    self._put(live.loop, live.queue, dead)
+                self._streams.clear()
 
     def _drain_inbox(self) -> None:
         engine = self._engine
@@ -180,24 +313,38 @@ class AsyncEngine:
                     engine.add_request(payload)
             else:
                 aborted = engine.abort_request(payload)
+                live = self._streams.get(payload)
                 if aborted:
                     outputs += aborted
                     log.info("request_aborted", request_id=payload)
+                    if live is not None and live.tenant is not None:
+                        engine.stats.record_tenant_abort(live.tenant, len(aborted))
+                elif live is not None:  # not in the engine (finished meanwhile): end the stream
+                    del self._streams[payload]
         if outputs:
             self._stats = engine.stats_snapshot()
             self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        stats = self._engine.stats
         for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is None:
+            live = self._streams.get(out.request_id)
+            if live is None:
                 continue
-            loop, out_queue, remaining = target
+            if out.new_token_ids:
+                num = len(out.new_token_ids)
+                last = live.last_token_s.get(out.index)
+                if last is None:
+                    stats.record_tenant_output(live.tenant, num, ttft_s=now - live.arrival_s)
+                else:
+                    stats.record_tenant_output(live.tenant, num, itl_s=(now - last) / num)
+                live.last_token_s[out.index] = now
             if out.finished:
-                remaining[0] -= 1
-                if remaining[0] == 0:
+                live.remaining -= 1
+                if live.remaining <= 0 or out.finish_reason == "abort":
                     del self._streams[out.request_id]
-            self._put(loop, out_queue, out)
+            self._put(live.loop, live.queue, out)
 
     @staticmethod
     def _put(loop: asyncio.AbstractEventLoop, out_queue: asyncio.Queue, item: Any) -> None:

@@ -16,6 +16,7 @@ import torch
 from radixkv.cache_manager import CacheManager
 from radixkv.config import GIB, EngineConfig
 from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.eviction.cost_model import cost_shape_from_model_shape
 from radixkv.hashing import CacheIdentity
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel, load_model
@@ -93,12 +94,15 @@ class LLMEngine:
         self.prefix_caching_disabled_reason = _prefix_caching_refusal(config, shape)
         if self.prefix_caching_disabled_reason is not None:
             log.warning("prefix_caching_refused", reason=self.prefix_caching_disabled_reason)
+        cost_shape = cost_shape_from_model_shape(shape, self.model.name)
         self.cache = CacheManager(num_blocks, block_size,
                                   eviction_policy=config.cache.eviction_policy,
                                   enable_prefix_caching=(config.cache.enable_prefix_caching
                                                          and self.prefix_caching_disabled_reason is None),
-                                  hash_algo=config.cache.hash_algo)
+                                  hash_algo=config.cache.hash_algo,
+                                  model_shape=cost_shape)
         self.stats = EngineStats()
+        self.stats.cost_shape = cost_shape  # saved_prefill_flops_total at admission
         self.scheduler = Scheduler(config.scheduler, self.cache, self.stats)
         self.model_name = config.served_model_name or self.model.name
         self.max_model_len = shape.max_position_embeddings
@@ -129,8 +133,11 @@ class LLMEngine:
         return max(1, min(self.max_model_len, self.num_blocks * self.block_size) - num_prompt_tokens)
 
     def make_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                     cache_salt: str | None = None, request_id: str | None = None) -> Request:
+                     cache_salt: str | None = None, request_id: str | None = None,
+                     tenant: str | None = None) -> Request:
         """Validate a prompt and build its ``Request`` (not yet queued).
+
+        ``tenant`` only labels the request for per-tenant stats; isolation is ``cache_salt``.
 
         Raises:
             ValueError: empty prompt, a token id outside the vocabulary, prompt + max_tokens
@@ -156,7 +163,7 @@ class LLMEngine:
         return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
                        params=params, cache_root=self.cache_root(cache_salt),
                        detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-                       generator=make_generator(params, self.config.device))
+                       generator=make_generator(params, self.config.device), tenant=tenant)
 
     def add_request(self, req: Request) -> None:
         self._groups[req.group_id] = [req]
@@ -251,7 +258,7 @@ class LLMEngine:
                             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
                             generator=make_generator(params, self.config.device, index),
                             admitted=True, num_cached_tokens=parent.num_cached_tokens,
-                            group_id=parent.group_id, index=index)
+                            group_id=parent.group_id, index=index, tenant=parent.tenant)
             group.append(child)
             copies = self.cache.fork(parent.request_id, child.request_id,
                                      num_computed_tokens=prompt_len)

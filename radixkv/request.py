@@ -64,6 +64,7 @@ class Request:
     group_id: str = ""
     index: int = 0
     num_bypassed: int = 0   # times a later arrival was admitted first (bounded wait)
+    tenant: str | None = None  # the server's authenticated tenant (per-tenant stats)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -136,7 +136,7 @@ class Scheduler:
             else:
                 req.admitted = True
                 req.num_cached_tokens = num_cached
-                self.stats.record_admission(req.num_prompt_tokens, num_cached)
+                self.stats.record_admission(req.num_prompt_tokens, num_cached, tenant=req.tenant)
                 self.cache.record_admission(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -7,8 +7,13 @@ at its first admission; a preempted request's resume is not a second lookup.
 
 from __future__ import annotations
 
+import bisect
+import math
 import threading
+from collections import deque
 from typing import Any, Protocol
+
+from radixkv.eviction.cost_model import saved_prefill_flops
 
 
 class _CacheGauges(Protocol):
@@ -24,8 +29,65 @@ class _CacheGauges(Protocol):
     evicted_blocks_total: int
 
 
+# Prometheus-style upper bounds (seconds) of the TTFT / ITL histograms.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0, 60.0, 120.0)
+
+
+class LatencyHistogram:
+    """Latency samples (seconds): cumulative bucket counts for Prometheus and a window of the
+    most recent samples for percentiles. Not locked itself: ``EngineStats`` holds its lock."""
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS_S, window: int = 4096) -> None:
+        self.buckets = tuple(buckets)
+        self.bucket_counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.sum_s = 0.0
+        self.count = 0
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def observe(self, seconds: float) -> None:
+        self.bucket_counts[bisect.bisect_left(self.buckets, seconds)] += 1  # le = upper bound
+        self.sum_s += seconds
+        self.count += 1
+        self.recent.append(seconds)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``[(upper bound, samples <= bound), …, (inf, count)]``."""
+        out, total = [], 0
+        for bound, n in zip((*self.buckets, math.inf), self.bucket_counts):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+def _percentile_ms(samples: list[float], q: float) -> float | None:
+    """Nearest-rank percentile in milliseconds; None without samples."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000.0
+
+
+class TenantCounters:
+    """One tenant's share of the request and token counters, and its latencies."""
+
+    def __init__(self) -> None:
+        self.requests_total = 0
+        self.requests_with_hit_total = 0
+        self.requests_aborted_total = 0
+        self.prompt_tokens_total = 0
+        self.cached_prompt_tokens_total = 0
+        self.generated_tokens_total = 0
+        self.ttft = LatencyHistogram()
+        self.itl = LatencyHistogram()
+
+
 class EngineStats:
-    """Counters written by the engine thread; ``snapshot`` may be called from any thread."""
+    """Counters written by the engine thread; ``snapshot`` may be called from any thread.
+
+    Per-tenant counters (``tenant_snapshot``) are recorded for requests that carry a tenant
+    (the server's authenticated tenant); the global counters always include them.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -37,14 +99,100 @@ class EngineStats:
         self.requests_aborted_total = 0
         self.preemptions_total = 0
         self.resumed_cached_tokens_total = 0
+        # Prefill FLOPs the prefix cache saved (eviction.cost_model, shape set by the engine).
+        self.saved_prefill_flops_total = 0.0
+        self.cost_shape: Any = None
+        self.tenants: dict[str, TenantCounters] = {}
+        self.ttft = LatencyHistogram()
+        self.itl = LatencyHistogram()
 
-    def record_admission(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+    def _tenant(self, tenant: str) -> TenantCounters:
+        counters = self.tenants.get(tenant)
+        if counters is None:
+            counters = self.tenants[tenant] = TenantCounters()
+        return counters
+
+    def record_admission(self, num_prompt_tokens: int, num_cached_tokens: int, *,
+                         tenant: str | None = None) -> None:
         with self._lock:
             self.requests_total += 1
             self.prompt_tokens_total += num_prompt_tokens
             self.cached_prompt_tokens_total += num_cached_tokens
+            if num_cached_tokens > 0 and self.cost_shape is not None:
+                self.saved_prefill_flops_total += saved_prefill_flops(self.cost_shape,
+                                                                      num_cached_tokens)
             if num_cached_tokens > 0:
                 self.requests_with_hit_total += 1
+            if tenant is not None:
+                t = self._tenant(tenant)
+                t.requests_total += 1
+                t.prompt_tokens_total += num_prompt_tokens
+                t.cached_prompt_tokens_total += num_cached_tokens
+                t.requests_with_hit_total += int(num_cached_tokens > 0)
+
+    def record_tenant_output(self, tenant: str | None, num_tokens: int, *,
+                             ttft_s: float | None = None, itl_s: float | None = None) -> None:
+        """Tokens delivered to a request of ``tenant`` and their latency (global too).
+
+        ``generated_tokens_total`` itself is counted by ``record_generated`` (per step); this adds
+        the tenant's share and the time to first token / inter-token latency samples.
+        """
+        with self._lock:
+            t = self._tenant(tenant) if tenant is not None else None
+            if t is not None:
+                t.generated_tokens_total += num_tokens
+            if ttft_s is not None:
+                self.ttft.observe(ttft_s)
+                if t is not None:
+                    t.ttft.observe(ttft_s)
+            if itl_s is not None:
+                self.itl.observe(itl_s)
+                if t is not None:
+                    t.itl.observe(itl_s)
+
+    def record_tenant_abort(self, tenant: str, num_requests: int = 1) -> None:
+        with self._lock:
+            self._tenant(tenant).requests_aborted_total += num_requests
+
+    def latency_ms(self, tenant: str | None = None) -> dict[str, float | None]:
+        """``{"ttft_p50", "ttft_p99", "itl_p50", "itl_p99"}`` in ms over the recent window
+        (None before the first sample), globally or for one tenant."""
+        with self._lock:
+            source: Any = self if tenant is None else self.tenants.get(tenant)
+            ttft = list(source.ttft.recent) if source is not None else []
+            itl = list(source.itl.recent) if source is not None else []
+        return {"ttft_p50": _percentile_ms(ttft, 0.5), "ttft_p99": _percentile_ms(ttft, 0.99),
+                "itl_p50": _percentile_ms(itl, 0.5), "itl_p99": _percentile_ms(itl, 0.99)}
+
+    def latency_histograms(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
+        """Global ``{"ttft"|"itl": (cumulative buckets, sum in seconds)}`` for Prometheus."""
+        with self._lock:
+            return {"ttft": (self.ttft.cumulative(), self.ttft.sum_s),
+                    "itl": (self.itl.cumulative(), self.itl.sum_s)}
+
+    def tenant_snapshot(self, tenant: str) -> dict[str, Any]:
+        """One tenant's counters and rates (zeros for a tenant never seen), plus latency_ms."""
+        with self._lock:
+            t = self.tenants.get(tenant) or TenantCounters()
+            prompt, cached, requests = (t.prompt_tokens_total, t.cached_prompt_tokens_total,
+                                        t.requests_total)
+            out: dict[str, Any] = {
+                "requests_total": requests,
+                "requests_with_hit_total": t.requests_with_hit_total,
+                "requests_aborted_total": t.requests_aborted_total,
+                "prompt_tokens_total": prompt,
+                "cached_prompt_tokens_total": cached,
+                "computed_prompt_tokens_total": prompt - cached,
+                "generated_tokens_total": t.generated_tokens_total,
+                "token_hit_rate": cached / prompt if prompt else 0.0,
+                "request_hit_rate": t.requests_with_hit_total / requests if requests else 0.0,
+            }
+        out["latency_ms"] = self.latency_ms(tenant)
+        return out
+
+    def tenant_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self.tenants)
 
     def record_abort(self) -> None:
         with self._lock:
@@ -81,6 +229,7 @@ class EngineStats:
                 "request_hit_rate": self.requests_with_hit_total / requests if requests else 0.0,
                 "preemptions_total": self.preemptions_total,
                 "resumed_cached_tokens_total": self.resumed_cached_tokens_total,
+                "saved_prefill_flops_total": self.saved_prefill_flops_total,
             }
         out["evicted_blocks_total"] = cache.evicted_blocks_total
         out["miss_tokens"] = dict(cache.miss_tokens)

@@ -116,7 +116,45 @@ def load_tau_bench(path: str | Path | None = None) -> list[list[Request]]:
     return sessions
 
 
-SOURCES = {"tau-bench": load_tau_bench}
+def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
+    """Load SWE-agent ``*.traj`` trajectories as normalised sessions (one per file).
+
+    Each file's ``history`` is cleaned per SOURCES.md rule 2 (a tool message's
+    ``tool_call_ids[0]`` becomes its ``tool_call_id``) and split per rule 3. Files are read in
+    sorted path order; the session id is the path relative to ``path``.
+
+    Args:
+        path: A ``.traj`` file or a folder searched recursively; default
+            ``<repo>/../shared/agent-transcripts/swe-agent`` (22 sessions, 230 requests).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or holds no ``.traj`` file.
+        ValueError: A file has no ``history`` list.
+    """
+    base = Path(path) if path is not None else DEFAULT_TRANSCRIPTS_DIR / "swe-agent"
+    files = [base] if base.is_file() else sorted(base.rglob("*.traj"))
+    if not files:
+        raise FileNotFoundError(f"path: no .traj file under {base}")
+    sessions: list[list[Request]] = []
+    for file in files:
+        with open(file, "rb") as f:
+            record = json.load(f)
+        history = record.get("history") if isinstance(record, dict) else None
+        if not isinstance(history, list):
+            raise ValueError(f"path: {file} has no 'history' list")
+        messages = []
+        for raw in history:
+            if raw.get("role") == "tool" and raw.get("tool_call_id") is None and raw.get("tool_call_ids"):
+                raw = {**raw, "tool_call_id": raw["tool_call_ids"][0]}
+            message = normalise_message(raw)
+            if message is not None:
+                messages.append(message)
+        session_id = file.name if base.is_file() else str(file.relative_to(base))
+        sessions.append(requests_from_history(session_id, messages))
+    return sessions
+
+
+SOURCES = {"tau-bench": load_tau_bench, "swe-agent": load_swe_agent}
 """Source name (``--source``) → loader returning sessions of normalised requests."""
 
 

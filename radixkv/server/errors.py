@@ -28,16 +28,19 @@ class APIError(Exception):
         type: OpenAI error type, e.g. ``invalid_request_error``.
         param: The request field at fault (dotted path, e.g. ``messages[2].role``) or None.
         code: Machine-readable code (e.g. ``model_not_found``) or None.
+        headers: Extra response headers (``Retry-After``, ``WWW-Authenticate``).
     """
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str = INVALID_REQUEST) -> None:
+                 code: str | None = None, type: str = INVALID_REQUEST,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type,
@@ -56,7 +59,30 @@ def json_response(body: object, status: int = 200, headers: dict | None = None) 
 
 
 def error_response(err: APIError) -> web.Response:
-    return json_response(err.to_dict(), status=err.status)
+    return json_response(err.to_dict(), status=err.status, headers=err.headers)
+
+
+RETRY_AFTER_S = 1
+
+
+def queue_full(message: str) -> APIError:
+    """503: the engine's admission queue is full; retry after ``RETRY_AFTER_S``."""
+    return APIError(503, message, type=SERVER_ERROR, code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def tenant_limit(tenant: str | None, limit: int) -> APIError:
+    """429: the tenant already has ``limit`` requests in flight."""
+    who = f"tenant '{tenant}'" if tenant else "this server's tenant"
+    return APIError(429, f"Too many concurrent requests: {who} may have {limit} in flight",
+                    type="requests", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def shutting_down() -> APIError:
+    """503 while the server drains before exiting."""
+    return APIError(503, "the server is shutting down", type=SERVER_ERROR, code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _from_http_exception(exc: web.HTTPException) -> APIError:

@@ -1,23 +1,27 @@
-"""Validation of OpenAI chat requests and building of chat responses.
+"""Validation of OpenAI chat requests (and ``/tokenize`` bodies).
 
 Everything here is pure (no engine, no I/O) so that the whole catalogue of bad input can be
 checked cheaply. A request that asks for something we do not implement and that would change
 what the caller gets (logit_bias, logprobs, penalties, JSON mode, forced tool calls,
 unknown keys) is refused with a 400 naming the parameter rather than silently ignored.
+Shared decoding and sampling fields live in ``radixkv.server.params``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from radixkv.sampling import SamplingParams
-from radixkv.server.errors import APIError, bad_request
+from radixkv.server.errors import bad_request
+from radixkv.server.params import (  # some re-exported (see __all__)
+    JSON_CONTENT_TYPES, MAX_CHOICES, check_model, json_depth, opt_bool, parse_json_object,
+    parse_sampling, refuse_unimplemented_sampling, refuse_unknown_keys, sampling_params,
+)
 
-JSON_CONTENT_TYPES = ("application/json",)
+__all__ = ["CHAT_KEYS", "JSON_CONTENT_TYPES", "MAX_CHOICES", "ChatRequest", "TokenizeRequest",
+           "check_model", "parse_chat_request", "parse_json_object", "parse_tokenize_request",
+           "validate_messages", "validate_tools"]
 
 # Accepted top-level keys; anything else is refused (param = the key).
 CHAT_KEYS = frozenset({
@@ -39,63 +43,10 @@ _MESSAGE_KEYS = {
                   "function_call"},
     "tool": {"role", "content", "tool_call_id", "name"},
 }
-MAX_CHOICES = 64  # SamplingParams.n bound
-_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
-
-
-def parse_json_object(raw: bytes, content_type: str) -> dict[str, Any]:
-    """Decode a request body that must be a JSON object.
-
-    Raises:
-        APIError: 400 for a non-JSON content type, invalid JSON, or a non-object value.
-    """
-    if content_type not in JSON_CONTENT_TYPES and not content_type.endswith("+json"):
-        raise bad_request(f"Content-Type must be application/json, got {content_type!r}")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}")
-    if not isinstance(body, dict):
-        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
-
-
-def _opt_int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not _is_int(v):
-        raise bad_request(f"'{key}' must be an integer, got {v!r}", key)
-    if v < lo or (hi is not None and v > hi):
-        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise bad_request(f"'{key}' must be {bound}, got {v}", key)
-    return v
-
-
-def _opt_number(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not _is_number(v):
-        raise bad_request(f"'{key}' must be a number, got {v!r}", key)
-    if v > hi or v < lo or (lo_open and v == lo):
-        raise bad_request(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", key)
-    return float(v)
-
-
-def _opt_bool(body: dict, key: str) -> bool | None:
-    v = body.get(key)
-    if v is not None and not isinstance(v, bool):
-        raise bad_request(f"'{key}' must be a boolean, got {v!r}", key)
-    return v
+MAX_MESSAGES = 8192      # far more than fit any context; refused before templating
+MAX_CONTENT_PARTS = 1024
+MAX_TOOLS = 128          # OpenAI's limit
+MAX_TOOL_SCHEMA_DEPTH = 32
 
 
 def _content_text(content: Any, param: str, *, nullable: bool) -> str:
@@ -108,6 +59,8 @@ def _content_text(content: Any, param: str, *, nullable: bool) -> str:
         return content
     if not isinstance(content, list):
         raise bad_request(f"'{param}' must be a string or a list of content parts", param)
+    if len(content) > MAX_CONTENT_PARTS:
+        raise bad_request(f"'{param}' has {len(content)} parts; at most {MAX_CONTENT_PARTS}", param)
     texts = []
     for j, part in enumerate(content):
         p = f"{param}[{j}]"
@@ -159,6 +112,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         raise bad_request("'messages' is required", "messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"'messages' has {len(messages)} messages; at most {MAX_MESSAGES}",
+                          "messages")
     out = []
     for i, msg in enumerate(messages):
         p = f"messages[{i}]"
@@ -202,6 +158,8 @@ def validate_tools(tools: Any) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         raise bad_request("'tools' must be a list", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' has {len(tools)} tools; at most {MAX_TOOLS}", "tools")
     for j, tool in enumerate(tools):
         p = f"tools[{j}]"
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -213,23 +171,12 @@ def validate_tools(tools: Any) -> list[dict] | None:
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad_request(f"'{p}.function.parameters' must be an object",
                               f"{p}.function.parameters")
+        if json_depth(tool, MAX_TOOL_SCHEMA_DEPTH) > MAX_TOOL_SCHEMA_DEPTH:
+            raise bad_request(f"'{p}' is nested deeper than {MAX_TOOL_SCHEMA_DEPTH} levels", p)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise bad_request(f"'{p}.function.description' must be a string",
+                              f"{p}.function.description")
     return tools or None
-
-
-def check_model(body: dict, served_model: str) -> None:
-    """``model`` may be omitted; otherwise it must name the served model.
-
-    Raises:
-        APIError: 400 if not a string, 404 ``model_not_found`` for another model.
-    """
-    model = body.get("model")
-    if model is None:
-        return
-    if not isinstance(model, str):
-        raise bad_request(f"'model' must be a string, got {model!r}", "model")
-    if model != served_model:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                            f"'{served_model}'", param="model", code="model_not_found")
 
 
 @dataclass(frozen=True)
@@ -242,7 +189,7 @@ class ChatRequest:
         max_tokens: Requested output cap in tokens; None = up to the context limit.
         stream: Answer as server-sent events.
         include_usage: Streaming only: send a final chunk carrying ``usage``.
-        cache_salt: Per-request cache isolation salt, or None.
+        cache_salt: The client's cache isolation salt, or None.
     """
 
     messages: list[dict[str, Any]]
@@ -261,22 +208,18 @@ class ChatRequest:
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Engine sampling parameters with the resolved ``max_tokens``."""
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop,
-                              ignore_eos=self.ignore_eos, n=self.n)
+        return sampling_params(self, max_tokens)
 
 
 def _refuse_unimplemented(body: dict) -> None:
     """400 for options that would change the result and that we do not implement."""
-    if _opt_bool(body, "logprobs"):
-        raise bad_request("'logprobs' is not supported", "logprobs")
+    if opt_bool(body, "logprobs"):
+        raise bad_request("'logprobs' is not supported: radixkv does not compute log "
+                          "probabilities", "logprobs")
     if body.get("top_logprobs") is not None:
-        raise bad_request("'top_logprobs' is not supported", "top_logprobs")
-    if body.get("logit_bias"):  # null and {} change nothing
-        raise bad_request("'logit_bias' is not supported", "logit_bias")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _opt_number(body, key, -2.0, 2.0):
-            raise bad_request(f"'{key}' is not supported (only 0)", key)
+        raise bad_request("'top_logprobs' is not supported: radixkv does not compute log "
+                          "probabilities", "top_logprobs")
+    refuse_unimplemented_sampling(body)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad_request("'response_format' supports only {\"type\": \"text\"}",
@@ -285,9 +228,7 @@ def _refuse_unimplemented(body: dict) -> None:
     if choice is not None and choice not in ("auto", "none"):
         # "required" / a named function would force a tool call, which we do not constrain.
         raise bad_request("'tool_choice' supports only 'auto' and 'none'", "tool_choice")
-    _opt_bool(body, "parallel_tool_calls")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad_request("'user' must be a string", "user")
+    opt_bool(body, "parallel_tool_calls")
 
 
 def parse_chat_request(body: dict[str, Any], served_model: str) -> ChatRequest:
@@ -297,63 +238,12 @@ def parse_chat_request(body: dict[str, Any], served_model: str) -> ChatRequest:
         APIError: 400 naming the parameter for any invalid or unsupported field; 404 for an
             unknown model.
     """
-    for key in body:
-        if key not in CHAT_KEYS:
-            raise bad_request(f"unknown parameter '{key}'", key)
+    refuse_unknown_keys(body, CHAT_KEYS)
     check_model(body, served_model)
     messages = validate_messages(body.get("messages"))
     tools = validate_tools(body.get("tools"))
     _refuse_unimplemented(body)
-    max_tokens = _opt_int(body, "max_tokens", 1)
-    max_completion = _opt_int(body, "max_completion_tokens", 1)
-    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
-        raise bad_request("'max_tokens' and 'max_completion_tokens' disagree; send one",
-                          "max_completion_tokens")
-    stop = body.get("stop")
-    if stop is None:
-        stop_t: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stop_t = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop_t = tuple(stop)
-    else:
-        raise bad_request("'stop' must be a string or a list of strings", "stop")
-    if any(not s for s in stop_t):
-        raise bad_request("'stop' sequences must be non-empty", "stop")
-    stream = bool(_opt_bool(body, "stream"))
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise bad_request("'stream_options' is only allowed when 'stream' is true",
-                              "stream_options")
-        if not isinstance(options, dict):
-            raise bad_request("'stream_options' must be an object", "stream_options")
-        for key in options:
-            if key != "include_usage":
-                raise bad_request(f"unknown parameter 'stream_options.{key}'",
-                                  f"stream_options.{key}")
-        include_usage = bool(_opt_bool(options, "include_usage"))
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
-    top_k = _opt_int(body, "top_k", -1)
-    n = _opt_int(body, "n", 1)
-    if n is not None and n > MAX_CHOICES:
-        raise bad_request(f"'n' must be at most {MAX_CHOICES}, got {n}", "n")
-    temperature = _opt_number(body, "temperature", 0.0, 2.0)
-    top_p = _opt_number(body, "top_p", 0.0, 1.0, lo_open=True)
-    return ChatRequest(
-        messages=messages, tools=tools,
-        max_tokens=max_completion if max_completion is not None else max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=0 if top_k in (None, -1) else top_k,
-        seed=_opt_int(body, "seed", _SEED_MIN, _SEED_MAX),
-        stop=stop_t, ignore_eos=bool(_opt_bool(body, "ignore_eos")),
-        stream=stream, include_usage=include_usage, cache_salt=salt,
-        n=1 if n is None else n,
-    )
+    return ChatRequest(messages=messages, tools=tools, **parse_sampling(body).fields())
 
 
 @dataclass(frozen=True)

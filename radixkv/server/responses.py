@@ -1,4 +1,4 @@
-"""Chat-completion response bodies (one JSON, or SSE chunks) in OpenAI's shapes.
+"""Chat and text completion response bodies (one JSON, or SSE chunks) in OpenAI's shapes.
 
 Streaming sends ``data: <chunk JSON>\\n\\n`` events: a first chunk with ``delta.role``, content
 deltas, a last chunk with ``finish_reason``, then (with ``stream_options.include_usage``) a
@@ -90,3 +90,58 @@ class ChatCompletion:
         """An error after the stream started (status already sent): OpenAI error shape."""
         return sse_event({"error": {"message": message, "type": type_, "param": None,
                                     "code": code}})
+
+
+@dataclass
+class TextCompletion:
+    """Identity of one ``/v1/completions`` response or its chunks (``object: text_completion``).
+
+    Attributes:
+        model: The served model id echoed in every body.
+        include_usage: Streaming: add ``"usage": null`` to chunks and a final usage chunk.
+        echo: Text to put in front of every choice (the prompt, with ``echo: true``) or "".
+        id: ``cmpl-<uuid4 hex>``; also the engine request id.
+        created: Unix time in whole seconds.
+    """
+
+    model: str
+    include_usage: bool = False
+    echo: str = ""
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def response(self, choices: list[tuple[str, str | None]], usage_: dict) -> dict:
+        """The non-streaming body; ``choices[i] = (generated text, finish_reason)``."""
+        return {
+            "id": self.id, "object": "text_completion", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": i, "text": self.echo + text, "logprobs": None,
+                         "finish_reason": reason} for i, (text, reason) in enumerate(choices)],
+            "usage": usage_,
+        }
+
+    def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        body = {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage_
+        return body
+
+    def _text(self, text: str, index: int, finish_reason: str | None = None) -> bytes:
+        return sse_event(self._chunk([{"index": index, "text": text, "logprobs": None,
+                                       "finish_reason": finish_reason}]))
+
+    def role_chunk(self, index: int = 0) -> bytes:
+        """First event of a choice: the echoed prompt, if any (b"" otherwise)."""
+        return self._text(self.echo, index) if self.echo else b""
+
+    def content_chunk(self, text: str, index: int = 0) -> bytes:
+        return self._text(text, index)
+
+    def finish_chunk(self, finish_reason: str | None, index: int = 0) -> bytes:
+        return self._text("", index, finish_reason)
+
+    def usage_chunk(self, usage_: dict) -> bytes:
+        return sse_event(self._chunk([], usage_))
+
+    error_event = staticmethod(ChatCompletion.error_event)

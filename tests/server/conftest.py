@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
-from radixkv.config import CacheConfig, EngineConfig
+from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from radixkv.engine import AsyncEngine
 from radixkv.model.loader import LoadedModel
 from radixkv.server.app import serve
@@ -26,20 +27,38 @@ MAX_BODY_BYTES = 1 << 20
 class RunningServer:
     engine: AsyncEngine
     port: int
+    loop: asyncio.AbstractEventLoop | None = None
+    holder: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def stop(self) -> None:
+        """Signal shutdown (as SIGTERM would): the server drains, then exits."""
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self.holder["stop"].set)
 
-def make_engine(model: LoadedModel, *, num_blocks: int = 512) -> AsyncEngine:
-    config = EngineConfig(cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
-    return AsyncEngine(config, model, check_integrity_when_idle=True)
+    @property
+    def stopped(self) -> bool:
+        return self.holder.get("done", False)
 
 
-def run_server_in_thread(engine: AsyncEngine, *, max_body_bytes: int = MAX_BODY_BYTES
-                         ) -> Iterator[RunningServer]:
-    """Start ``engine`` and a server on a free port; stop both when the generator resumes."""
+def make_engine(model: LoadedModel, *, num_blocks: int = 512, block_size: int = BLOCK_SIZE,
+                max_num_seqs: int = 32, max_queue: int | None = None) -> AsyncEngine:
+    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+    return AsyncEngine(config, model, check_integrity_when_idle=True, max_queue=max_queue)
+
+
+def run_server_in_thread(engine: AsyncEngine, *, max_body_bytes: int = MAX_BODY_BYTES,
+                         shutdown_timeout_s: float = 5.0, expect_engine_error: bool = False,
+                         **serve_kwargs: Any) -> Iterator[RunningServer]:
+    """Start ``engine`` and a server on a free port; stop both when the generator resumes.
+
+    ``serve_kwargs`` go to ``radixkv.server.app.serve`` (``api_keys``,
+    ``max_concurrency_per_tenant``).
+    """
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     holder: dict = {}
@@ -49,10 +68,12 @@ def run_server_in_thread(engine: AsyncEngine, *, max_body_bytes: int = MAX_BODY_
         engine.start()
         try:
             await serve(engine, "127.0.0.1", 0, max_body_bytes=max_body_bytes,
-                        shutdown_timeout_s=5.0, stop=holder["stop"],
-                        ready=lambda port: (holder.__setitem__("port", port), ready.set()))
+                        shutdown_timeout_s=shutdown_timeout_s, stop=holder["stop"],
+                        ready=lambda port: (holder.__setitem__("port", port), ready.set()),
+                        **serve_kwargs)
         finally:
             await engine.shutdown()
+            holder["done"] = True
 
     def target() -> None:
         try:
@@ -69,12 +90,14 @@ def run_server_in_thread(engine: AsyncEngine, *, max_body_bytes: int = MAX_BODY_
     if "error" in holder:
         raise holder["error"]
     try:
-        yield RunningServer(engine, holder["port"])
+        yield RunningServer(engine, holder["port"], loop, holder)
     finally:
-        loop.call_soon_threadsafe(holder["stop"].set)
+        if not holder.get("done"):
+            loop.call_soon_threadsafe(holder["stop"].set)
         thread.join(30)
         assert not thread.is_alive(), "server thread did not stop"
-        assert engine.error is None, f"engine thread failed: {engine.error!r}"
+        if not expect_engine_error:
+            assert engine.error is None, f"engine thread failed: {engine.error!r}"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,202 @@
+"""Replay of one trace through the real ``CacheManager`` (radix tree + block pool, no model) for
+one eviction policy and pool size, the infinite-cache reference, the offline oracle's view of
+the future, and the plot.
+
+A request is served whole at its clock reading: ``begin`` (match under the hit cap, lock the
+path), ``allocate`` its ``ceil(N / B)`` blocks (evicting through the policy; the request's own
+path is locked, so it is never evicted while served), ``publish`` its full blocks, ``release``.
+A request larger than the whole pool cannot be served from the cache: it counts with no hit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import defaultdict
+from typing import Callable
+
+from _eviction_trace import Trace  # bench/ is on sys.path (see bench/eviction.py)
+from radixkv.cache_manager import CacheManager
+from radixkv.eviction import make_policy
+from radixkv.eviction.cost_model import CostShape, prefill_flops
+from radixkv.hashing import BlockHasher, CacheIdentity
+from radixkv.radix_tree import RadixTree
+
+ORACLES = ("belady", "belady-cost")
+
+
+def identity(trace: Trace, salt: str | None) -> CacheIdentity:
+    """The cache identity every replayed request of ``salt`` runs under."""
+    return CacheIdentity(model_revision="bench-eviction", block_size=trace.block_size,
+                         kv_dtype="none", rope="none", cache_salt=salt)
+
+
+class Oracle:
+    """Future knowledge for ``belady`` / ``belady-cost``: which later requests could match each
+    block (within their hit cap), and the tree's chained hash of every full block.
+
+    Attributes:
+        current: Index of the request being replayed (set by :func:`replay`).
+    """
+
+    def __init__(self, trace: Trace) -> None:
+        bs = trace.block_size
+        bb = 4 * bs
+        hasher = BlockHasher("xxh3_128")
+        roots: dict = {}
+        accesses: dict[int, list[int]] = defaultdict(list)
+        tree_hash: dict[int, bytes] = {}
+        for i, req in enumerate(trace.requests):
+            blocks = req.blocks
+            for b in blocks[: trace.cap_blocks(req)]:
+                accesses[b].append(i)
+            num_full = req.num_tokens // bs
+            k = 0
+            while k < num_full and blocks[k] in tree_hash:
+                k += 1
+            if k < num_full:
+                root = roots.get(req.salt)
+                if root is None:
+                    root = roots[req.salt] = hasher.identity_root(identity(trace, req.salt))
+                parent = tree_hash[blocks[k - 1]] if k else root
+                pb = trace.prompt(req)
+                hashes = hasher.hash_blocks(parent, pb[k * bb : num_full * bb], bs)
+                for b, h in zip(blocks[k:num_full], hashes):
+                    tree_hash[b] = h
+        self.accesses = dict(accesses)
+        self.block_of = {h: b for b, h in tree_hash.items()}
+        self.current = 0
+
+    def next_use(self, node) -> float:
+        """Index of the next request after the current one that could match ``node``'s tail."""
+        hashes = node.hashes
+        b = self.block_of.get(hashes[-1]) if hashes else None
+        uses = self.accesses.get(b) if b is not None else None
+        if not uses:
+            return math.inf
+        j = bisect.bisect_right(uses, self.current)
+        return float(uses[j]) if j < len(uses) else math.inf
+
+    def now(self) -> float:
+        return float(self.current)
+
+
+def request_flops(trace: Trace, shape: CostShape) -> list[float]:
+    """Prefill FLOPs of each request's whole prompt."""
+    return [prefill_flops(shape, 0, r.num_tokens) for r in trace.requests]
+
+
+def infinite_cache(trace: Trace, shape: CostShape) -> dict:
+    """Hit rates of a cache that never evicts (same hit cap and full-blocks-only rule)."""
+    bs = trace.block_size
+    published: set[int] = set()
+    cached = prompt = 0
+    saved = total = 0.0
+    for req in trace.requests:
+        blocks = req.blocks
+        cap = trace.cap_blocks(req)
+        k = 0
+        while k < cap and blocks[k] in published:
+            k += 1
+        published.update(blocks[: req.num_tokens // bs])
+        cached += k * bs
+        prompt += req.num_tokens
+        saved += prefill_flops(shape, 0, k * bs)
+        total += prefill_flops(shape, 0, req.num_tokens)
+    return {"token_hit_rate": cached / prompt if prompt else 0.0,
+            "flop_hit_rate": saved / total if total else 0.0}
+
+
+def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShape,
+           oracle: Oracle | None = None,
+           progress: Callable[[int], None] | None = None) -> dict:
+    """Replay ``trace`` with ``policy_name`` on a pool of ``capacity_blocks`` blocks.
+
+    Returns:
+        ``policy``, ``capacity_blocks``, ``token_hit_rate``, ``flop_hit_rate``,
+        ``evicted_blocks``, ``wall_s`` and the raw sums behind them.
+    """
+    start = time.perf_counter()
+    clock = [0.0]
+    bs = trace.block_size
+    cache = CacheManager(capacity_blocks, bs, eviction_policy="lru", clock=lambda: clock[0],
+                         ghost_capacity=1)
+    if policy_name in ORACLES:
+        if oracle is None:
+            raise ValueError(f"policies: {policy_name} needs the trace oracle")
+        policy = make_policy(policy_name, model_shape=shape, next_use=oracle.next_use,
+                             now=oracle.now)
+    else:
+        policy = make_policy(policy_name, model_shape=shape)
+    # The tree is empty: swap in the policy instance (oracles take constructor arguments).
+    cache.tree = RadixTree(bs, policy, lambda: clock[0])
+    cache.eviction_policy = policy_name
+    roots = {}
+    cached = prompt = skipped = 0
+    saved = total = 0.0
+    step = 0
+    for i, req in enumerate(trace.requests):
+        clock[0] = req.time_s
+        if oracle is not None:
+            oracle.current = i
+        root = roots.get(req.salt)
+        if root is None:
+            root = roots[req.salt] = cache.identity_root(identity(trace, req.salt))
+        pb = trace.prompt(req)
+        m = cache.begin("r", root, pb)
+        if cache.allocate("r", req.num_tokens):
+            cache.publish("r", pb, req.num_tokens)
+        else:
+            m = 0
+            skipped += 1
+        cache.release("r")
+        cached += m
+        prompt += req.num_tokens
+        if m:
+            saved += prefill_flops(shape, 0, m)
+        total += prefill_flops(shape, 0, req.num_tokens)
+        step += 1
+        if progress is not None and step == 256:
+            progress(step)
+            step = 0
+    if progress is not None and step:
+        progress(step)
+    return {
+        "policy": policy_name, "capacity_blocks": capacity_blocks,
+        "token_hit_rate": cached / prompt if prompt else 0.0,
+        "flop_hit_rate": saved / total if total else 0.0,
+        "evicted_blocks": cache.evicted_blocks_total,
+        "wall_s": round(time.perf_counter() - start, 3),
+        "requests": len(trace.requests), "skipped_requests": skipped,
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "prompt_flops": total, "saved_flops": saved,
+    }
+
+
+def plot(records: list[dict], infinite: dict, path, title: str) -> None:
+    """Token and FLOP hit rate against capacity, one line per policy (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    policies = list(dict.fromkeys(r["policy"] for r in records))
+    for ax, key, label in ((axes[0], "token_hit_rate", "token hit rate"),
+                           (axes[1], "flop_hit_rate", "FLOP hit rate (saved / prompt FLOPs)")):
+        for name in policies:
+            rows = sorted((r for r in records if r["policy"] == name),
+                          key=lambda r: r["capacity_fraction"])
+            style = "--" if name in ORACLES else "-"
+            ax.plot([100 * r["capacity_fraction"] for r in rows], [r[key] for r in rows],
+                    style, marker="o", markersize=3, label=name,
+                    linewidth=2.2 if name == "cost" else 1.3)
+        ax.axhline(infinite[key], color="grey", linestyle=":", label="infinite cache")
+        ax.set_xlabel("capacity (% of distinct blocks)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

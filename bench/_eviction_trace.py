@@ -1,0 +1,231 @@
+"""Trace loading for ``radixkv bench eviction``: Mooncake, token-id JSONL and chat transcripts.
+
+Every format becomes a :class:`Trace`: requests in replay order, each with its clock reading
+(seconds), cache salt, prompt length and dense ids of its blocks (one per ``block_size`` tokens,
+the last one partial when the length is not a multiple; equal id = same tokens and same
+prefix). Token ids are kept packed (uint32-LE ``bytes``); a Mooncake request has no tokens, so
+its prompt is synthesised when replayed: block ``k`` holds its hash id repeated ``block_size``
+times (a partial last block: repeated for the remaining tokens), which the tree stores and
+compares like any tokens, so equal ids match and different ids never do.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, NamedTuple
+
+_U32 = struct.Struct("<I")
+
+
+class TraceRequest(NamedTuple):
+    """One request of a trace.
+
+    Attributes:
+        time_s: Clock reading (trace timestamp in seconds, or the request's ordinal).
+        salt: Cache salt (tenant namespace), None for none.
+        num_tokens: Prompt tokens N.
+        blocks: Dense block ids, ``ceil(N / B)`` of them.
+        tokens: Packed prompt tokens, or None to synthesise them from ``blocks`` (Mooncake).
+    """
+
+    time_s: float
+    salt: str | None
+    num_tokens: int
+    blocks: array
+    tokens: bytes | None
+
+
+@dataclass
+class Trace:
+    """A loaded trace and the facts every replay of it shares.
+
+    Attributes:
+        name: Label (file stem or source name).
+        format: ``mooncake``, ``tokens`` or ``chat``.
+        block_size: Tokens per block.
+        requests: In replay order.
+        distinct_blocks: Distinct block ids (full and partial), the capacity reference.
+        notes: Facts worth reporting with the results (chat: sessions, concurrency).
+    """
+
+    name: str
+    format: str
+    block_size: int
+    requests: list[TraceRequest]
+    distinct_blocks: int = 0
+    notes: dict = field(default_factory=dict)
+
+    def prompt(self, req: TraceRequest) -> bytes:
+        """Packed prompt tokens of ``req`` (synthesised for Mooncake)."""
+        if req.tokens is not None:
+            return req.tokens
+        bs = self.block_size
+        blocks = req.blocks
+        last = req.num_tokens - bs * (len(blocks) - 1)
+        parts = [_U32.pack(b) * bs for b in blocks[:-1]]
+        parts.append(_U32.pack(blocks[-1]) * last)
+        return b"".join(parts)
+
+    def cap_blocks(self, req: TraceRequest) -> int:
+        """Blocks a lookup may match: ``floor((N - 1) / B)`` (the hit cap)."""
+        return (req.num_tokens - 1) // self.block_size
+
+
+def load_mooncake(path: str | Path, block_size: int) -> Trace:
+    """Mooncake JSONL (``timestamp`` ms, ``input_length``, ``hash_ids``): ids are chained already.
+
+    Raises:
+        ValueError: a line lacks a field, or ``hash_ids`` disagrees with ``input_length``.
+    """
+    requests: list[TraceRequest] = []
+    distinct: set[int] = set()
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            try:
+                n, ids = int(rec["input_length"]), rec["hash_ids"]
+                t = float(rec.get("timestamp", lineno - 1)) / 1000.0
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"trace: {path}:{lineno} is not a Mooncake record ({exc})") from None
+            if n <= 0 or len(ids) != -(-n // block_size):
+                raise ValueError(f"trace: {path}:{lineno}: {len(ids)} hash_ids for input_length {n} "
+                                 f"with --block-size {block_size}")
+            distinct.update(ids)
+            requests.append(TraceRequest(t, None, n, array("q", ids), None))
+    return Trace(Path(path).stem, "mooncake", block_size, requests, len(distinct))
+
+
+class _BlockIds:
+    """Dense ids of chained blocks: ``(parent id, block bytes)`` -> id (partial blocks too)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[int, bytes], int] = {}
+
+    def of(self, pb: bytes, block_size: int) -> array:
+        bb = 4 * block_size
+        out = array("q")
+        parent = -1
+        ids = self.ids
+        for pos in range(0, len(pb), bb):
+            key = (parent, pb[pos : pos + bb])
+            parent = ids.get(key, -1)
+            if parent < 0:
+                parent = ids[key] = len(ids)
+            out.append(parent)
+        return out
+
+
+def trace_from_prompts(name: str, fmt: str, block_size: int,
+                       prompts: Iterable[tuple[float, str | None, bytes]]) -> Trace:
+    """Build a trace from ``(time_s, salt, packed tokens)`` in replay order."""
+    ids = {}  # salt -> _BlockIds (blocks of different salts never share)
+    requests = []
+    for t, salt, pb in prompts:
+        if not pb:
+            continue
+        per_salt = ids.setdefault(salt, _BlockIds())
+        requests.append(TraceRequest(t, salt, len(pb) // 4, per_salt.of(pb, block_size), pb))
+    offset = 0
+    if len(ids) > 1:  # make ids unique across salts
+        shifted = []
+        bases = {}
+        for salt, table in ids.items():
+            bases[salt] = offset
+            offset += len(table.ids)
+        for r in requests:
+            base = bases[r.salt]
+            shifted.append(r._replace(blocks=array("q", (b + base for b in r.blocks))))
+        requests = shifted
+    distinct = sum(len(t.ids) for t in ids.values())
+    return Trace(name, fmt, block_size, requests, distinct)
+
+
+def load_tokens(path: str | Path, block_size: int) -> Trace:
+    """radixkv token JSONL: ``{"token_ids": [...], "timestamp": ms?, "cache_salt": str?}``.
+
+    Raises:
+        ValueError: a line has no ``token_ids`` list.
+    """
+    def prompts():
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                toks = rec.get("token_ids") if isinstance(rec, dict) else None
+                if not isinstance(toks, list):
+                    raise ValueError(f"trace: {path}:{lineno} has no token_ids list")
+                ts = rec.get("timestamp")
+                t = float(ts) / 1000.0 if ts is not None else float(lineno - 1)
+                yield t, rec.get("cache_salt"), array("I", toks).tobytes()
+    return trace_from_prompts(Path(path).stem, "tokens", block_size, prompts())
+
+
+def interleave(sessions: list[list], concurrency: int) -> list:
+    """Replay order of session turns with ``concurrency`` sessions in flight.
+
+    Sessions start in file order; the in-flight sessions take turns (one request each, round
+    robin) and a finished session's slot goes to the next one, as ``bench serve`` runs them.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+    pending = [list(s) for s in sessions if s][::-1]
+    live: list[list] = []
+    order = []
+    while pending or live:
+        while pending and len(live) < concurrency:
+            live.append(pending.pop())
+        for session in list(live):
+            order.append(session.pop(0))
+            if not session:
+                live.remove(session)
+    return order
+
+
+def load_chat(source: str, path: str | None, block_size: int, concurrency: int,
+              tokenizer=None) -> Trace:
+    """Agent transcripts (``radixkv.transcripts`` source), tokenized with the embedded model's
+    chat template; the clock is the request's ordinal (seconds).
+
+    Args:
+        source: Transcript source name (``tau-bench``, ``swe-agent``).
+        path: Its data file/folder (default under ``../shared``).
+        block_size: Tokens per block.
+        concurrency: Sessions in flight (see :func:`interleave`).
+        tokenizer: A ``ChatTokenizer`` (default: the embedded SmolLM2's).
+    """
+    from radixkv.transcripts import load_source
+
+    sessions = load_source(source, path)
+    if tokenizer is None:
+        from radixkv.model.loader import load_model
+        tokenizer = load_model(None).tokenizer
+    order = interleave(sessions, concurrency)
+
+    def prompts():
+        for i, req in enumerate(order):
+            ids = tokenizer.apply_chat_template(req["messages"], req.get("tools"))
+            yield float(i), None, array("I", ids).tobytes()
+    trace = trace_from_prompts(source, "chat", block_size, prompts())
+    trace.notes.update(sessions=len(sessions), concurrency=concurrency)
+    return trace
+
+
+def load_trace(fmt: str, path: str | None, block_size: int, *, source: str = "tau-bench",
+               concurrency: int = 8) -> Trace:
+    """Load a trace in ``fmt`` (``mooncake`` / ``tokens`` / ``chat``)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size: must be positive, got {block_size}")
+    if fmt == "mooncake":
+        return load_mooncake(path, block_size)
+    if fmt == "tokens":
+        return load_tokens(path, block_size)
+    if fmt == "chat":
+        return load_chat(source, path, block_size, concurrency)
+    raise ValueError(f"format: unknown trace format {fmt!r} (mooncake, tokens, chat)")

@@ -1,0 +1,208 @@
+"""``radixkv bench eviction``: replay a trace through the real radix tree and block pool (no
+model) for each eviction policy × pool capacity, and compare token and FLOP hit rates.
+
+Usage::
+
+    radixkv bench eviction --trace ../shared/traces/conversation_trace.jsonl --block-size 512 \\
+        --policies lru,lfu,fifo,gdsf,s3fifo,cost,belady --capacity 0.02,0.05,0.1,0.2 \\
+        --out bench/results/eviction-conversation
+    radixkv bench eviction --format chat --source tau-bench --block-size 16 --out DIR
+
+Formats: ``mooncake`` (JSONL: ``timestamp`` ms, ``input_length``, ``hash_ids``, one id per
+``--block-size`` tokens, the last partial), ``tokens`` (JSONL: ``token_ids``, optional
+``timestamp`` ms and ``cache_salt``), ``chat`` (agent transcripts of ``--source``, tokenized
+with the embedded model's chat template, ``--concurrency`` sessions interleaved). The clock is
+the trace's timestamps (the request's ordinal when there are none). Capacity is a fraction of
+the trace's distinct blocks, or ``--capacity-blocks``. Hits follow the serving rules: the hit
+cap ``floor((N - 1) / B)`` blocks, full blocks only, and the blocks of the request being served
+are locked while it is served.
+
+Writes ``DIR/results.json`` (one record per policy × capacity: ``policy``,
+``capacity_fraction``, ``capacity_blocks``, ``token_hit_rate``, ``flop_hit_rate`` = saved
+recompute FLOPs ÷ total prompt FLOPs, ``fraction_of_belady`` = flop hit rate ÷ belady's at that
+capacity, ``evicted_blocks``, ``wall_s``, and the raw sums), ``DIR/results.csv`` and
+``DIR/hit_rate.png``.
+"""
+
+# No ``from __future__ import annotations``: the CLI loads this file by path.
+import argparse
+import csv
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tqdm import tqdm  # noqa: E402
+
+import _eviction_replay as replay_mod  # noqa: E402
+import _eviction_trace as trace_mod  # noqa: E402
+from radixkv.eviction import available_policies  # noqa: E402
+from radixkv.eviction.cost_model import PRESETS, get_shape  # noqa: E402
+
+DEFAULT_POLICIES = "lru,lfu,fifo,gdsf,s3fifo,cost,belady"
+CSV_FIELDS = ("policy", "capacity_fraction", "capacity_blocks", "token_hit_rate", "flop_hit_rate",
+              "fraction_of_belady", "evicted_blocks", "wall_s", "requests", "skipped_requests",
+              "prompt_tokens", "cached_tokens", "prompt_flops", "saved_flops")
+
+# Worker state (inherited through fork, or set by _init in a spawned worker).
+_STATE: dict = {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the driver's flags on ``parser`` (used by ``radixkv bench eviction``)."""
+    parser.add_argument("--trace", default=None,
+                        help="trace file (chat: transcript file/folder; default: the source's)")
+    parser.add_argument("--format", default="mooncake", choices=["mooncake", "tokens", "chat"])
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per block (default 512 for mooncake, 16 otherwise)")
+    parser.add_argument("--source", default="tau-bench",
+                        help="transcript source for --format chat (tau-bench, swe-agent)")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="chat: sessions in flight, their turns interleaved")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES)
+    parser.add_argument("--capacity", default="0.02,0.05,0.1,0.2",
+                        help="pool sizes as fractions of the trace's distinct blocks")
+    parser.add_argument("--capacity-blocks", default=None,
+                        help="pool sizes in blocks (comma list); overrides --capacity")
+    parser.add_argument("--model-shape", default=None, choices=sorted(PRESETS),
+                        help="cost-model shape (default llama3-8b; smollm2-135m for chat)")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="replays run in parallel (processes)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write results here")
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name}: expected a comma list of numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{name}: values must be positive, got {text!r}")
+    return values
+
+
+def _init(state: dict) -> None:
+    _STATE.update(state)
+
+
+def _run_one(task: tuple) -> dict:
+    policy, fraction, blocks = task
+    counter = _STATE.get("counter")
+
+    def progress(n: int) -> None:
+        if counter is not None:
+            with counter.get_lock():
+                counter.value += n
+
+    out = replay_mod.replay(_STATE["trace"], policy, blocks, _STATE["shape"],
+                            oracle=_STATE.get("oracle"), progress=progress)
+    out["capacity_fraction"] = fraction
+    return out
+
+
+def _table(records: list[dict]) -> str:
+    head = (f"{'policy':<12} {'capacity':>9} {'blocks':>8} {'token_hit':>9} {'flop_hit':>9} "
+            f"{'of_belady':>9} {'evicted':>9} {'wall_s':>7}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        fb = r["fraction_of_belady"]
+        lines.append(f"{r['policy']:<12} {100 * r['capacity_fraction']:>8.2f}% "
+                     f"{r['capacity_blocks']:>8} {r['token_hit_rate']:>9.4f} "
+                     f"{r['flop_hit_rate']:>9.4f} {'' if fb is None else f'{fb:.3f}':>9} "
+                     f"{r['evicted_blocks']:>9} {r['wall_s']:>7.1f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run every policy × capacity replay; print the table and write the outputs."""
+    try:
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        unknown = [p for p in policies if p not in available_policies()]
+        if unknown:
+            raise ValueError(f"policies: unknown {unknown} (known: {available_policies()})")
+        if args.format != "chat" and not args.trace:
+            raise ValueError(f"trace: --trace is required for --format {args.format}")
+        block_size = args.block_size or (512 if args.format == "mooncake" else 16)
+        shape = get_shape(args.model_shape or ("smollm2-135m" if args.format == "chat" else "llama3-8b"))
+        t0 = time.perf_counter()
+        trace = trace_mod.load_trace(args.format, args.trace, block_size, source=args.source,
+                                     concurrency=args.concurrency)
+        if not trace.requests:
+            raise ValueError(f"trace: {args.trace} holds no requests")
+        distinct = trace.distinct_blocks
+        if args.capacity_blocks:
+            sizes = [(int(b) / distinct, int(b)) for b in _floats(args.capacity_blocks, "capacity_blocks")]
+        else:
+            sizes = [(f, max(1, round(f * distinct))) for f in _floats(args.capacity, "capacity")]
+    except (OSError, ValueError) as exc:
+        print(f"radixkv bench eviction: {exc}", file=sys.stderr)
+        return {"error": str(exc)}
+    load_s = time.perf_counter() - t0
+    oracle = replay_mod.Oracle(trace) if any(p in replay_mod.ORACLES for p in policies) else None
+    infinite = replay_mod.infinite_cache(trace, shape)
+    print(f"{trace.name}: {len(trace.requests)} requests, {distinct} distinct blocks of "
+          f"{block_size} tokens, model shape {shape.name}; infinite cache: token hit "
+          f"{infinite['token_hit_rate']:.4f}, flop hit {infinite['flop_hit_rate']:.4f} "
+          f"(loaded in {load_s:.1f}s)", file=sys.stderr)
+
+    # Slowest first (large pools, oracles) so the parallel runs finish together.
+    tasks = sorted(((p, f, b) for p in policies for f, b in sizes), key=lambda t: -t[2])
+    jobs = max(1, min(args.jobs, len(tasks)))
+    total = len(tasks) * len(trace.requests)
+    state = {"trace": trace, "shape": shape, "oracle": oracle}
+    results = []
+    with tqdm(total=total, unit="req", desc="replay", file=sys.stderr, smoothing=0.05) as bar:
+        if jobs == 1:
+            _init(state)
+            _STATE["counter"] = None
+            for task in tasks:
+                results.append(replay_mod.replay(trace, task[0], task[2], shape, oracle=oracle,
+                                                 progress=bar.update) | {"capacity_fraction": task[1]})
+        else:
+            ctx = multiprocessing.get_context("fork")
+            counter = ctx.Value("q", 0)
+            state["counter"] = counter
+            with ctx.Pool(jobs, initializer=_init, initargs=(state,)) as pool:
+                pending = pool.map_async(_run_one, tasks, chunksize=1)
+                while not pending.ready():
+                    pending.wait(0.5)
+                    bar.update(counter.value - bar.n)
+                results = pending.get()
+                bar.update(counter.value - bar.n)
+
+    order = {p: i for i, p in enumerate(policies)}
+    results.sort(key=lambda r: (order[r["policy"]], r["capacity_fraction"]))
+    belady = {r["capacity_blocks"]: r["flop_hit_rate"] for r in results if r["policy"] == "belady"}
+    records = []
+    for r in results:
+        ref = belady.get(r["capacity_blocks"])
+        r["fraction_of_belady"] = r["flop_hit_rate"] / ref if ref else None
+        records.append({k: r[k] for k in CSV_FIELDS})
+    print(_table(records))
+    summary = {"trace": str(args.trace or trace.name), "format": args.format,
+               "block_size": block_size, "model_shape": shape.name,
+               "requests": len(trace.requests), "distinct_blocks": distinct,
+               "infinite_cache": infinite, "notes": trace.notes, "records": records}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
+        with open(out / "results.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(records)
+        replay_mod.plot(records, infinite, out / "hit_rate.png",
+                        f"{trace.name} ({args.format}, block {block_size}, {shape.name})")
+        print(f"wrote {out}/results.json, results.csv, hit_rate.png", file=sys.stderr)
+    return summary
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    result = run(p.parse_args())
+    raise SystemExit(1 if result.get("error") else 0)

@@ -1,0 +1,296 @@
+"""Admission and the generate → respond flow shared by chat and text completions.
+
+Admission, in order: a draining server answers 503 ``shutting_down``; a tenant at its
+concurrency limit 429 ``rate_limit_exceeded``; a full engine queue 503 ``queue_full`` (both
+with ``Retry-After``); an unhealthy engine 503. A request that passes holds one in-flight slot
+(server-wide and for its tenant) until its handler ends — normally, on error, or cancelled by a
+client disconnect, in which case closing the engine stream aborts the request and frees its
+blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+
+from radixkv.engine import EngineDeadError, QueueFullError
+from radixkv.server.auth import KeyStore, Tenant
+from radixkv.server.errors import (
+    SERVER_ERROR, APIError, bad_request, json_response, queue_full, shutting_down, tenant_limit,
+)
+from radixkv.server.responses import SSE_DONE, usage
+
+if TYPE_CHECKING:
+    from radixkv.engine import AsyncEngine, RequestOutput, RequestStream
+
+log = structlog.get_logger(__name__)
+
+OUTCOMES = ("stop", "length", "abort", "rejected", "overloaded", "error")
+# Request-scoped key: how a completion request ended (web.RequestKey from aiohttp 3.12).
+_REQUEST_KEY = getattr(web, "RequestKey", None)
+OUTCOME: Any = _REQUEST_KEY("radixkv_outcome") if _REQUEST_KEY else "radixkv_outcome"
+
+
+@dataclass
+class ServerState:
+    """Per-application admission state (event-loop thread only).
+
+    Attributes:
+        engine: The engine serving requests.
+        keys: API keys, or None for a single-tenant server.
+        max_concurrency_per_tenant: Most in-flight completion requests per tenant (None: no
+            limit); without keys the single tenant is limited the same way.
+        draining: Set on shutdown: new completion requests get 503, /health turns 503.
+        in_flight: Completion requests admitted and not yet finished.
+        outcomes: Completion requests by outcome (``OUTCOMES``), for /metrics.
+    """
+
+    engine: AsyncEngine
+    keys: KeyStore | None = None
+    max_concurrency_per_tenant: int | None = None
+    draining: bool = False
+    in_flight: int = 0
+    per_tenant: dict[str | None, int] = field(default_factory=dict)
+    outcomes: Counter = field(default_factory=Counter)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def admit(self, tenant: str | None) -> None:
+        if self.draining:
+            raise shutting_down()
+        limit = self.max_concurrency_per_tenant
+        if limit is not None and self.per_tenant.get(tenant, 0) >= limit:
+            raise tenant_limit(tenant, limit)
+        self.per_tenant[tenant] = self.per_tenant.get(tenant, 0) + 1
+        self.in_flight += 1
+        self.idle.clear()
+
+    def release(self, tenant: str | None) -> None:
+        left = self.per_tenant[tenant] - 1
+        if left:
+            self.per_tenant[tenant] = left
+        else:
+            del self.per_tenant[tenant]
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no completion request is in flight; False on timeout."""
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+def outcome_of(err: APIError | web.HTTPException) -> str:
+    status = err.status
+    code = getattr(err, "code", None)
+    if status == 429 or code in ("queue_full", "shutting_down"):
+        return "overloaded"
+    if code == "aborted":
+        return "abort"
+    return "rejected" if status < 500 else "error"
+
+
+def counted(state_of: Callable[[web.Request], ServerState],
+            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Wrap a completion handler so that every request is counted once by outcome."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        outcomes = state_of(request).outcomes
+        try:
+            resp = await handler(request)
+        except (APIError, web.HTTPException) as err:
+            outcomes[outcome_of(err)] += 1
+            raise
+        except asyncio.CancelledError:  # the client went away
+            outcomes["abort"] += 1
+            raise
+        except Exception:
+            outcomes["error"] += 1
+            raise
+        outcomes[request.get(OUTCOME, "stop")] += 1
+        return resp
+
+    return wrapped
+
+
+def engine_dead() -> APIError:
+    return APIError(503, "the engine is not running", type=SERVER_ERROR, code="engine_dead")
+
+
+def engine_value_error(exc: ValueError, prompt_param: str) -> APIError:
+    """The engine refused the request (ValueError names the field first, e.g. ``prompt: ...``)."""
+    msg = str(exc)
+    head = msg.split(":", 1)[0]
+    code = "context_length_exceeded" if "maximum context length" in msg else None
+    if head.isidentifier():
+        param: str | None = prompt_param if head == "prompt" else head
+    else:
+        param = "max_tokens" if code else None
+    return bad_request(msg, param, code)
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, param: str,
+                       num_prompt_tokens: int, engine: AsyncEngine, prompt_param: str) -> int:
+    """The output cap: as requested, else ``default`` (None: what the context leaves), within
+    the context; 400 ``context_length_exceeded`` naming the limit otherwise."""
+    limit = engine.max_model_len
+    if num_prompt_tokens >= limit:
+        verb = "has" if prompt_param == "prompt" else "have"
+        raise bad_request(f"This model's maximum context length is {limit} tokens; the "
+                          f"{prompt_param} {verb} {num_prompt_tokens} tokens", prompt_param,
+                          "context_length_exceeded")
+    room = engine.default_max_tokens(num_prompt_tokens)
+    if requested is None:
+        return room if default is None else max(1, min(default, room))
+    if num_prompt_tokens + requested > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; you requested "
+                          f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                          f"{prompt_param}, {requested} in the completion)", param,
+                          "context_length_exceeded")
+    return requested
+
+
+async def generate_response(request: web.Request, state: ServerState, shape: Any, *,
+                            prompt: list[int], sampling: Any, max_tokens: int,
+                            tenant: Tenant | None, cache_salt: str | None, prompt_param: str,
+                            echo_ids: list[int] | None = None) -> web.StreamResponse:
+    """Run and answer one admitted completion request (JSON or SSE per ``sampling.stream``).
+
+    ``shape`` is a ``ChatCompletion`` or ``TextCompletion`` (ids, chunk and body builders);
+    ``echo_ids``: token ids whose text becomes ``shape.echo`` once the engine accepted them.
+    """
+    engine = state.engine
+    try:
+        params = sampling.sampling_params(max_tokens)
+    except ValueError as exc:  # SamplingParams names the field first ("top_k: ...")
+        raise bad_request(str(exc), str(exc).split(":", 1)[0])
+    try:
+        gen = engine.generate(prompt, params, cache_salt=cache_salt, request_id=shape.id,
+                              tenant=tenant.name if tenant is not None else None)
+    except QueueFullError as exc:
+        raise queue_full(str(exc))
+    except ValueError as exc:
+        raise engine_value_error(exc, prompt_param)
+    except EngineDeadError:
+        raise engine_dead()
+    try:
+        if echo_ids is not None:
+            shape.echo = await engine.detokenize(echo_ids, skip_special_tokens=False)
+        first = await _first_output(gen, prompt_param)
+        if sampling.stream:
+            return await _respond_stream(request, shape, gen, first, sampling.n)
+        return await _respond_json(request, shape, gen, first, sampling.n)
+    finally:
+        gen.close()
+
+
+async def _first_output(gen: RequestStream, prompt_param: str) -> RequestOutput:
+    """Wait for the engine's first output; admission errors (ValueError) become 400."""
+    try:
+        return await gen.__anext__()
+    except ValueError as exc:
+        raise engine_value_error(exc, prompt_param)
+    except EngineDeadError:
+        raise engine_dead()
+    except StopAsyncIteration:
+        raise APIError(500, "the engine ended the request without output", type=SERVER_ERROR)
+
+
+def _usage(outputs: dict[int, RequestOutput]) -> dict:
+    """The prompt (and its cached tokens) once, completion tokens summed over choices."""
+    first = next(iter(outputs.values()))
+    return usage(first.num_prompt_tokens, sum(o.num_generated_tokens for o in outputs.values()),
+                 first.num_cached_tokens)
+
+
+def _finish_outcome(last: dict[int, RequestOutput]) -> str:
+    reasons = {o.finish_reason for o in last.values()}
+    return "abort" if "abort" in reasons else "length" if "length" in reasons else "stop"
+
+
+async def _respond_json(request: web.Request, shape: Any, gen: RequestStream,
+                        first: RequestOutput, n: int) -> web.Response:
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    last: dict[int, RequestOutput] = {}
+    out: RequestOutput | None = first
+    while out is not None:
+        texts[out.index].append(out.new_text)
+        last[out.index] = out
+        try:
+            out = await gen.__anext__()
+        except StopAsyncIteration:
+            out = None
+        except EngineDeadError:
+            raise engine_dead()
+    if len(last) < n or any(o.finish_reason == "abort" for o in last.values()):
+        raise APIError(503, "the request was aborted by the server", type=SERVER_ERROR,
+                       code="aborted")
+    request[OUTCOME] = _finish_outcome(last)
+    choices = [("".join(texts[i]), last[i].finish_reason) for i in range(n)]
+    return json_response(shape.response(choices, _usage(last)))
+
+
+async def _respond_stream(request: web.Request, shape: Any, gen: RequestStream,
+                          first: RequestOutput, n: int) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    last: dict[int, RequestOutput] = {}
+    try:
+        for index in range(n):
+            head = shape.role_chunk(index)
+            if head:
+                await resp.write(head)
+        out: RequestOutput | None = first
+        while out is not None:
+            if out.finish_reason == "abort":
+                request[OUTCOME] = "abort"
+                await resp.write(shape.error_event("the request was aborted by the server",
+                                                   SERVER_ERROR, "aborted"))
+                break
+            last[out.index] = out
+            if out.new_text:
+                await resp.write(shape.content_chunk(out.new_text, out.index))
+            if out.finished:
+                await resp.write(shape.finish_chunk(out.finish_reason, out.index))
+            try:
+                out = await gen.__anext__()
+            except StopAsyncIteration:
+                out = None
+        else:
+            request[OUTCOME] = _finish_outcome(last)
+            if shape.include_usage:
+                await resp.write(shape.usage_chunk(_usage(last)))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+    except ConnectionResetError:
+        # The client went away mid-stream; the caller's finally closes (aborts) the request.
+        request[OUTCOME] = "abort"
+        log.info("client_disconnected", request_id=shape.id)
+    except Exception as exc:
+        # Headers are sent: report in-band, then end the stream.
+        request[OUTCOME] = "error"
+        if isinstance(exc, EngineDeadError):
+            log.warning("engine_dead_mid_stream", request_id=shape.id)
+            message, code = "the engine is not running", "engine_dead"
+        else:
+            log.exception("stream_failed", request_id=shape.id)
+            message, code = "internal server error", None
+        try:
+            await resp.write(shape.error_event(message, SERVER_ERROR, code))
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+    return resp

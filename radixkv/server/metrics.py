@@ -1,0 +1,148 @@
+"""``GET /metrics``: the engine's numbers in Prometheus text format (prometheus-client).
+
+Every name is ``radixkv_`` prefixed with its unit in the name (``_tokens``, ``_blocks``,
+``_seconds``, ``_flops``, ``_requests``); counters end in ``_total``. Values are read from the
+same counters as ``/stats`` at scrape time by a collector registered in a per-application
+``CollectorRegistry`` (never the process-global one), so several servers in one process — the
+tests run many — do not collide. With API keys configured the route needs an admin key: hit
+counters are a side channel across tenants.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from radixkv.server.generation import OUTCOMES
+
+if TYPE_CHECKING:
+    from radixkv.server.generation import ServerState
+
+try:
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.core import (
+        CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+    )
+    from prometheus_client.utils import floatToGoString
+except ImportError:  # pragma: no cover - a declared dependency; /metrics says so if missing
+    CollectorRegistry = None  # type: ignore[assignment,misc]
+
+# (name without _total, /stats key, help)
+_COUNTERS = (
+    ("radixkv_prefix_cache_queries_tokens", "prompt_tokens_total",
+     "Prompt tokens looked up in the prefix cache (once per request, at admission)."),
+    ("radixkv_prefix_cache_hits_tokens", "cached_prompt_tokens_total",
+     "Prompt tokens served from the prefix cache."),
+    ("radixkv_prefix_cache_queries_requests", "requests_total",
+     "Requests admitted (one prefix-cache lookup each)."),
+    ("radixkv_prefix_cache_hits_requests", "requests_with_hit_total",
+     "Requests whose lookup hit at least one cached block."),
+    ("radixkv_saved_prefill_tokens", "cached_prompt_tokens_total",
+     "Prefill tokens not computed thanks to the prefix cache."),
+    ("radixkv_saved_prefill_flops", "saved_prefill_flops_total",
+     "Prefill FLOPs not spent thanks to the prefix cache (cost model)."),
+    ("radixkv_computed_prompt_tokens", "computed_prompt_tokens_total",
+     "Prompt tokens prefilled by the model."),
+    ("radixkv_generated_tokens", "generated_tokens_total", "Tokens sampled."),
+    ("radixkv_evicted_blocks", "evicted_blocks_total", "KV blocks evicted from the prefix cache."),
+    ("radixkv_preemptions_requests", "preemptions_total", "Requests preempted (recompute)."),
+    ("radixkv_resumed_cached_tokens", "resumed_cached_tokens_total",
+     "Cached tokens matched again when preempted requests resumed (not new lookups)."),
+    ("radixkv_aborted_sequences", "requests_aborted_total",
+     "Sequences (choices) aborted in the engine: client disconnects and shutdown."),
+)
+_POOL_GAUGES = (
+    ("radixkv_kv_total_blocks", "total_blocks", "KV blocks in the pool."),
+    ("radixkv_kv_free_blocks", "free_blocks", "KV blocks holding nothing."),
+    ("radixkv_kv_cached_evictable_blocks", "cached_evictable_blocks",
+     "KV blocks cached in the prefix tree and evictable."),
+    ("radixkv_kv_in_use_blocks", "in_use_blocks", "KV blocks held by running requests."),
+    ("radixkv_kv_block_size_tokens", "block_size_tokens", "Tokens per KV block."),
+    ("radixkv_kv_block_size_bytes", "bytes_per_block", "Bytes per KV block (all layers)."),
+)
+_TENANT_COUNTERS = (
+    ("radixkv_tenant_requests", "requests_total", "Requests admitted, by tenant."),
+    ("radixkv_tenant_prompt_tokens", "prompt_tokens_total", "Prompt tokens, by tenant."),
+    ("radixkv_tenant_cached_prompt_tokens", "cached_prompt_tokens_total",
+     "Prompt tokens served from the cache, by tenant."),
+    ("radixkv_tenant_generated_tokens", "generated_tokens_total", "Tokens generated, by tenant."),
+)
+
+
+def _histogram(name: str, doc: str, cumulative: list[tuple[float, int]], sum_s: float
+               ) -> Any:
+    buckets = [("+Inf" if math.isinf(le) else floatToGoString(le), count)
+               for le, count in cumulative]
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=sum_s)
+
+
+class RadixkvCollector:
+    """Reads the engine's counters and gauges and the server's outcomes at scrape time."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Any]:
+        engine = self.state.engine
+        stats = engine.stats()
+        for name, key, doc in _COUNTERS:
+            if key in stats:  # saved_prefill_flops_total appears once the cost model lands
+                yield CounterMetricFamily(name, doc, value=stats[key])
+        miss = CounterMetricFamily("radixkv_prefix_cache_miss_tokens",
+                                   "Prompt tokens not served from the cache, by cause.",
+                                   labels=["cause"])
+        for cause, value in sorted(stats.get("miss_tokens", {}).items()):
+            miss.add_metric([cause], value)
+        yield miss
+        outcomes = CounterMetricFamily("radixkv_requests",
+                                       "Completion requests by outcome (stop, length, abort, "
+                                       "rejected = 4xx, overloaded = 429/503, error = 5xx).",
+                                       labels=["outcome"])
+        for outcome in OUTCOMES:
+            outcomes.add_metric([outcome], self.state.outcomes[outcome])
+        yield outcomes
+        pool = stats["pool"]
+        for name, key, doc in _POOL_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=pool[key])
+        yield GaugeMetricFamily("radixkv_prefix_tree_nodes", "Nodes in the radix tree.",
+                                value=stats["tree"]["nodes"])
+        yield GaugeMetricFamily("radixkv_prefix_tree_cached_blocks",
+                                "KV blocks referenced by the radix tree.",
+                                value=stats["tree"]["cached_blocks"])
+        sched = engine.scheduler_gauges()
+        yield GaugeMetricFamily("radixkv_running_sequences", "Sequences running in the engine.",
+                                value=sched["running"])
+        yield GaugeMetricFamily("radixkv_waiting_sequences", "Sequences waiting for admission.",
+                                value=sched["waiting"])
+        yield GaugeMetricFamily("radixkv_in_flight_requests",
+                                "Completion requests admitted by the server and not finished.",
+                                value=self.state.in_flight)
+        yield GaugeMetricFamily("radixkv_engine_healthy_bool", "1 while the engine thread runs.",
+                                value=1 if engine.is_healthy else 0)
+        hist = engine.engine_stats.latency_histograms()
+        yield _histogram("radixkv_time_to_first_token_seconds",
+                         "Time from submission to the first token of each choice.", *hist["ttft"])
+        yield _histogram("radixkv_inter_token_latency_seconds",
+                         "Time between consecutive tokens of a choice.", *hist["itl"])
+        tenants = engine.engine_stats.tenant_names()
+        views = {tenant: engine.tenant_stats(tenant) for tenant in tenants}
+        for name, key, doc in _TENANT_COUNTERS if views else ():
+            family = CounterMetricFamily(name, doc, labels=["tenant"])
+            for tenant, view in views.items():
+                family.add_metric([tenant], view[key])
+            yield family
+
+
+def make_registry(state: ServerState) -> Any:
+    """A fresh registry holding only this application's collector (None without the package)."""
+    if CollectorRegistry is None:
+        return None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RadixkvCollector(state))
+    return registry
+
+
+def render(registry: Any) -> tuple[bytes, str]:
+    """The exposition body and its Content-Type."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,276 @@
+"""The hand-written OpenAPI 3.1 document served at ``GET /openapi.json``.
+
+Written by hand (not generated) so that it states the contract — what is accepted, what is
+refused and with which status — rather than whatever the code happens to do. Tests check that
+every route of the application is documented and every documented route exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _int(minimum: int | None = None, maximum: int | None = None, **extra: Any) -> dict:
+    out: dict[str, Any] = {"type": "integer", **extra}
+    if minimum is not None:
+        out["minimum"] = minimum
+    if maximum is not None:
+        out["maximum"] = maximum
+    return out
+
+
+def _num(minimum: float, maximum: float, **extra: Any) -> dict:
+    return {"type": "number", "minimum": minimum, "maximum": maximum, **extra}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _obj(props: dict, required: list[str] | None = None, *, extra: bool = False,
+         description: str | None = None) -> dict:
+    out: dict[str, Any] = {"type": "object", "properties": props,
+                           "additionalProperties": extra}
+    if required:
+        out["required"] = required
+    if description:
+        out["description"] = description
+    return out
+
+
+_ERRORS = {
+    "400": "Invalid or unsupported parameter (``error.param`` names it); prompt + max_tokens "
+           "over the context (``code: context_length_exceeded``).",
+    "401": "Missing or unknown API key (only when the server runs with --api-keys).",
+    "404": "Unknown model (``code: model_not_found``).",
+    "413": "Request body over the server's limit (``code: request_too_large``).",
+    "429": "The tenant's concurrency limit is reached (``Retry-After``).",
+    "503": "Queue full (``queue_full``), shutting down (``shutting_down``), engine dead "
+           "(``engine_dead`` / ``unhealthy``) or request aborted (``aborted``); ``Retry-After`` "
+           "on the first two.",
+}
+
+
+def _error_responses(*codes: str) -> dict:
+    return {code: {"description": _ERRORS[code],
+                   "content": {"application/json": {"schema": _ref("Error")}}}
+            for code in codes}
+
+
+_SAMPLING = {
+    "model": {"type": "string", "description": "Must be the served model id; may be omitted."},
+    "max_tokens": _int(1, description="Output cap in tokens."),
+    "temperature": _num(0, 2, description="0 = greedy."),
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": _int(-1, description="0 or -1 disables."),
+    "seed": {"type": "integer", "description": "Choice i of an n > 1 request uses seed + i."},
+    "n": _int(1, 64),
+    "stop": {"anyOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "maxItems": 64,
+                        "items": {"type": "string", "minLength": 1, "maxLength": 1024}}]},
+    "stream": {"type": "boolean"},
+    "stream_options": _obj({"include_usage": {"type": "boolean"}},
+                           description="Only with stream: true."),
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024,
+                   "description": "Narrows the prefix-cache namespace; with API keys it is "
+                                  "combined with the tenant's server-side salt."},
+    "ignore_eos": {"type": "boolean"},
+    "user": {"type": "string"},
+    "logit_bias": {"description": "Refused (400) unless null or {}."},
+    "presence_penalty": {"description": "Refused (400) unless 0 or null."},
+    "frequency_penalty": {"description": "Refused (400) unless 0 or null."},
+}
+
+_MESSAGE = _obj({
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "null"},
+                          {"type": "array", "maxItems": 1024, "items": _obj(
+                              {"type": {"const": "text"}, "text": {"type": "string"}},
+                              ["type", "text"])}]},
+    "name": {"type": "string"},
+    "tool_calls": {"type": "array", "items": _obj({
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": _obj({"name": {"type": "string"}, "arguments": {"type": "string"}},
+                         ["name"])}, ["id", "function"])},
+    "tool_call_id": {"type": "string"},
+    "refusal": {}, "annotations": {},
+}, ["role"], description="Text only. ``content`` is required except for assistant messages; "
+                         "``tool_call_id`` is required for tool messages. NUL characters are "
+                         "refused.")
+
+_USAGE = _obj({
+    "prompt_tokens": _int(0), "completion_tokens": _int(0), "total_tokens": _int(0),
+    "prompt_tokens_details": _obj({"cached_tokens": _int(
+        0, description="Prompt tokens served from the prefix cache.")}, ["cached_tokens"]),
+}, ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"])
+
+_FINISH = {"enum": ["stop", "length", None]}
+
+_SCHEMAS = {
+    "Error": _obj({"error": _obj({
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": _nullable({"type": "string"}), "code": _nullable({"type": "string"})},
+        ["message", "type", "param", "code"])}, ["error"]),
+    "ChatCompletionRequest": _obj({
+        "messages": {"type": "array", "minItems": 1, "maxItems": 8192, "items": _MESSAGE},
+        "max_completion_tokens": _int(1),
+        "tools": {"type": "array", "maxItems": 128, "items": _obj({
+            "type": {"const": "function"},
+            "function": _obj({"name": {"type": "string", "minLength": 1},
+                              "description": {"type": "string"},
+                              "parameters": {"type": "object", "description": "At most 32 "
+                                             "levels deep."}}, ["name"], extra=True)},
+            ["type", "function"])},
+        "tool_choice": {"enum": ["auto", "none"], "description": "Other values: 400."},
+        "parallel_tool_calls": {"type": "boolean"},
+        "response_format": {"description": "Only {\"type\": \"text\"}; anything else: 400."},
+        "logprobs": {"description": "Only false or null; log probabilities are not computed."},
+        "top_logprobs": {"description": "Only null."},
+        **_SAMPLING,
+    }, ["messages"], description="Unknown keys are refused with 400 naming them. Tools are "
+                                 "rendered by the chat template, or as text for templates "
+                                 "without tool support."),
+    "ChatCompletion": _obj({
+        "id": {"type": "string"}, "object": {"const": "chat.completion"},
+        "created": {"type": "integer"}, "model": {"type": "string"},
+        "choices": {"type": "array", "items": _obj({
+            "index": _int(0), "finish_reason": _FINISH, "logprobs": {"type": "null"},
+            "message": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}})})},
+        "usage": _USAGE}),
+    "ChatCompletionChunk": _obj({
+        "id": {"type": "string"}, "object": {"const": "chat.completion.chunk"},
+        "created": {"type": "integer"}, "model": {"type": "string"},
+        "choices": {"type": "array", "items": _obj({
+            "index": _int(0), "finish_reason": _FINISH, "logprobs": {"type": "null"},
+            "delta": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}})})},
+        "usage": _nullable(_USAGE)}, description="One SSE ``data:`` event; the stream ends "
+                                                 "with ``data: [DONE]``."),
+    "CompletionRequest": _obj({
+        "prompt": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "items": _int(0)},
+            {"type": "array", "minItems": 1, "maxItems": 1,
+             "items": {"anyOf": [{"type": "string"}, {"type": "array", "items": _int(0)}]}}],
+            "description": "Text or token ids; one prompt per request (a batch: 400)."},
+        "echo": {"type": "boolean", "description": "Prefix each choice with the prompt text."},
+        "logprobs": {"description": "Only null: log probabilities (also prompt logprobs via "
+                                    "echo + logprobs) are not computed; 400 says so."},
+        "suffix": {"description": "Only null."},
+        "best_of": _int(1, description="Only equal to n."),
+        **_SAMPLING,
+    }, ["prompt"], description="max_tokens defaults to 16."),
+    "Completion": _obj({
+        "id": {"type": "string"}, "object": {"const": "text_completion"},
+        "created": {"type": "integer"}, "model": {"type": "string"},
+        "choices": {"type": "array", "items": _obj({
+            "index": _int(0), "text": {"type": "string"}, "finish_reason": _FINISH,
+            "logprobs": {"type": "null"}})},
+        "usage": _nullable(_USAGE)}, description="Also the shape of each streamed chunk "
+                                                 "(``usage`` only with include_usage)."),
+    "TokenizeRequest": _obj({
+        "model": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE},
+        "prompt": {"type": "string"}, "tools": {"type": "array"},
+        "add_generation_prompt": {"const": True}, "add_special_tokens": {"const": False},
+    }, description="Exactly one of messages and prompt."),
+    "TokenizeResponse": _obj({"tokens": {"type": "array", "items": _int(0)},
+                              "count": _int(0), "max_model_len": _int(1)}),
+    "Models": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj({
+        "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+        "owned_by": {"type": "string"}, "max_model_len": _int(1)})}}),
+    "Latency": _obj({k: _nullable({"type": "number"}) for k in
+                     ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")},
+                    description="Milliseconds over the most recent samples; null before any."),
+    "TenantStats": _obj({
+        "tenant": {"type": "string"},
+        **{k: _int(0) for k in ("requests_total", "requests_with_hit_total",
+                                 "requests_aborted_total", "prompt_tokens_total",
+                                 "cached_prompt_tokens_total", "computed_prompt_tokens_total",
+                                 "generated_tokens_total")},
+        "token_hit_rate": _num(0, 1), "request_hit_rate": _num(0, 1), "latency_ms": _ref("Latency"),
+    }, description="What a non-admin key sees: its own tenant only."),
+    "Stats": _obj({
+        "pool": {"type": "object"}, "tree": {"type": "object"}, "miss_tokens": {"type": "object"},
+        "latency_ms": _ref("Latency"),
+        "tenants": {"type": "object", "additionalProperties": _ref("TenantStats"),
+                    "description": "Admin keys only."},
+    }, extra=True, description="DESIGN.md §7: counters (``*_total``), rates, pool and tree "
+                               "gauges, miss causes, eviction policy."),
+}
+
+
+def _json(schema: dict, description: str = "OK") -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def openapi_document(model_name: str) -> dict:
+    """The OpenAPI document (``model_name`` appears as the example model)."""
+    chat_ok = {"description": "A chat.completion, or with stream: true an SSE stream of "
+                              "chat.completion.chunk events.",
+               "content": {"application/json": {"schema": _ref("ChatCompletion")},
+                           "text/event-stream": {"schema": _ref("ChatCompletionChunk")}}}
+    text_ok = {"description": "A text_completion, or with stream: true an SSE stream of them.",
+               "content": {"application/json": {"schema": _ref("Completion")},
+                           "text/event-stream": {"schema": _ref("Completion")}}}
+    bearer = [{"bearer": []}]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "radixkv", "version": "0.1.0",
+                 "description": "OpenAI-compatible LLM server with a radix-tree prefix cache. "
+                                "Every error body is {\"error\": {message, type, param, code}}; "
+                                "client mistakes are 4xx, never 5xx."},
+        "servers": [{"url": "/"}],
+        "components": {
+            "schemas": _SCHEMAS,
+            "securitySchemes": {"bearer": {
+                "type": "http", "scheme": "bearer",
+                "description": "Needed only when the server runs with --api-keys."}},
+        },
+        "security": bearer,
+        "paths": {
+            "/v1/chat/completions": {"post": {
+                "summary": "Chat completion",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("ChatCompletionRequest"),
+                    "example": {"model": model_name, "max_tokens": 16,
+                                "messages": [{"role": "user", "content": "Hello"}]}}}},
+                "responses": {"200": chat_ok,
+                              **_error_responses("400", "401", "404", "413", "429", "503")}}},
+            "/v1/completions": {"post": {
+                "summary": "Text completion (prompt as text or token ids)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("CompletionRequest"),
+                    "example": {"model": model_name, "prompt": [1, 2, 3], "max_tokens": 8}}}},
+                "responses": {"200": text_ok,
+                              **_error_responses("400", "401", "404", "413", "429", "503")}}},
+            "/v1/models": {"get": {"summary": "The served model",
+                                   "responses": {"200": _json(_ref("Models")),
+                                                 **_error_responses("401")}}},
+            "/tokenize": {"post": {
+                "summary": "Token ids of a chat (as a chat request renders it) or of text",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("TokenizeRequest")}}},
+                "responses": {"200": _json(_ref("TokenizeResponse")),
+                              **_error_responses("400", "401", "404", "413")}}},
+            "/health": {"get": {
+                "summary": "Liveness", "security": [],
+                "responses": {"200": _json(_obj({"status": {"const": "ok"}})),
+                              "503": _json(_obj({"status": {"enum": ["draining", "unhealthy"]}}),
+                                           "Shutting down, or the engine thread is dead.")}}},
+            "/stats": {"get": {
+                "summary": "Engine counters (DESIGN.md §7); a non-admin key sees its tenant only",
+                "responses": {"200": _json({"anyOf": [_ref("Stats"), _ref("TenantStats")]}),
+                              **_error_responses("401")}}},
+            "/metrics": {"get": {
+                "summary": "Prometheus text format (admin key when --api-keys is set)",
+                "responses": {"200": {"description": "Prometheus exposition format 0.0.4",
+                                      "content": {"text/plain": {"schema": {"type": "string"}}}},
+                              **_error_responses("401"),
+                              "403": _json(_ref("Error"), "A non-admin key.")}}},
+            "/openapi.json": {"get": {"summary": "This document", "security": [],
+                                      "responses": {"200": _json({"type": "object"})}}},
+        },
+    }
