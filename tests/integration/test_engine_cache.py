@@ -170,3 +170,33 @@ def test_stop_string_and_eos(tiny):
                                                           ignore_eos=True, stop=(stop,)))
     assert stopped.finish_reason == "stop"
     assert stopped.detokenizer.text == text[:text.find(stop)]
+
+
+def test_c06_model_revision_is_part_of_the_cache_identity(tiny, tmp_path):
+    from radixkv.cache_manager import CacheManager
+    from radixkv.hashing import CacheIdentity
+    from tests.conftest import make_tiny_model_dir
+
+    other = load_model(str(make_tiny_model_dir(tmp_path / "r2", seed=99)))
+    assert other.revision != tiny.revision  # the revision is the weights' digest
+    cache = CacheManager(64, 4)
+    roots = [cache.identity_root(CacheIdentity(model_revision=m.revision, block_size=4,
+                                               kv_dtype="float32", rope=m.shape.rope_description()))
+             for m in (tiny, other)]
+    prompt = list(range(10, 18))
+    assert cache.begin("r1", roots[0], prompt) == 0
+    assert cache.allocate("r1", 8)
+    cache.record_admission("r1")
+    cache.publish("r1", prompt, 8)
+    cache.release("r1")
+    assert cache.begin("r2", roots[1], prompt) == 0  # r1's blocks are never served to r2
+    cache.record_admission("r2")
+    assert cache.miss_breakdown("r2")["isolated"] == 4  # the same tokens under another identity
+    cache.release("r2")
+    assert cache.begin("r1-again", roots[0], prompt) == 4  # positive control
+    cache.release("r1-again")
+    cache.check_integrity()
+
+    # Engine level: the revision reaches the identity root the engine matches under.
+    engines = [make_engine(m) for m in (tiny, other)]
+    assert engines[0].cache_root(None) != engines[1].cache_root(None)
