@@ -106,14 +106,14 @@ def _run_one(task: tuple) -> dict:
 
 def _table(records: list[dict]) -> str:
     head = (f"{'policy':<12} {'capacity':>9} {'blocks':>8} {'token_hit':>9} {'flop_hit':>9} "
-            f"{'of_belady':>9} {'evicted':>9} {'wall_s':>7}")
+            f"{'of_belady':>9} {'evicted':>9} {'skipped':>7} {'wall_s':>7}")
     lines = [head, "-" * len(head)]
     for r in records:
         fb = r["fraction_of_belady"]
         lines.append(f"{r['policy']:<12} {100 * r['capacity_fraction']:>8.2f}% "
                      f"{r['capacity_blocks']:>8} {r['token_hit_rate']:>9.4f} "
                      f"{r['flop_hit_rate']:>9.4f} {'' if fb is None else f'{fb:.3f}':>9} "
-                     f"{r['evicted_blocks']:>9} {r['wall_s']:>7.1f}")
+                     f"{r['evicted_blocks']:>9} {r['skipped_requests']:>7} {r['wall_s']:>7.1f}")
     return "\n".join(lines)
 
 
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.format != "chat" and not args.trace:
             raise ValueError(f"trace: --trace is required for --format {args.format}")
         block_size = args.block_size or (512 if args.format == "mooncake" else 16)
-        shape = get_shape(args.model_shape or ("smollm2-135m" if args.format == "chat" else "llama3-8b"))
+        default_shape = "smollm2-135m" if args.format == "chat" else "llama3-8b"
+        shape = get_shape(args.model_shape or default_shape)
         t0 = time.perf_counter()
         trace = trace_mod.load_trace(args.format, args.trace, block_size, source=args.source,
                                      concurrency=args.concurrency)
@@ -135,7 +136,8 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"trace: {args.trace} holds no requests")
         distinct = trace.distinct_blocks
         if args.capacity_blocks:
-            sizes = [(int(b) / distinct, int(b)) for b in _floats(args.capacity_blocks, "capacity_blocks")]
+            blocks = [int(b) for b in _floats(args.capacity_blocks, "capacity_blocks")]
+            sizes = [(b / distinct, b) for b in blocks]
         else:
             sizes = [(f, max(1, round(f * distinct))) for f in _floats(args.capacity, "capacity")]
     except (OSError, ValueError) as exc:
@@ -183,6 +185,8 @@ def run(args: argparse.Namespace) -> dict:
         r["fraction_of_belady"] = r["flop_hit_rate"] / ref if ref else None
         records.append({k: r[k] for k in CSV_FIELDS})
     print(_table(records))
+    if any(r["skipped_requests"] for r in records):
+        print("skipped: requests larger than the whole pool (served without the cache, no hit)")
     summary = {"trace": str(args.trace or trace.name), "format": args.format,
                "block_size": block_size, "model_shape": shape.name,
                "requests": len(trace.requests), "distinct_blocks": distinct,

@@ -1,110 +1,162 @@
-"""Cost-aware eviction (``cost``): keep the blocks whose expected saved recompute is largest.
+"""Cost-aware eviction (``cost``, ours): keep the blocks whose expected saved recompute, per block
+held, is largest.
 
-DRAFT — formula being tuned; final docstring follows the measurements.
+Formula
+-------
+A GreedyDual policy (:class:`eviction.gdsf.GreedyDualPolicy`): an evictable leaf ``ν`` accessed
+at clock ``t`` gets the key ``H(ν) = L(t) + v(ν)`` and the leaf of least ``H`` loses its tail
+block first; the inflation clock ``L`` rises to each victim's ``H``. The credit is
+
+    v(ν) = ( P(ν) · c(ν) / c₀ ) ^ γ
+
+* ``c(ν)`` — recompute FLOPs per block of the node at its depth (``eviction.cost_model``:
+  ``C(depth, tokens) / blocks``; deeper blocks cost more), ``c₀`` the same for a block at depth
+  0, so the credit is dimensionless ("blocks' worth of shallow prefill").
+* ``P(ν)`` — probability that a later lookup reaches the node again, from its own reuse
+  history: ``P = (h + 1) / (h + 4)`` (a Beta(1, 3) prior updated by ``h`` observed reuses).
+  ``h`` is the node's ``hit_count`` (every lookup through the node counts, so a shared prefix
+  with a large fan-out has a large ``h``) **plus the history it had before an eviction**: when
+  a leaf's tail is evicted its hash is remembered with its ``h`` in a bounded ghost list (the
+  idea of S3-FIFO's ghost queue); a node later re-inserted with that block (the session came
+  back after its tip was evicted) inherits ``h_old + 1``. The prior and the slope come from the
+  shared Mooncake conversation trace: the tip of a request that continues ``k`` earlier turns
+  is reused again with probability 0.33, 0.40, 0.55, 0.60, 0.75 for ``k = 0 … 4``.
+* ``γ`` — how strongly value overrides recency, adapted event by event to the cache's own
+  pressure: ``γ = min(3, (ĝ / T̂)²)``, with ``ĝ`` the running mean of observed reuse gaps (a
+  node hit again, or a ghost coming back) and ``T̂`` the running mean idle time of evicted
+  leaves. When leaves are evicted long before the typical reuse (small pool, ``T̂ ≪ ĝ``) only
+  the most valuable leaves can be kept until their reuse and the credit decides (S3-FIFO-like
+  quick demotion of one-off tails); when the pool outlives typical reuse gaps (``T̂ ≫ ĝ``) the
+  credits flatten toward 1 and eviction tends to LRU, which is near optimal there (on the
+  Mooncake trace the remaining reuse probability of a 10-minute-idle tip no longer depends on
+  its history). Until both means exist ``γ = 1``.
+* Clock drift (``drift = 3``): ``L`` also advances with the clock at ``3 × mean credit ÷ T̂`` per
+  second, integrated piecewise in the history of ``L`` so no key changes after it is given out.
+  Without it, leaves of nearly equal credit accessed between two rises of ``L`` tie on
+  ``L(t)`` and the credit alone orders them, ignoring recency (GreedyDual's plateaus).
+
+Everything is event-driven: a key is computed when the tree re-keys a leaf (insert, hit,
+unlock, split, trim); ``ĝ``, ``T̂`` and ``L`` change on hits and evictions; nothing rescans the
+tree or rescores by wall clock.
+
+Sources: N. Young, "The k-server dual and loose competitiveness for paging", Algorithmica 1994
+(GreedyDual); P. Cao and S. Irani, "Cost-Aware WWW Proxy Caching Algorithms", USITS 1997
+(GreedyDual-Size); L. Cherkasova, "Improving WWW Proxy Performance with Greedy-Dual-Size-
+Frequency Caching Policy", HP Labs HPL-98-69, 1998 (frequency in the credit); J. Yang et al.,
+"FIFO queues are all you need for cache eviction", SOSP 2023 (ghost history, quick demotion);
+N. Beckmann, H. Chen, A. Cidon, "LHD: Improving Cache Hit Rate by Maximizing Hit Density",
+NSDI 2018 (value per space-time, hence the dependence on reuse gaps vs. residency).
+
+The ghost needs the tree's chained block hashes (``node.hashes``, present on
+``radixkv.radix_tree`` nodes); a node view without them simply gets no inherited history.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Any
 
 from .base import NodeView, register
-from .cost_model import CostShape
-from .gdsf import GreedyDualPolicy
+from .cost_model import CostShape, prefill_flops
+from .gdsf import _TERA, GreedyDualPolicy
 
 
 @register("cost")
 class CostAwarePolicy(GreedyDualPolicy):
-    """GreedyDual with credit ``P(reuse) · C / S``."""
+    """GreedyDual with credit ``(P(reuse) · c / c₀) ^ γ`` (see the module docstring).
+
+    Args:
+        model_shape: Cost-model shape: a preset name, ``CostShape``, a ``ModelShape``-like
+            object, or None (``llama3-8b``).
+        prior_hits, prior_misses: The Beta prior of ``P`` (1, 3).
+        gamma_max: Largest ``γ`` (3).
+        drift: Clock drift, in mean credits per mean victim idle time (3).
+        ghost_size: Evicted tail hashes remembered (65,536; ~100 bytes each).
+
+    Attributes:
+        gamma: ``γ`` used for the latest credit.
+        reuse_gap_s: ``ĝ``, running mean of observed reuse gaps (clock units).
+        eviction_idle_s: ``T̂``, running mean idle time of evicted leaves (clock units).
+    """
+
+    drift = 3.0
 
     def __init__(self, model_shape: str | CostShape | Any | None = None, *,
-                 prior_hits: float = 1.0, prior_misses: float = 2.0,
-                 exponent: float = 1.0, cost_exponent: float = 1.0, ghost: bool = True,
-                 adaptive: float = 0.0, ghost_size: int = 1 << 16, ewma: float = 0.01,
-                 adaptive_all: bool = False, gamma_max: float = 4.0,
-                 recency_rate: float = 0.0) -> None:
+                 prior_hits: float = 1.0, prior_misses: float = 3.0, gamma_max: float = 3.0,
+                 drift: float = 3.0, ghost_size: int = 1 << 16) -> None:
         super().__init__(model_shape)
+        if prior_hits <= 0 or prior_misses <= 0:
+            raise ValueError("prior_hits, prior_misses: must be positive")
         self.prior_hits = prior_hits
         self.prior_misses = prior_misses
-        self.exponent = exponent
-        self.cost_exponent = cost_exponent
-        self.use_ghost = ghost
-        self.adaptive = adaptive
-        self.ghost_size = ghost_size
-        self.ewma = ewma
-        self.adaptive_all = adaptive_all
-        self.recency_rate = recency_rate
         self.gamma_max = gamma_max
-        self._inherited: dict[int, int] = {}
-        self._tail: dict[int, bytes] = {}
-        self._seen: dict[int, tuple[float, int]] = {}
+        self.drift = drift
+        self.ghost_size = ghost_size
+        self.gamma = 1.0
+        self.reuse_gap_s = 0.0
+        self._c0: dict[int, float] = {}  # block size -> FLOPs of one block at depth 0
+        self._inherited: dict[int, int] = {}  # uid -> reuses before its blocks were evicted
+        self._seen: dict[int, tuple[float, int]] = {}  # uid -> (last access, hit_count) seen
+        self._tail: dict[int, bytes] = {}  # uid -> hash of its tail block when keyed
         self._ghost: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
-        self.reuse_gap_s = 0.0       # EWMA of observed reuse gaps
-        self.eviction_age_s = 0.0    # EWMA of victims' idle time at eviction
 
-    def _avg(self, old: float, new: float) -> float:
-        return new if old == 0.0 else old + self.ewma * (new - old)
+    @property
+    def eviction_idle_s(self) -> float:
+        return self.mean_victim_idle_s
 
-    def hits(self, node: NodeView) -> int:
+    # ---- reuse history ------------------------------------------------------------------
+    def reuses(self, node: NodeView) -> int:
+        """``h``: lookups through the node plus those of its evicted past (ghost)."""
         uid = node.uid
+        t, hits = node.last_access_s, node.hit_count
         inherited = self._inherited.get(uid)
-        if inherited is None:
+        if inherited is None:  # first sight: a new run, a split head, or a grown-back session
             inherited = 0
-            hashes = getattr(node, "hashes", None) if self.use_ghost else None
+            hashes = getattr(node, "hashes", None)
             if hashes and self._ghost:
                 ghost = self._ghost
-                for h in hashes:
-                    entry = ghost.pop(h, None)
+                for block_hash in hashes:
+                    entry = ghost.pop(block_hash, None)
                     if entry is not None:
                         inherited = max(inherited, entry[0] + 1)
-                        gap = node.last_access_s - entry[1]
-                        if gap > 0:
-                            self.reuse_gap_s = self._avg(self.reuse_gap_s, gap)
+                        if t > entry[1]:
+                            self.reuse_gap_s = self._mean(self.reuse_gap_s, t - entry[1])
             self._inherited[uid] = inherited
-        h = node.hit_count
         seen = self._seen.get(uid)
-        if seen is not None and h > seen[1] and node.last_access_s > seen[0]:
-            self.reuse_gap_s = self._avg(self.reuse_gap_s, node.last_access_s - seen[0])
-        self._seen[uid] = (node.last_access_s, h)
-        return h + inherited
+        if seen is not None and hits > seen[1] and t > seen[0]:
+            self.reuse_gap_s = self._mean(self.reuse_gap_s, t - seen[0])
+        self._seen[uid] = (t, hits)
+        return hits + inherited
 
     def reuse_probability(self, h: int) -> float:
+        """``P = (h + a) / (h + a + b)`` with the Beta(a, b) prior."""
         return (h + self.prior_hits) / (h + self.prior_hits + self.prior_misses)
 
+    # ---- credit -------------------------------------------------------------------------
     def value(self, node: NodeView) -> float:
-        h = self.hits(node)
+        p = self.reuse_probability(self.reuses(node))
         hashes = getattr(node, "hashes", None)
         if hashes:
             self._tail[node.uid] = hashes[-1]
-        p = self.reuse_probability(h)
-        gamma = self.exponent
-        if self.adaptive and self.eviction_age_s > 0 and self.reuse_gap_s > 0:
-            gamma = min(self.gamma_max, self.adaptive * self.reuse_gap_s / self.eviction_age_s)
-        c = self.node_flops(node) / max(1, node.num_blocks)
-        if self.adaptive_all:
-            return (p * c / self._c0(node)) ** gamma
-        return (p ** gamma) * (c ** self.cost_exponent)
-
-    def _c0(self, node: NodeView) -> float:
-        bs = node.num_tokens // max(1, node.num_blocks)
-        return self.node_flops_at(0, bs)
-
-    def node_flops_at(self, start: int, n: int) -> float:
-        from .cost_model import prefill_flops
-        return prefill_flops(self.shape, start, n) * 1e-12
+        blocks = max(1, node.num_blocks)
+        bs = max(1, node.num_tokens // blocks)
+        c0 = self._c0.get(bs)
+        if c0 is None:
+            c0 = self._c0[bs] = prefill_flops(self.shape, 0, bs) * _TERA
+        idle = self.mean_victim_idle_s
+        if idle > 0 and self.reuse_gap_s > 0:
+            self.gamma = min(self.gamma_max, (self.reuse_gap_s / idle) ** 2)
+        return (p * self.node_flops(node) / blocks / c0) ** self.gamma
 
     def on_evict(self, node: NodeView, num_blocks: int) -> None:
         super().on_evict(node, num_blocks)
         uid = node.uid
-        age = self._latest - node.last_access_s
-        if age >= 0:
-            self.eviction_age_s = self._avg(self.eviction_age_s, age)
         tail = self._tail.pop(uid, None)
-        if tail is not None and self.use_ghost:
-            self._ghost[tail] = (node.hit_count + self._inherited.get(uid, 0), node.last_access_s)
-            if len(self._ghost) > self.ghost_size:
-                self._ghost.popitem(last=False)
+        if tail is not None:
+            ghost = self._ghost
+            ghost[tail] = (node.hit_count + self._inherited.get(uid, 0), node.last_access_s)
+            if len(ghost) > self.ghost_size:
+                ghost.popitem(last=False)
         if node.num_blocks == 0:
             self._inherited.pop(uid, None)
             self._seen.pop(uid, None)

@@ -144,8 +144,9 @@ def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
             raise ValueError(f"path: {file} has no 'history' list")
         messages = []
         for raw in history:
-            if raw.get("role") == "tool" and raw.get("tool_call_id") is None and raw.get("tool_call_ids"):
-                raw = {**raw, "tool_call_id": raw["tool_call_ids"][0]}
+            ids = raw.get("tool_call_ids")
+            if raw.get("role") == "tool" and raw.get("tool_call_id") is None and ids:
+                raw = {**raw, "tool_call_id": ids[0]}
             message = normalise_message(raw)
             if message is not None:
                 messages.append(message)
