@@ -101,8 +101,7 @@ class LLMEngine:
                                                          and self.prefix_caching_disabled_reason is None),
                                   hash_algo=config.cache.hash_algo,
                                   model_shape=cost_shape)
-        self.stats = EngineStats()
-        self.stats.cost_shape = cost_shape  # saved_prefill_flops_total at admission
+        self.stats = EngineStats(cost_shape)
         self.scheduler = Scheduler(config.scheduler, self.cache, self.stats)
         self.model_name = config.served_model_name or self.model.name
         self.max_model_len = shape.max_position_embeddings

@@ -87,9 +87,13 @@ class EngineStats:
 
     Per-tenant counters (``tenant_snapshot``) are recorded for requests that carry a tenant
     (the server's authenticated tenant); the global counters always include them.
+
+    Args:
+        cost_shape: the served model's ``eviction.cost_model`` shape; with it, each hit adds
+            the prefill FLOPs it saved to ``saved_prefill_flops_total``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cost_shape: Any = None) -> None:
         self._lock = threading.Lock()
         self.requests_total = 0
         self.requests_with_hit_total = 0
@@ -99,9 +103,8 @@ class EngineStats:
         self.requests_aborted_total = 0
         self.preemptions_total = 0
         self.resumed_cached_tokens_total = 0
-        # Prefill FLOPs the prefix cache saved (eviction.cost_model, shape set by the engine).
-        self.saved_prefill_flops_total = 0.0
-        self.cost_shape: Any = None
+        self.saved_prefill_flops_total = 0.0  # FLOPs, from eviction.cost_model
+        self.cost_shape = cost_shape
         self.tenants: dict[str, TenantCounters] = {}
         self.ttft = LatencyHistogram()
         self.itl = LatencyHistogram()

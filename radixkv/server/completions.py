@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.sampling import SamplingParams
 from radixkv.server.errors import bad_request
 from radixkv.server.params import (
-    check_model, is_int, opt_bool, parse_sampling, refuse_unimplemented_sampling,
-    refuse_unknown_keys, sampling_params,
+    Sampling, check_model, is_int, opt_bool, parse_sampling, refuse_unimplemented_sampling,
+    refuse_unknown_keys,
 )
 
 COMPLETION_KEYS = frozenset({
@@ -28,31 +27,18 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @dataclass(frozen=True)
-class CompletionRequest:
+class CompletionRequest(Sampling):
     """A validated text-completion request: exactly one of ``prompt_text`` / ``prompt_ids``.
 
+    ``max_tokens`` None means ``DEFAULT_MAX_TOKENS`` (within the context).
+
     Attributes:
-        max_tokens: Requested output cap; None = ``DEFAULT_MAX_TOKENS`` (within the context).
         echo: Return the prompt text in front of each choice.
     """
 
     prompt_text: str | None
     prompt_ids: list[int] | None
     echo: bool
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
-    ignore_eos: bool
-    stream: bool
-    include_usage: bool
-    cache_salt: str | None
-    n: int = 1
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return sampling_params(self, max_tokens)
 
 
 def _token_ids(ids: list, param: str) -> list[int]:

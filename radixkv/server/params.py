@@ -192,7 +192,13 @@ class Sampling:
     n: int
 
     def fields(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in Sampling.__dataclass_fields__}
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Engine sampling parameters with the resolved ``max_tokens``."""
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop,
+                              ignore_eos=self.ignore_eos, n=self.n)
 
 
 def parse_sampling(body: dict[str, Any]) -> Sampling:
@@ -237,8 +243,3 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
         stream=stream, include_usage=include_usage, cache_salt=salt,
         n=1 if n is None else n)
 
-
-def sampling_params(s: Any, max_tokens: int) -> SamplingParams:
-    """Engine sampling parameters of a parsed request (``Sampling`` fields) and ``max_tokens``."""
-    return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
-                          top_k=s.top_k, seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, n=s.n)

@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.sampling import SamplingParams
 from radixkv.server.errors import bad_request
 from radixkv.server.params import (  # some re-exported (see __all__)
     JSON_CONTENT_TYPES, MAX_CHOICES, check_model, json_depth, opt_bool, parse_json_object,
-    parse_sampling, refuse_unimplemented_sampling, refuse_unknown_keys, sampling_params,
+    Sampling, parse_sampling, refuse_unimplemented_sampling, refuse_unknown_keys,
 )
 
 __all__ = ["CHAT_KEYS", "JSON_CONTENT_TYPES", "MAX_CHOICES", "ChatRequest", "TokenizeRequest",
@@ -180,35 +179,16 @@ def validate_tools(tools: Any) -> list[dict] | None:
 
 
 @dataclass(frozen=True)
-class ChatRequest:
-    """A validated chat-completion request.
+class ChatRequest(Sampling):
+    """A validated chat-completion request: the shared ``Sampling`` fields plus these.
 
     Attributes:
         messages: Template-ready messages (see ``validate_messages``).
         tools: Function tools passed to the chat template, or None.
-        max_tokens: Requested output cap in tokens; None = up to the context limit.
-        stream: Answer as server-sent events.
-        include_usage: Streaming only: send a final chunk carrying ``usage``.
-        cache_salt: The client's cache isolation salt, or None.
     """
 
     messages: list[dict[str, Any]]
     tools: list[dict] | None
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
-    ignore_eos: bool
-    stream: bool
-    include_usage: bool
-    cache_salt: str | None
-    n: int = 1
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Engine sampling parameters with the resolved ``max_tokens``."""
-        return sampling_params(self, max_tokens)
 
 
 def _refuse_unimplemented(body: dict) -> None:

@@ -72,8 +72,7 @@ def test_model_shape_adapter_agrees_with_preset() -> None:
 def test_stats_count_saved_prefill_flops() -> None:
     from radixkv.stats import EngineStats
 
-    stats = EngineStats()
-    stats.cost_shape = PRESETS["smollm2-135m"]
+    stats = EngineStats(PRESETS["smollm2-135m"])
     stats.record_admission(100, 64)
     stats.record_admission(50, 0)
     assert stats.saved_prefill_flops_total == prefill_flops("smollm2-135m", 0, 64)
