@@ -75,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-fraction", type=float, default=0.35,
                         help="pool blocks as a fraction of the workload's distinct blocks")
     parser.add_argument("--policy", default="lru", help="eviction policy")
+    parser.add_argument("--publish-interval-blocks", type=int, default=16,
+                        help="generated blocks published per batch, as the engine's flag")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3,
                         help="replays of the workload; each operation keeps its fastest replay "
@@ -124,7 +126,8 @@ def _floor_index_add(data: bytes, block_size: int, index: dict) -> None:
 OPS = ("pack", "floor", "match", "insert_prefill", "insert_decode", "evict", "hash")
 
 
-def replay(workload: list, block_size: int, num_blocks: int, policy: str) -> dict:
+def replay(workload: list, block_size: int, num_blocks: int, policy: str,
+           publish_interval: int = 16) -> dict:
     """Run the workload through a CacheManager; return per-operation times and block counts.
 
     Each prompt arrives as a list of fresh Python ints (as from a tokenizer) and is packed
@@ -183,15 +186,23 @@ def replay(workload: list, block_size: int, num_blocks: int, policy: str) -> dic
         # The engine appends each sampled token to the request's packed buffer as it arrives.
         seq = packed + pack_tokens(turn.reply)
         num_seq = len(prompt) + len(turn.reply)
-        # Decode: the token sampled at position p is computed by the next step; a block is
-        # published by the step that writes its last token's K/V.
+        # Decode: the token sampled at position p is computed by the next step. As the engine
+        # does, generated blocks are published in batches of ``publish_interval`` (the step
+        # that completes the last block of a batch publishes it) and the rest when the request
+        # ends.
+        publish_at = (len(prompt) // bs + publish_interval) * bs
         for end in range((len(prompt) // bs + 1) * bs, num_seq, bs):
             if not cm.allocate(rid, end + 1):
                 raise SystemExit("bench tree: pool too small for one request")
-            t = clock()
-            cm.publish(rid, seq, end)
-            ns["insert_decode"] += clock() - t
             blocks["insert_decode"] += 1
+            if end >= publish_at:
+                t = clock()
+                cm.publish(rid, seq, end)
+                ns["insert_decode"] += clock() - t
+                publish_at = (end // bs + publish_interval) * bs
+        t = clock()
+        cm.publish(rid, seq, num_seq - 1)  # the request finished: publish the rest
+        ns["insert_decode"] += clock() - t
         cm.release(rid)
     cm.tree.evict = tree_evict
     cm.check_integrity()
@@ -241,7 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()
         gc.disable()
         try:
-            runs.append(replay(workload, bs, num_blocks, args.policy))
+            runs.append(replay(workload, bs, num_blocks, args.policy,
+                               args.publish_interval_blocks))
         finally:
             gc.enable()
     res = runs[0]
@@ -256,7 +268,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workload": {"sessions": args.sessions, "turns": args.turns, "block_size": bs,
                      "system_tokens": args.system_tokens, "requests": res["requests"],
                      "distinct_blocks": distinct, "pool_blocks": num_blocks,
-                     "policy": args.policy, "seed": args.seed, "repeat": args.repeat},
+                     "policy": args.policy, "seed": args.seed, "repeat": args.repeat,
+                     "publish_interval_blocks": args.publish_interval_blocks},
         "blocks": {op: blocks[op] for op in ops},
         "blocks_per_s": {op: 1e9 / per_block[op] for op in ops if op in per_block},
         "floor_blocks_per_s": 1e9 / floor_ns,

@@ -21,12 +21,18 @@ care: a published block is never written again.
 from __future__ import annotations
 
 from collections import deque
+from operator import itemgetter
 from typing import Iterable, Sequence
 
 FREE = 0
 PRIVATE = 1
 CACHED = 2
 STATE_NAMES = {FREE: "free", PRIVATE: "private", CACHED: "cached"}
+
+# One ownership word per block (one list read and one write per block on the hot paths):
+# ``_OWN_FREE``, ``_OWN_CACHED``, or the owner count of a private block (0 = deferred free).
+_OWN_FREE = -2
+_OWN_CACHED = -1
 
 
 class BlockPool:
@@ -45,8 +51,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         # FIFO free list: freshly freed blocks are reused last, so a fresh pool hands out 0, 1, 2…
         self._free: deque[int] = deque(range(num_blocks))
-        self._state = [FREE] * num_blocks
-        self._ref = [0] * num_blocks
+        self._own = [_OWN_FREE] * num_blocks
         self._num_private = 0
         self._num_cached = 0
         self._in_step = False
@@ -80,11 +85,12 @@ class BlockPool:
 
     def state(self, block_id: int) -> int:
         """Return ``FREE``, ``PRIVATE`` or ``CACHED`` for ``block_id``."""
-        return self._state[block_id]
+        own = self._own[block_id]
+        return FREE if own == _OWN_FREE else CACHED if own == _OWN_CACHED else PRIVATE
 
     def ref_count(self, block_id: int) -> int:
         """Return how many requests own private ``block_id`` (0 unless private)."""
-        return self._ref[block_id]
+        return max(self._own[block_id], 0)
 
     # ---- transitions --------------------------------------------------------------------
     def allocate(self, num: int) -> list[int] | None:
@@ -107,10 +113,9 @@ class BlockPool:
             return None
         popleft = self._free.popleft
         ids = [popleft() for _ in range(num)]
-        state, ref = self._state, self._ref
+        own = self._own
         for block_id in ids:
-            state[block_id] = PRIVATE
-            ref[block_id] = 1
+            own[block_id] = 1
         self._num_private += num
         return ids
 
@@ -121,9 +126,9 @@ class BlockPool:
             RuntimeError: if the block is not private or its free is deferred.
         """
         self._expect(block_id, PRIVATE)
-        if self._ref[block_id] <= 0:
+        if self._own[block_id] <= 0:
             raise RuntimeError(f"block {block_id}: cannot share a block whose free is deferred")
-        self._ref[block_id] += 1
+        self._own[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one owner of each private block; blocks with no owner left become free.
@@ -135,16 +140,17 @@ class BlockPool:
             RuntimeError: if a block is not private or has no owner left (double free, a cached
                 block, or a deferred one).
         """
+        own = self._own
         for block_id in block_ids:
             self._expect(block_id, PRIVATE)
-            if self._ref[block_id] <= 0:
+            if own[block_id] <= 0:
                 raise RuntimeError(f"block {block_id}: freed again while its free is deferred")
-            self._ref[block_id] -= 1
-            if self._ref[block_id] == 0:
+            own[block_id] -= 1
+            if own[block_id] == 0:
                 if self._in_step:
                     self._deferred.append(block_id)
                     continue
-                self._state[block_id] = FREE
+                own[block_id] = _OWN_FREE
                 self._num_private -= 1
                 self._free.append(block_id)
 
@@ -171,8 +177,9 @@ class BlockPool:
             raise RuntimeError("end_step: no step is in flight")
         self._in_step = False
         freed, self._deferred = self._deferred, []
+        own = self._own
         for block_id in freed:
-            self._state[block_id] = FREE
+            own[block_id] = _OWN_FREE
             self._num_private -= 1
             self._free.append(block_id)
         return freed
@@ -184,25 +191,26 @@ class BlockPool:
             RuntimeError: if a block is not private or is shared by several owners (a fork) or
                 none (deferred); nothing is changed then.
         """
-        state, ref = self._state, self._ref
-        done = 0
+        num = len(block_ids)
+        if not num:
+            return
+        own = self._own
+        # Validate in C (one gather) before changing anything: the publish hot path.
         try:
-            for block_id in block_ids:  # one pass (the publish hot path); rolled back on error
-                if state[block_id] != PRIVATE or ref[block_id] != 1 or block_id < 0:
-                    raise LookupError(block_id)
-                state[block_id] = CACHED
-                ref[block_id] = 0
-                done += 1
-        except LookupError:
-            for block_id in block_ids[:done]:
-                state[block_id] = PRIVATE
-                ref[block_id] = 1
-            block_id = block_ids[done]
-            self._expect(block_id, PRIVATE)
-            raise RuntimeError(
-                f"block {block_id}: cannot publish a block with {ref[block_id]} owners") from None
-        self._num_private -= done
-        self._num_cached += done
+            owners = itemgetter(*block_ids)(own) if num > 1 else (own[block_ids[0]],)
+        except (IndexError, TypeError):
+            owners = ()
+        if owners.count(1) != num or min(block_ids) < 0:
+            for block_id in block_ids:
+                self._expect(block_id, PRIVATE)
+                if own[block_id] != 1:
+                    raise RuntimeError(f"block {block_id}: cannot publish a block with "
+                                       f"{own[block_id]} owners")
+            raise RuntimeError(f"to_cached: invalid block ids {list(block_ids)}")
+        for block_id in block_ids:
+            own[block_id] = _OWN_CACHED
+        self._num_private -= num
+        self._num_cached += num
 
     def free_cached(self, block_ids: list[int]) -> None:
         """Return blocks the tree evicted to the free list.
@@ -210,22 +218,22 @@ class BlockPool:
         Raises:
             RuntimeError: if a block is not cached (nothing is changed then).
         """
-        state = self._state
+        own = self._own
         for block_id in block_ids:
-            if not 0 <= block_id < self.num_blocks or state[block_id] != CACHED:
+            if not 0 <= block_id < self.num_blocks or own[block_id] != _OWN_CACHED:
                 self._expect(block_id, CACHED)
         for block_id in block_ids:
-            state[block_id] = FREE
+            own[block_id] = _OWN_FREE
         self._num_cached -= len(block_ids)
         self._free.extend(block_ids)
 
     def _expect(self, block_id: int, state: int) -> None:
         if not 0 <= block_id < self.num_blocks:
             raise RuntimeError(f"block {block_id}: out of range [0, {self.num_blocks})")
-        if self._state[block_id] != state:
+        if self.state(block_id) != state:
             raise RuntimeError(
                 f"block {block_id}: expected {STATE_NAMES[state]}, "
-                f"found {STATE_NAMES[self._state[block_id]]}"
+                f"found {STATE_NAMES[self.state(block_id)]}"
             )
 
     def check_integrity(self) -> None:
@@ -240,19 +248,18 @@ class BlockPool:
         assert len(deferred) == len(self._deferred), "deferred list holds a block twice"
         assert self._in_step or not deferred, "blocks deferred while no step is in flight"
         counts = {FREE: 0, PRIVATE: 0, CACHED: 0}
-        for block_id, state in enumerate(self._state):
+        for block_id, own in enumerate(self._own):
+            state = self.state(block_id)
             counts[state] += 1
             assert (state == FREE) == (block_id in free_set), (
                 f"block {block_id}: state {STATE_NAMES[state]} disagrees with free-list membership"
             )
             if state == PRIVATE:
-                assert (self._ref[block_id] >= 1) != (block_id in deferred), (
-                    f"block {block_id}: private with ref count {self._ref[block_id]}, "
+                assert (own >= 1) != (block_id in deferred), (
+                    f"block {block_id}: private with ref count {own}, "
                     f"deferred={block_id in deferred}")
             else:
-                assert self._ref[block_id] == 0, (
-                    f"block {block_id}: {STATE_NAMES[state]} with ref count {self._ref[block_id]}"
-                )
+                assert own in (_OWN_FREE, _OWN_CACHED), f"block {block_id}: bad ownership {own}"
         assert counts[PRIVATE] == self._num_private, (
             f"private counter {self._num_private} != {counts[PRIVATE]} private blocks"
         )

@@ -25,6 +25,11 @@ class CacheConfig:
         enable_prefix_caching: False turns matching and publishing off (every prompt is
             prefilled in full); blocks are still paged.
         hash_algo: ``xxh3_128`` (default) or ``sha256``.
+        publish_interval_blocks: generated (decode) blocks are published to the tree in
+            batches of this many, and the rest when the request ends (finish, abort,
+            preemption); prompt blocks are published as soon as they are computed. 1 publishes
+            each block as it fills (vLLM's behaviour); a large value publishes at the end
+            (SGLang's). Batching keeps per-block Python calls off the decode path.
         cache_salt: server-wide salt mixed into every request's cache identity.
     """
 
@@ -34,6 +39,7 @@ class CacheConfig:
     eviction_policy: str = "lru"
     enable_prefix_caching: bool = True
     hash_algo: str = "xxh3_128"
+    publish_interval_blocks: int = 16
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
@@ -44,6 +50,10 @@ class CacheConfig:
                  "kv_cache_memory_bytes", f"must be positive, got {self.kv_cache_memory_bytes!r}")
         _require(self.hash_algo in ("xxh3_128", "sha256"),
                  "hash_algo", f"must be 'xxh3_128' or 'sha256', got {self.hash_algo!r}")
+        _require(isinstance(self.publish_interval_blocks, int)
+                 and not isinstance(self.publish_interval_blocks, bool)
+                 and self.publish_interval_blocks >= 1, "publish_interval_blocks",
+                 f"must be an int >= 1, got {self.publish_interval_blocks!r}")
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,8 @@ class EngineConfig:
         device: ``cpu`` or ``cuda``.
         attention_backend: ``auto`` | ``torch`` | ``triton`` (auto = triton on CUDA).
         served_model_name: the id clients send as ``model``; None = the model's own name.
+        lora_adapters: ``(name, path)`` of PEFT LoRA adapters loaded at start (``--lora``);
+            a request's ``model`` = name selects one.
     """
 
     model: str | None = None
@@ -106,8 +118,15 @@ class EngineConfig:
     served_model_name: str | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_adapters", tuple(tuple(p) for p in self.lora_adapters))
+        _require(all(len(p) == 2 for p in self.lora_adapters), "lora_adapters",
+                 "must be (name, path) pairs")
+        names = [p[0] for p in self.lora_adapters]
+        _require(len(set(names)) == len(names), "lora_adapters",
+                 f"adapter names must be unique, got {names}")
         _require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
                  "device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _require(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",

@@ -20,6 +20,7 @@ from radixkv.eviction.cost_model import cost_shape_from_model_shape
 from radixkv.hashing import CacheIdentity
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel, load_model
+from radixkv.model.lora import LoRAAdapter, LoRAError, LoRARegistry
 from radixkv.model.runner import ModelRunner
 from radixkv.request import Request, RequestStatus
 from radixkv.sampling import SamplingParams, make_generator, sample_tokens
@@ -72,6 +73,14 @@ def _prefix_caching_refusal(config: EngineConfig, shape) -> str | None:
     return None
 
 
+class LoRANotFoundError(LoRAError):
+    """No adapter of that name is loaded (server: 404)."""
+
+
+class LoRAInUseError(LoRAError):
+    """The adapter is used by a waiting or running request (server: 409)."""
+
+
 class LLMEngine:
     """Owns the model runner, cache manager, scheduler and stats.
 
@@ -109,7 +118,10 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self._rope = shape.rope_description()
         self._kv_dtype = str(self.model.dtype).removeprefix("torch.")
-        self._roots: dict[str | None, bytes] = {}
+        self._roots: dict[tuple[str | None, tuple[str, str] | None], bytes] = {}
+        self.adapters = LoRARegistry(shape, device=self.runner.device, dtype=self.model.dtype)
+        for name, path in config.lora_adapters:
+            self.load_lora(name, path)
         self._groups: dict[str, list[Request]] = {}  # group id -> its choices, while live
         log.info("engine_ready", model=self.model_name, revision=self.model.revision[:16],
                  num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
@@ -117,15 +129,68 @@ class LLMEngine:
                  eviction_policy=config.cache.eviction_policy)
 
     # ------------------------------------------------------------------ requests
-    def cache_root(self, cache_salt: str | None) -> bytes:
-        """The identity root for this model, KV layout and salt (memoised)."""
-        root = self._roots.get(cache_salt)
+    def cache_root(self, cache_salt: str | None, adapter: LoRAAdapter | None = None) -> bytes:
+        """The identity root for this model, KV layout, salt and adapter (memoised).
+
+        The adapter enters as ``(name, weights digest)``: new weights under an old name get a
+        new root, so KV computed with the old weights is never matched.
+        """
+        key = (cache_salt, adapter.identity if adapter is not None else None)
+        root = self._roots.get(key)
         if root is None:
             identity = CacheIdentity(model_revision=self.model.revision, block_size=self.block_size,
                                      kv_dtype=self._kv_dtype, rope=self._rope,
-                                     cache_salt=cache_salt)
-            root = self._roots[cache_salt] = self.cache.identity_root(identity)
+                                     cache_salt=cache_salt, adapter=key[1])
+            root = self._roots[key] = self.cache.identity_root(identity)
         return root
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def check_lora_name(self, name: str, *, replace: bool = False) -> None:
+        """Refuse a name that is the base model's, or taken (unless ``replace``).
+
+        Raises:
+            LoRAError: naming ``lora_name``.
+        """
+        if name == self.model_name:
+            raise LoRAError(f"lora_name: '{name}' is the base model's name")
+        if name in self.adapters and not replace:
+            raise LoRAError(f"lora_name: an adapter named '{name}' is already loaded; unload it "
+                            "first")
+
+    def load_lora(self, name: str, path: str, *, replace: bool = False) -> LoRAAdapter:
+        """Read a PEFT adapter from ``path`` and serve it as model ``name`` (blocking I/O).
+
+        Raises:
+            LoRAError: a bad name or adapter (see ``radixkv.model.lora.read_adapter``).
+        """
+        self.check_lora_name(name, replace=replace)
+        adapter = self.adapters.read(name, path)
+        self.adapters.add(adapter, replace=replace)
+        log.info("lora_loaded", name=name, path=adapter.path, digest=adapter.digest[:16],
+                 rank=adapter.rank, targets=list(adapter.target_modules))
+        return adapter
+
+    def lora_in_use(self, name: str) -> bool:
+        """Whether a waiting or running request uses the adapter now called ``name``."""
+        return any(r.adapter is not None and r.adapter.name == name
+                   for r in (*self.scheduler.waiting, *self.scheduler.running))
+
+    def unload_lora(self, name: str) -> LoRAAdapter:
+        """Stop serving adapter ``name``; its cached KV stays until evicted (unmatchable by
+        any other adapter or version).
+
+        Raises:
+            LoRANotFoundError: no such adapter.
+            LoRAInUseError: a waiting or running request uses it.
+        """
+        if name not in self.adapters:
+            raise LoRANotFoundError(f"lora_name: no LoRA adapter named '{name}' is loaded")
+        if self.lora_in_use(name):
+            raise LoRAInUseError(f"lora_name: adapter '{name}' is in use by a request; retry "
+                                 "once it finishes")
+        adapter = self.adapters.remove(name)
+        log.info("lora_unloaded", name=name, digest=adapter.digest[:16])
+        return adapter
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """Room left for generation when a client gives no ``max_tokens`` (vLLM's default)."""
@@ -133,15 +198,22 @@ class LLMEngine:
 
     def make_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                      cache_salt: str | None = None, request_id: str | None = None,
-                     tenant: str | None = None) -> Request:
+                     tenant: str | None = None, lora_name: str | None = None) -> Request:
         """Validate a prompt and build its ``Request`` (not yet queued).
 
         ``tenant`` only labels the request for per-tenant stats; isolation is ``cache_salt``.
+        ``lora_name`` selects a loaded LoRA adapter (None: the base model).
 
         Raises:
+            LoRANotFoundError: no adapter named ``lora_name`` is loaded.
             ValueError: empty prompt, a token id outside the vocabulary, prompt + max_tokens
                 beyond the model's context, or a request that could never fit the KV pool.
         """
+        adapter = None
+        if lora_name is not None:
+            adapter = self.adapters.get(lora_name)
+            if adapter is None:
+                raise LoRANotFoundError(f"model: no LoRA adapter named '{lora_name}' is loaded")
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("prompt: must contain at least one token")
@@ -160,9 +232,10 @@ class LLMEngine:
                 f"The request needs {num_blocks_needed} KV blocks ({total} tokens) but the pool "
                 f"holds only {self.num_blocks} blocks of {self.block_size} tokens.")
         return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
-                       params=params, cache_root=self.cache_root(cache_salt),
+                       params=params, cache_root=self.cache_root(cache_salt, adapter),
                        detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-                       generator=make_generator(params, self.config.device), tenant=tenant)
+                       generator=make_generator(params, self.config.device), tenant=tenant,
+                       adapter=adapter)
 
     def add_request(self, req: Request) -> None:
         self._groups[req.group_id] = [req]
@@ -201,7 +274,8 @@ class LLMEngine:
             return []
         batch = self.runner.build_batch(
             [(c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
-              self.cache.block_table(c.request.request_id)) for c in chunks])
+              self.cache.block_table(c.request.request_id)) for c in chunks],
+            adapters=[c.request.adapter for c in chunks])
         # Blocks released while the forward may still write (none in this synchronous loop,
         # but the contract holds for an asynchronous device) are freed only at end_step.
         self.cache.begin_step()
@@ -220,10 +294,19 @@ class LLMEngine:
         outputs = []
         for i, chunk in enumerate(chunks):
             req = chunk.request
-            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            start = chunk.start
+            req.num_computed_tokens = start + chunk.num_tokens
             token = tokens.get(i)
-            # Publish the blocks this step completed (prompt or generated tokens alike).
-            self.cache.publish(req.request_id, req.token_ids, req.num_computed_tokens)
+            # Prompt (and recompute) chunks publish their full blocks at once, so a request
+            # admitted next step can match them. Generated blocks are published in batches of
+            # publish_interval_blocks and when the request ends (Scheduler.finish and
+            # preemption publish the rest): one insert per batch instead of per block.
+            decode = chunk.num_tokens == 1 and start >= req.num_prompt_tokens
+            if not decode or req.num_computed_tokens >= req.publish_at_tokens:
+                self.cache.publish(req.request_id, req.token_bytes, req.num_computed_tokens)
+                req.publish_at_tokens = (req.num_computed_tokens // self.block_size
+                                         + self.config.cache.publish_interval_blocks
+                                         ) * self.block_size
             if token is None:
                 continue
             if req.params.n > 1 and req.index == 0 and len(self._groups.get(req.group_id, ())) == 1:
@@ -233,7 +316,7 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
-        req.token_ids.append(token)
+        req.append_token(token)
         if req.first_token_s is None:
             req.first_token_s = now
         return self._postprocess(req, token)
@@ -257,7 +340,8 @@ class LLMEngine:
                             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
                             generator=make_generator(params, self.config.device, index),
                             admitted=True, num_cached_tokens=parent.num_cached_tokens,
-                            group_id=parent.group_id, index=index, tenant=parent.tenant)
+                            group_id=parent.group_id, index=index, tenant=parent.tenant,
+                            adapter=parent.adapter)
             group.append(child)
             copies = self.cache.fork(parent.request_id, child.request_id,
                                      num_computed_tokens=prompt_len)
@@ -307,14 +391,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ offline helper
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 cache_salt: str | None = None, max_steps: int = 100_000) -> list[Request]:
+                 cache_salt: str | None = None, lora_name: str | None = None,
+                 max_steps: int = 100_000) -> list[Request]:
         """Run prompts to completion in this thread (tests, offline use).
+
+        ``lora_name`` selects a loaded LoRA adapter for every prompt.
 
         Returns:
             The requests, in prompt order; with ``params.n > 1``, each prompt's n choices in
             index order.
         """
-        parents = [self.make_request(p, params, cache_salt=cache_salt) for p in prompts]
+        parents = [self.make_request(p, params, cache_salt=cache_salt, lora_name=lora_name)
+                   for p in prompts]
         groups = []
         for req in parents:
             self.add_request(req)

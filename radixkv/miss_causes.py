@@ -37,7 +37,7 @@ MAX_ISOLATION_ROOTS = 4
 
 
 class GhostRun(NamedTuple):
-    """Blocks evicted together from one leaf's tail, in token order.
+    """Blocks evicted from one chain of leaf tails, in token order.
 
     Attributes:
         tokens: Packed tokens of the run (``len(hashes) * B * 4`` bytes).
@@ -50,15 +50,50 @@ class GhostRun(NamedTuple):
     extras: list[bytes] | None
 
 
+class _Chain:
+    """A ghost entry: evicted runs that continue one another, joined lazily.
+
+    A leaf is evicted tail first, often one block per allocation during decode, so the runs of
+    one leaf arrive in reverse token order. Each new run that ends where the entry begins is
+    put in front (``pending``, newest last) instead of making a new entry; ``run()`` joins them
+    only when a lookup reaches the entry, so eviction stays O(1) per run and a lookup walks one
+    entry per chain instead of one per trim.
+    """
+
+    __slots__ = ("parent_hash", "joined", "pending", "num_blocks")
+
+    def __init__(self, parent_hash: bytes, run: GhostRun) -> None:
+        self.parent_hash = parent_hash
+        self.joined = run
+        self.pending: list[GhostRun] = []
+        self.num_blocks = len(run.hashes)
+
+    def run(self) -> GhostRun:
+        if self.pending:
+            parts = [*reversed(self.pending), self.joined]
+            hashes: list[bytes] = []
+            for part in parts:  # C-level extends: a chain may hold hundreds of one-block runs
+                hashes += part.hashes
+            extras = None
+            if any(part.extras is not None for part in parts):
+                extras = []
+                for part in parts:
+                    extras += part.extras if part.extras is not None else [b""] * len(part.hashes)
+            self.joined = GhostRun(b"".join([part.tokens for part in parts]), hashes, extras)
+            self.pending = []
+        return self.joined
+
+
 class GhostList:
     """Bounded FIFO of recently evicted runs, keyed by their first block's hash input.
 
     The key ``parent hash || packed tokens || extras`` is exactly what ``H`` hashed for that
     block, so a lookup can tell "this very block was evicted" and recover its chained hash
-    without hashing.
+    without hashing. A run evicted just before the run an entry starts with (the same leaf
+    trimmed again) extends that entry instead of adding one (see :class:`_Chain`).
 
     Args:
-        capacity: Most blocks remembered (> 0); the oldest runs are forgotten first.
+        capacity: Most blocks remembered (> 0); the oldest entries are forgotten first.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -66,28 +101,52 @@ class GhostList:
             raise ValueError(f"ghost_capacity: must be positive, got {capacity}")
         self.capacity = capacity
         self.num_blocks = 0
-        self._runs: OrderedDict[bytes, GhostRun] = OrderedDict()
+        self._runs: OrderedDict[bytes, _Chain] = OrderedDict()
+        # Parent hash of an entry's first block -> the entry's key (to extend it in front).
+        self._by_parent: dict[bytes, bytes] = {}
 
     def __len__(self) -> int:
-        """Runs remembered."""
+        """Entries remembered."""
         return len(self._runs)
 
     def get(self, key: bytes) -> GhostRun | None:
         """The evicted run whose first block had hash input ``key``, or None."""
-        return self._runs.get(key)
+        chain = self._runs.get(key)
+        return chain.run() if chain is not None else None
 
-    def add(self, evicted: Iterable[tuple[bytes, GhostRun]]) -> None:
-        """Remember evicted runs ``(first block's hash input, run)``; forget the oldest."""
-        runs = self._runs
+    def _drop(self, key: bytes, chain: _Chain) -> None:
+        self.num_blocks -= chain.num_blocks
+        if self._by_parent.get(chain.parent_hash) == key:
+            del self._by_parent[chain.parent_hash]
+
+    def add(self, evicted: Iterable[tuple[bytes, tuple]]) -> None:
+        """Remember evicted runs ``(first block's hash input, (tokens, hashes, extras))``.
+
+        Forgets the oldest entries beyond the capacity.
+        """
+        runs, by_parent = self._runs, self._by_parent
         for key, raw in evicted:
             run = GhostRun._make(raw)
+            hashes = run.hashes
+            parent_hash = key[: len(hashes[0])]
             old = runs.pop(key, None)
             if old is not None:
-                self.num_blocks -= len(old.hashes)
-            runs[key] = run
-            self.num_blocks += len(run.hashes)
+                self._drop(key, old)
+            next_key = by_parent.get(hashes[-1])
+            chain = runs.pop(next_key, None) if next_key is not None else None
+            if chain is not None:  # this run ends where that entry begins: extend it
+                del by_parent[hashes[-1]]
+                chain.pending.append(run)
+                chain.parent_hash = parent_hash
+                chain.num_blocks += len(hashes)
+            else:
+                chain = _Chain(parent_hash, run)
+            runs[key] = chain
+            by_parent[parent_hash] = key
+            self.num_blocks += len(hashes)
         while self.num_blocks > self.capacity:
-            self.num_blocks -= len(runs.popitem(last=False)[1].hashes)
+            key, chain = runs.popitem(last=False)
+            self._drop(key, chain)
 
 
 def empty_breakdown() -> dict[str, int]:
@@ -130,13 +189,15 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
         run = ghost.get(h + pb[i * bb : (i + 1) * bb] + bb_x)
         if run is None:
             break
-        limit = min(len(run.hashes), cap_blocks - i)
+        run_hashes = run.hashes
+        limit = min(len(run_hashes), cap_blocks - i)
         j = limit
-        if not pb.startswith(run.tokens[: limit * bb], i * bb):
+        stored = run.tokens if limit == len(run_hashes) else memoryview(run.tokens)[: limit * bb]
+        if not pb.startswith(stored, i * bb):
             j = common_blocks(pb, i * bb, run.tokens, limit, bb)
         if px is not None or run.extras is not None:
             j = extras_agree(run.extras, px, i, j)
-        hashes += run.hashes[:j]
+        hashes += run_hashes if j == len(run_hashes) else run_hashes[:j]
         i += j
         if j < len(run.hashes):
             break

@@ -324,11 +324,25 @@ class RadixTree(LeafEviction):
         """
         if cursor.lock_ref <= 0:
             raise RuntimeError(f"insert at {cursor!r} which the caller does not lock")
-        tb = as_token_bytes(tokens)
+        tb = tokens if type(tokens) is bytes else as_token_bytes(tokens)
         count = len(block_ids)
         if len(tb) != count * self.block_bytes or (extras is not None and len(extras) != count):
             raise ValueError(f"block_ids: {count} ids for {len(tb) // 4} tokens "
                              f"(block size {self.block_size})")
+        if (cursor.lock_ref == 1 and not cursor.children and cursor.hashes and count
+                and extras is None and cursor.extras is None and not known_hashes):
+            # The common case (a request extending the text leaf only it holds, e.g. its
+            # prompt's suffix or generated blocks): hash and append, nothing else to check.
+            hashes = hasher.hash_blocks(cursor.hashes[-1], tb, self.block_size)
+            cursor.tokens += tb
+            cursor.hashes += hashes
+            cursor.block_ids.extend(block_ids)
+            cursor.last_access_s = self._clock()
+            self.num_cached_blocks += count
+            self.num_locked_blocks += count
+            if self._notify_policy:
+                self.policy.on_insert(cursor, count)
+            return InsertResult(cursor, hashes[-1], block_ids, [])
         now = self._clock()
         node = cursor
         k = 0

@@ -12,13 +12,22 @@ Token ranges of a running request (N prompt tokens, G generated so far)::
 from __future__ import annotations
 
 import enum
+import struct
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.hashing import pack_tokens
 from radixkv.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from radixkv.model.lora import LoRAAdapter
+
+
+_pack_u32 = struct.Struct("<I").pack
 
 
 class RequestStatus(enum.Enum):
@@ -39,12 +48,18 @@ class Request:
         params: sampling parameters.
         cache_root: the cache identity root hash this request matches and publishes under.
         token_ids: prompt + generated tokens (grows by one per decode step).
+        token_bytes: the same tokens packed as uint32-LE (``hashing.pack_tokens``), kept in
+            step by :meth:`append_token`: the cache manager's lookups and publishes take the
+            packed form, so a long prompt is packed once, not once per lookup.
         num_computed_tokens: tokens whose K/V are in the pool.
         num_cached_tokens: prompt tokens served from the prefix cache at admission (m).
         admitted: stats for this request's lookup were recorded (exactly once).
         group_id: the client-visible request id; choice ``index`` of an ``n > 1`` request is
             a forked child with its own ``request_id`` and this group id.
         index: choice index within the group (0 for the parent).
+        adapter: the LoRA adapter the request runs with (its identity is in ``cache_root``),
+            or None for the base model. The request holds the object, so unloading or
+            replacing the adapter by name never changes a request already made.
     """
 
     request_id: str
@@ -65,12 +80,22 @@ class Request:
     index: int = 0
     num_bypassed: int = 0   # times a later arrival was admitted first (bounded wait)
     tenant: str | None = None  # the server's authenticated tenant (per-tenant stats)
+    adapter: LoRAAdapter | None = None
+    token_bytes: bytearray = field(default_factory=bytearray, repr=False)
+    publish_at_tokens: int = 0  # decode steps publish once this many tokens are computed
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if not self.token_bytes:
+            self.token_bytes = bytearray(pack_tokens(self.token_ids))
         if not self.group_id:
             self.group_id = self.request_id
+
+    def append_token(self, token: int) -> None:
+        """Append a sampled token to ``token_ids`` and ``token_bytes``."""
+        self.token_ids.append(token)
+        self.token_bytes += _pack_u32(token)
 
     @property
     def num_prompt_tokens(self) -> int:

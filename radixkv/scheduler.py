@@ -115,12 +115,12 @@ class Scheduler:
             if req.num_bypassed >= self.config.max_bypass:
                 return req
         # Longest cached prefix first; arrival order breaks ties (max keeps the first).
-        return max(window, key=lambda r: self.cache.peek(r.cache_root, r.token_ids))
+        return max(window, key=lambda r: self.cache.peek(r.cache_root, bytes(r.token_bytes)))
 
     def _admit(self, scheduled: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
-            num_cached = self.cache.begin(req.request_id, req.cache_root, req.token_ids)
+            num_cached = self.cache.begin(req.request_id, req.cache_root, bytes(req.token_bytes))
             num_tokens = self._chunk_size(req, num_cached, budget)
             if not self.cache.allocate(req.request_id, num_cached + num_tokens):
                 self.cache.release(req.request_id)
@@ -143,9 +143,15 @@ class Scheduler:
             scheduled.append(ScheduledChunk(req, num_tokens))
             budget -= num_tokens
 
+    def _release(self, req: Request) -> None:
+        """Publish the request's remaining computed blocks (generated blocks are published in
+        batches while decoding), then release its locks and private blocks."""
+        self.cache.publish(req.request_id, req.token_bytes, req.num_computed_tokens)
+        self.cache.release(req.request_id)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.cache.release(req.request_id)
+        self._release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)
@@ -155,7 +161,7 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """Remove a running request and release its blocks (published ones stay cached)."""
         self.running.remove(req)
-        self.cache.release(req.request_id)
+        self._release(req)
         req.status = status
 
     def abort(self, request_id: str) -> Request | None:
