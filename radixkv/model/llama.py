@@ -6,7 +6,8 @@ the runner and this module stays a pure function of weights, token ids and posit
 
 Weights use Hugging Face Llama names (``model.layers.{i}.self_attn.q_proj.weight`` …). q/k/v and
 gate/up projections are concatenated once at load time: one GEMM instead of three (or two) per
-layer is noticeably faster on CPU for the short decode batches.
+layer is noticeably faster on CPU for the short decode batches. LoRA adapters add their delta
+to these fused projections per packed row (``radixkv.model.lora.LoRABatch``), never merged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelShape
+from .lora import LoRABatch
 
 __all__ = ["LlamaForward", "AttentionFn", "rope_inv_freq"]
 
@@ -140,7 +142,8 @@ class LlamaForward:
         return x * cos + rotated * sin
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None,
+                lora: LoRABatch | None = None) -> torch.Tensor:
         """Run the decoder on packed tokens.
 
         Args:
@@ -148,6 +151,8 @@ class LlamaForward:
             positions: ``[T]`` int64 absolute positions (< max_position_embeddings).
             attention: callback computing attention of layer ``i`` (it also stores K/V).
             logit_rows: ``[R]`` int64 rows whose logits to return; None = all T rows.
+            lora: which rows add which LoRA adapter's delta to the projections; None (no
+                adapter in the batch) adds no work.
 
         Returns:
             ``[R, vocab]`` (or ``[T, vocab]``) fp32 logits.
@@ -171,15 +176,27 @@ class LlamaForward:
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            if lora is not None:
+                lora.add(qkv, x, i, "qkv")
             q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
             q = self._rotate(q.view(num_tokens, shape.num_q_heads, head_dim), cos, sin)
             k = self._rotate(k.view(num_tokens, shape.num_kv_heads, head_dim), cos, sin)
             v = v.reshape(num_tokens, shape.num_kv_heads, head_dim)
-            attn = attention(i, q, k, v)
-            hidden = hidden + F.linear(attn.reshape(num_tokens, q_dim), layer.o_weight)
+            attn = attention(i, q, k, v).reshape(num_tokens, q_dim)
+            o = F.linear(attn, layer.o_weight)
+            if lora is not None:
+                lora.add(o, attn, i, "o")
+            hidden = hidden + o
             x = self._rms_norm(hidden, layer.post_norm)
-            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+            gate_up = F.linear(x, layer.gate_up_weight)
+            if lora is not None:
+                lora.add(gate_up, x, i, "gate_up")
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, layer.down_weight)
+            if lora is not None:
+                lora.add(down, act, i, "down")
+            hidden = hidden + down
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         hidden = self._rms_norm(hidden, self.final_norm)

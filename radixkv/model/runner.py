@@ -24,6 +24,7 @@ from radixkv.kernels import reference
 from .config import ModelShape
 from .llama import LlamaForward
 from .loader import LoadedModel
+from .lora import LoRAAdapter, LoRABatch
 
 __all__ = ["ForwardBatch", "ModelRunner"]
 
@@ -43,6 +44,8 @@ class ForwardBatch:
         prefix_lens: ``[N]`` int32, tokens of seq i whose K/V already sit in the pool.
         block_tables: ``[N, max_blocks]`` int32, padded with -1.
         slot_mapping: ``[T]`` int64, ``block_id * B + offset`` where row t's K/V go.
+        lora: which rows use which LoRA adapter (indices already on the runner device), or
+            None when no sequence uses one.
     """
 
     input_ids: torch.Tensor
@@ -51,6 +54,7 @@ class ForwardBatch:
     prefix_lens: torch.Tensor
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
+    lora: LoRABatch | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -65,7 +69,8 @@ class ForwardBatch:
     def to(self, device: torch.device | str) -> ForwardBatch:
         """Copy of the batch with every tensor on ``device``."""
         return ForwardBatch(*(getattr(self, f).to(device) for f in (
-            "input_ids", "positions", "qo_indptr", "prefix_lens", "block_tables", "slot_mapping")))
+            "input_ids", "positions", "qo_indptr", "prefix_lens", "block_tables", "slot_mapping")),
+            lora=self.lora)
 
 
 class ModelRunner:
@@ -123,13 +128,15 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * itemsize
 
-    def build_batch(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> ForwardBatch:
+    def build_batch(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+                    adapters: Sequence[LoRAAdapter | None] | None = None) -> ForwardBatch:
         """Pack sequences into one ForwardBatch (CPU tensors).
 
         Args:
             seqs: per sequence ``(new_token_ids, prefix_len, block_table)``: the L tokens to
                 compute, the P tokens already in the pool, and block ids covering at least
                 ``P + L`` token slots.
+            adapters: per sequence, its LoRA adapter or None (base model); None: no adapters.
 
         Raises:
             ValueError: naming the field, for an empty batch, an empty ``new_token_ids``, a
@@ -138,6 +145,8 @@ class ModelRunner:
         """
         if not seqs:
             raise ValueError("seqs: empty batch")
+        if adapters is not None and len(adapters) != len(seqs):
+            raise ValueError(f"adapters: {len(adapters)} entries for {len(seqs)} sequences")
         block_size = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -178,6 +187,7 @@ class ModelRunner:
             prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
             block_tables=torch.tensor(padded, dtype=torch.int32),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            lora=LoRABatch.build(adapters, indptr, self.device),
         )
 
     @torch.inference_mode()
@@ -229,7 +239,8 @@ class ModelRunner:
                 max_q_len=max_q_len, window_left=window_left)
 
         rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
-        return self.forward_model.forward(batch.input_ids, batch.positions, attention, rows)
+        return self.forward_model.forward(batch.input_ids, batch.positions, attention, rows,
+                                          lora=batch.lora)
 
 
 def _select_attention_backend(name: str, device: torch.device) -> tuple[str, ModuleType]:
