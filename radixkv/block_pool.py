@@ -29,10 +29,12 @@ PRIVATE = 1
 CACHED = 2
 STATE_NAMES = {FREE: "free", PRIVATE: "private", CACHED: "cached"}
 
-# One ownership word per block (one list read and one write per block on the hot paths):
-# ``_OWN_FREE``, ``_OWN_CACHED``, or the owner count of a private block (0 = deferred free).
-_OWN_FREE = -2
-_OWN_CACHED = -1
+# One ownership byte per block (a compact bytearray: one read and one write per block on the
+# hot paths, and the whole pool's state stays in the CPU cache): ``_OWN_FREE``, ``_OWN_CACHED``,
+# or the owner count of a private block (0 = deferred free, at most ``MAX_OWNERS``).
+_OWN_FREE = 255
+_OWN_CACHED = 254
+MAX_OWNERS = 253
 
 
 class BlockPool:
@@ -51,7 +53,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         # FIFO free list: freshly freed blocks are reused last, so a fresh pool hands out 0, 1, 2…
         self._free: deque[int] = deque(range(num_blocks))
-        self._own = [_OWN_FREE] * num_blocks
+        self._own = bytearray([_OWN_FREE]) * num_blocks
         self._num_private = 0
         self._num_cached = 0
         self._in_step = False
@@ -90,7 +92,8 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         """Return how many requests own private ``block_id`` (0 unless private)."""
-        return max(self._own[block_id], 0)
+        own = self._own[block_id]
+        return own if own <= MAX_OWNERS else 0
 
     # ---- transitions --------------------------------------------------------------------
     def allocate(self, num: int) -> list[int] | None:
@@ -123,11 +126,14 @@ class BlockPool:
         """Add an owner to a private block (a forked sequence sharing a full, unpublished block).
 
         Raises:
-            RuntimeError: if the block is not private or its free is deferred.
+            RuntimeError: if the block is not private, its free is deferred, or it already has
+                ``MAX_OWNERS`` owners.
         """
         self._expect(block_id, PRIVATE)
         if self._own[block_id] <= 0:
             raise RuntimeError(f"block {block_id}: cannot share a block whose free is deferred")
+        if self._own[block_id] >= MAX_OWNERS:
+            raise RuntimeError(f"block {block_id}: already has {MAX_OWNERS} owners")
         self._own[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:

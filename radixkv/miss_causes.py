@@ -55,9 +55,9 @@ class _Chain:
 
     A leaf is evicted tail first, often one block per allocation during decode, so the runs of
     one leaf arrive in reverse token order. Each new run that ends where the entry begins is
-    put in front (``pending``, newest last) instead of making a new entry; ``run()`` joins them
-    only when a lookup reaches the entry, so eviction stays O(1) per run and a lookup walks one
-    entry per chain instead of one per trim.
+    put in front (``pending``, newest last) instead of making a new entry, so eviction stays
+    O(1) per run, and a lookup probes the dict once per chain and compares the runs in order
+    (``parts()``, no copy); ``run()`` joins them into one run when asked (tests, inspection).
     """
 
     __slots__ = ("parent_hash", "joined", "pending", "num_blocks")
@@ -68,7 +68,14 @@ class _Chain:
         self.pending: list[GhostRun] = []
         self.num_blocks = len(run.hashes)
 
+    def parts(self) -> list[GhostRun]:
+        """The entry's runs in token order (no copy of their tokens)."""
+        if self.pending:
+            return [*reversed(self.pending), self.joined]
+        return [self.joined]
+
     def run(self) -> GhostRun:
+        """The entry as one run (joins the parts once)."""
         if self.pending:
             parts = [*reversed(self.pending), self.joined]
             hashes: list[bytes] = []
@@ -113,6 +120,12 @@ class GhostList:
         """The evicted run whose first block had hash input ``key``, or None."""
         chain = self._runs.get(key)
         return chain.run() if chain is not None else None
+
+    def parts(self, key: bytes) -> list[GhostRun] | None:
+        """The entry whose first block had hash input ``key`` as its runs in token order (each
+        a whole run, the first starting at that block), or None."""
+        chain = self._runs.get(key)
+        return chain.parts() if chain is not None else None
 
     def _drop(self, key: bytes, chain: _Chain) -> None:
         self.num_blocks -= chain.num_blocks
@@ -186,22 +199,31 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
     while len(ghost) and i < cap_blocks:
         if px is not None:
             bb_x = px[i]
-        run = ghost.get(h + pb[i * bb : (i + 1) * bb] + bb_x)
-        if run is None:
+        parts = ghost.parts(h + pb[i * bb : (i + 1) * bb] + bb_x)
+        if parts is None:
             break
-        run_hashes = run.hashes
-        limit = min(len(run_hashes), cap_blocks - i)
-        j = limit
-        stored = run.tokens if limit == len(run_hashes) else memoryview(run.tokens)[: limit * bb]
-        if not pb.startswith(stored, i * bb):
-            j = common_blocks(pb, i * bb, run.tokens, limit, bb)
-        if px is not None or run.extras is not None:
-            j = extras_agree(run.extras, px, i, j)
-        hashes += run_hashes if j == len(run_hashes) else run_hashes[:j]
-        i += j
-        if j < len(run.hashes):
-            break
-        h = run.hashes[-1]
+        # Compare part by part (an entry's runs are not joined: see _Chain). The probe's key
+        # proved the first part's first block; later parts' first blocks are compared here.
+        for n, run in enumerate(parts):
+            run_hashes = run.hashes
+            limit = min(len(run_hashes), cap_blocks - i)
+            j = limit
+            stored = run.tokens if limit == len(run_hashes) else memoryview(run.tokens)[: limit * bb]
+            if not pb.startswith(stored, i * bb):
+                if n and not pb.startswith(memoryview(run.tokens)[:bb], i * bb):
+                    j = 0
+                else:
+                    j = common_blocks(pb, i * bb, run.tokens, limit, bb)
+            if px is not None or run.extras is not None:
+                j = extras_agree(run.extras, px, i, j)
+            hashes += run_hashes if j == len(run_hashes) else run_hashes[:j]
+            i += j
+            if j < len(run_hashes):
+                break
+        else:
+            h = parts[-1].hashes[-1]
+            continue
+        break
     evicted = len(hashes)
     isolated = 0
     if evicted == 0 and num_matched_blocks == 0:
