@@ -1,4 +1,4 @@
-"""Command line: ``radixkv serve`` and ``radixkv bench …``.
+"""Command line: ``radixkv serve``, ``radixkv chat`` and ``radixkv bench …``.
 
 Benchmark drivers live in the repository's top-level ``bench/`` folder (not an installed
 package, so ``python bench/<name>.py`` runs from a source tree); the CLI loads them by path.
@@ -22,6 +22,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="model id clients send")
+    p.add_argument("--lora", type=_lora_module, action="append", default=[], metavar="NAME=PATH",
+                   help="serve a PEFT LoRA adapter directory as model NAME (repeatable)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -32,6 +34,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", default="lru", help="eviction policy name")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
+    p.add_argument("--publish-interval-blocks", type=int, default=16,
+                   help="publish generated blocks to the prefix cache in batches of this many "
+                        "(and the rest when the request ends); 1 = as each block fills")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget of one forward step")
@@ -55,6 +60,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "aborted")
     p.add_argument("--max-body-bytes", type=_positive, default=8 << 20,
                    help="largest request body; larger ones get 413")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
 
 
 def _port(text: str) -> int:
@@ -94,11 +106,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=kv_bytes, eviction_policy=args.eviction_policy,
                           enable_prefix_caching=not args.no_prefix_cache,
-                          hash_algo=args.hash_algo),
+                          hash_algo=args.hash_algo,
+                          publish_interval_blocks=args.publish_interval_blocks),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_chunk_tokens=args.prefill_chunk_tokens,
-                                  admission_policy=args.admission_policy))
+                                  admission_policy=args.admission_policy),
+        lora_adapters=tuple(args.lora))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -150,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible server"))
+    from radixkv.chat_cli import add_arguments as add_chat_args
+    add_chat_args(sub.add_parser("chat", help="interactive terminal chat against a server, "
+                                              "showing each turn's cached tokens"))
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHES.items():
         bp = bench.add_parser(name, help=help_text)
@@ -178,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(getattr(args, "log_level", "info"))
     if args.command == "serve":
         return _serve(args)
+    if args.command == "chat":
+        from radixkv.chat_cli import main as chat_main
+        return chat_main(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -17,20 +17,22 @@ import asyncio
 import queue
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Sequence
 
 from radixkv.config import EngineConfig
-from radixkv.llm_engine import LLMEngine, RequestOutput
+from radixkv.llm_engine import LLMEngine, LoRAInUseError, LoRANotFoundError, RequestOutput
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel
+from radixkv.model.lora import LoRAAdapter, LoRAError
 from radixkv.sampling import SamplingParams
 
 log = get_logger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestOutput", "RequestStream",
-           "SamplingParams"]
+__all__ = ["AsyncEngine", "EngineDeadError", "LoRAError", "LoRAInUseError", "LoRANotFoundError",
+           "QueueFullError", "RequestOutput", "RequestStream", "SamplingParams"]
 
 
 class EngineDeadError(RuntimeError):
@@ -66,11 +68,12 @@ class RequestStream:
     must be closed or run to its end: it holds its place in the admission bound until then.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, n: int, out_queue: asyncio.Queue
-                 ) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, n: int, out_queue: asyncio.Queue,
+                 lora_name: str | None = None) -> None:
         self._engine = engine
         self.request_id = request_id
         self.n = n
+        self.lora_name = lora_name
         self._queue = out_queue
         self._remaining = n
         self._open = True
@@ -144,6 +147,7 @@ class AsyncEngine:
         self._closed = False
         self._active: set[RequestStream] = set()  # event-loop side: open streams
         self._num_seqs = 0  # choices of the open streams
+        self._lora_streams: Counter[str] = Counter()  # adapter name -> open streams using it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-tok")
@@ -169,14 +173,20 @@ class AsyncEngine:
         self._tokenize_pool.shutdown(wait=False)
 
     # ------------------------------------------------------------------ requests
-    async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None, *,
+                            known_outputs: Any = None) -> list[int]:
         """Render the chat template and tokenize, in a worker thread.
+
+        ``known_outputs``: ``text → ids | None`` for recent replies (see
+        ``ChatTokenizer.apply_chat_template``); None tokenizes plainly.
 
         Raises:
             ValueError: the template cannot render these messages.
         """
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, partial(self.tokenizer.apply_chat_template, messages, tools))
+        fn = partial(self.tokenizer.apply_chat_template, messages, tools)
+        if known_outputs is not None:
+            fn = partial(fn, known_outputs=known_outputs)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
 
     async def tokenize_text(self, text: str) -> list[int]:
         """Tokenize plain text (no special tokens), in a worker thread."""
@@ -199,7 +209,7 @@ class AsyncEngine:
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  cache_salt: str | None = None, request_id: str | None = None,
-                 tenant: str | None = None) -> RequestStream:
+                 tenant: str | None = None, lora_name: str | None = None) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (call from the loop).
 
         Validation happens here, before anything is queued. See ``RequestStream``.
@@ -207,8 +217,10 @@ class AsyncEngine:
         Args:
             tenant: labels the request for per-tenant stats and latency (not isolation: that
                 is ``cache_salt``).
+            lora_name: a loaded LoRA adapter to run with (None: the base model).
 
         Raises:
+            LoRANotFoundError: no adapter named ``lora_name`` is loaded (a ValueError).
             ValueError: the request is invalid (see ``LLMEngine.make_request``).
             QueueFullError: the admission bound (``max_queue``) is reached.
             EngineDeadError: the engine thread has stopped.
@@ -221,16 +233,19 @@ class AsyncEngine:
                 f"the engine is at capacity: {self._num_seqs} sequences in flight, "
                 f"{self.max_num_seqs} running at most and {self.max_queue} queued at most")
         req = self._engine.make_request(prompt_token_ids, params, cache_salt=cache_salt,
-                                        request_id=request_id, tenant=tenant)
+                                        request_id=request_id, tenant=tenant,
+                                        lora_name=lora_name)
         out_queue: asyncio.Queue = asyncio.Queue()
         live = _Live(asyncio.get_running_loop(), out_queue, params.n, tenant, req.arrival_s)
         with self._streams_lock:
             if self._closed:
                 raise EngineDeadError(f"engine stopped: {self.error!r}")
             self._streams[req.request_id] = live
-        stream = RequestStream(self, req.request_id, params.n, out_queue)
+        stream = RequestStream(self, req.request_id, params.n, out_queue, lora_name)
         self._active.add(stream)
         self._num_seqs += params.n
+        if lora_name is not None:
+            self._lora_streams[lora_name] += 1
         self._inbox.put(("add", req))
         self._wake.set()
         return stream
@@ -239,6 +254,10 @@ class AsyncEngine:
         if stream in self._active:
             self._active.discard(stream)
             self._num_seqs -= stream.n
+            if stream.lora_name is not None:
+                self._lora_streams[stream.lora_name] -= 1
+                if not self._lora_streams[stream.lora_name]:
+                    del self._lora_streams[stream.lora_name]
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to abort a request (any phase); returns immediately."""
@@ -251,6 +270,51 @@ class AsyncEngine:
         for stream in streams:
             self.abort(stream.request_id)
         return len(streams)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    # The registry is read and changed on the event loop only (generate() resolves names
+    # there); the engine thread sees adapters only through the requests that hold them.
+    def lora_adapters(self) -> list[LoRAAdapter]:
+        """Loaded adapters, in load order."""
+        return self._engine.adapters.list()
+
+    def has_lora(self, name: str) -> bool:
+        return name in self._engine.adapters
+
+    async def load_lora(self, name: str, path: str, *, replace: bool = False) -> LoRAAdapter:
+        """Read and validate a PEFT adapter in a worker thread, then serve it as ``name``.
+
+        With ``replace`` an adapter of that name is swapped for the new one: requests already
+        made keep the old weights (and old cache identity).
+
+        Raises:
+            LoRAError: a bad name or adapter (the message names the file or tensor).
+        """
+        engine = self._engine
+        engine.check_lora_name(name, replace=replace)
+        adapter = await asyncio.get_running_loop().run_in_executor(
+            None, engine.adapters.read, name, path)
+        engine.check_lora_name(name, replace=replace)  # another load may have won meanwhile
+        engine.adapters.add(adapter, replace=replace)
+        log.info("lora_loaded", name=name, path=adapter.path, digest=adapter.digest[:16],
+                 rank=adapter.rank, targets=list(adapter.target_modules))
+        return adapter
+
+    def unload_lora(self, name: str) -> LoRAAdapter:
+        """Stop serving adapter ``name``.
+
+        Raises:
+            LoRANotFoundError: no such adapter.
+            LoRAInUseError: an open request stream uses it.
+        """
+        if name not in self._engine.adapters:
+            raise LoRANotFoundError(f"lora_name: no LoRA adapter named '{name}' is loaded")
+        if self._lora_streams.get(name):
+            raise LoRAInUseError(f"lora_name: adapter '{name}' is in use by "
+                                 f"{self._lora_streams[name]} request(s); retry once they finish")
+        adapter = self._engine.adapters.remove(name)
+        log.info("lora_unloaded", name=name, digest=adapter.digest[:16])
+        return adapter
 
     def stats(self) -> dict:
         """The latest ``/stats`` snapshot (taken by the engine thread after each step), with

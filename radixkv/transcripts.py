@@ -3,6 +3,9 @@
 The loaders turn recorded agent sessions into the normalised request form described in
 ``../shared/agent-transcripts/SOURCES.md``: one request per LLM call, each carrying the whole
 chat history up to that call, so consecutive requests of a session share long prefixes.
+Sources: ``tau-bench`` (airline JSON), ``swe-agent`` (``*.traj``), ``mini-swe-agent``
+(``*.traj.json``, a ``{"messages": [...]}`` record or a bare message list) and ``crewai``
+(VCR.py cassettes: every recorded ``chat/completions`` request as sent, in cassette order).
 
 ``ideal_cached_tokens`` gives what a perfect (unbounded, never evicting) prefix cache could
 reuse for a run: per request, the longest common token prefix with any earlier request of the
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Iterator
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -155,7 +159,111 @@ def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
     return sessions
 
 
-SOURCES = {"tau-bench": load_tau_bench, "swe-agent": load_swe_agent}
+def _files(path: str | Path | None, default: str, pattern: str) -> tuple[Path, list[Path]]:
+    """``(base, files)``: ``path`` itself if it is a file, else every ``pattern`` match under it
+    (default ``DEFAULT_TRANSCRIPTS_DIR / default``), in sorted path order."""
+    base = Path(path) if path is not None else DEFAULT_TRANSCRIPTS_DIR / default
+    if base.is_file():
+        return base, [base]
+    files = sorted(base.rglob(pattern))
+    if not files:
+        raise FileNotFoundError(f"path: no {pattern} file under {base}")
+    return base, files
+
+
+def _session_id(base: Path, file: Path) -> str:
+    return file.name if base.is_file() else str(file.relative_to(base))
+
+
+def load_mini_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
+    """Load mini-swe-agent ``*.traj.json`` trajectories as normalised sessions (one per file).
+
+    Both formats are read: ``{"messages": [...], ...}`` (``mini-swe-agent-1``, e.g. the
+    ``mini-swe-agent-gemini3`` run) and a bare list of messages (the ``tests/test_data`` files,
+    v2 text format). Messages are cleaned per SOURCES.md rule 2 (``extra`` dropped) and split
+    per rule 3.
+
+    Args:
+        path: A file or a folder searched recursively for ``*.traj.json``; default
+            ``<repo>/../shared/agent-transcripts/mini-swe-agent`` (2 sessions, 12 requests).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or holds no ``.traj.json`` file.
+        ValueError: A file is neither a message list nor a record with a ``messages`` list.
+    """
+    base, files = _files(path, "mini-swe-agent", "*.traj.json")
+    sessions: list[list[Request]] = []
+    for file in files:
+        with open(file, "rb") as f:
+            record = json.load(f)
+        history = record.get("messages") if isinstance(record, dict) else record
+        if not isinstance(history, list) or not all(isinstance(m, dict) for m in history):
+            raise ValueError(f"path: {file} is neither a message list nor has a 'messages' list")
+        messages = [m for m in map(normalise_message, history) if m is not None]
+        sessions.append(requests_from_history(_session_id(base, file), messages))
+    return sessions
+
+
+def _cassette_chat_bodies(file: Path) -> Iterator[dict[str, Any]]:
+    """The JSON bodies of a cassette's ``chat/completions`` requests that carry messages."""
+    import yaml  # only this loader needs it (imported lazily)
+
+    with open(file, "rb") as f:
+        cassette = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    if not isinstance(cassette, dict) or not isinstance(cassette.get("interactions"), list):
+        raise ValueError(f"path: {file} is not a VCR cassette (no 'interactions' list)")
+    for interaction in cassette["interactions"]:
+        request = (interaction or {}).get("request") or {}
+        if "chat/completions" not in str(request.get("uri", "")):
+            continue  # embeddings, telemetry, other providers' APIs
+        body = request.get("body")
+        if isinstance(body, dict):  # some VCR versions store {"string": ...}
+            body = body.get("string")
+        if isinstance(body, bytes):
+            body = body.decode("utf-8", errors="replace")
+        try:
+            parsed = json.loads(body) if isinstance(body, str) else None
+        except ValueError:
+            continue
+        if isinstance(parsed, dict) and isinstance(parsed.get("messages"), list):
+            yield parsed
+
+
+def load_crewai(path: str | Path | None = None) -> list[list[Request]]:
+    """Load crewAI VCR cassettes (``*.yaml``) as sessions of recorded requests (rule 4).
+
+    Each interaction whose ``uri`` contains ``chat/completions`` and whose JSON body has
+    ``messages`` is one request: its messages as recorded (cleaned per rule 2) and its
+    ``tools``; ``turn`` is its order in the cassette. Consecutive requests of a cassette may
+    belong to different agents, so they need not extend each other.
+
+    Args:
+        path: A cassette or a folder searched recursively for ``*.yaml``; default
+            ``<repo>/../shared/agent-transcripts/crewai-cassettes`` (204 sessions, 737 requests).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or holds no ``.yaml`` file.
+        ValueError: A file is not a cassette.
+    """
+    base, files = _files(path, "crewai-cassettes", "*.yaml")
+    sessions: list[list[Request]] = []
+    for file in files:
+        session_id = _session_id(base, file)
+        requests: list[Request] = []
+        for body in _cassette_chat_bodies(file):
+            cleaned = (normalise_message(m) for m in body["messages"] if isinstance(m, dict))
+            messages = [m for m in cleaned if m is not None]
+            request: Request = {"session_id": session_id, "turn": len(requests),
+                                "messages": messages}
+            if body.get("tools"):
+                request["tools"] = body["tools"]
+            requests.append(request)
+        sessions.append(requests)
+    return sessions
+
+
+SOURCES = {"tau-bench": load_tau_bench, "swe-agent": load_swe_agent,
+           "mini-swe-agent": load_mini_swe_agent, "crewai": load_crewai}
 """Source name (``--source``) → loader returning sessions of normalised requests."""
 
 

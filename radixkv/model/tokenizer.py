@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -13,6 +14,11 @@ from radixkv.model.tool_render import render_tools_fallback, template_handles_to
 __all__ = ["ChatTokenizer"]
 
 log = structlog.get_logger(__name__)
+
+# Markers that locate spliced assistant contents in a rendered chat (Unicode private use area;
+# a chat whose text already holds one is tokenized plainly instead).
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARKER = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 
 
 def _normalise_content(index: int, content: Any) -> Any:
@@ -70,7 +76,9 @@ class ChatTokenizer:
         return self.hf_tokenizer.chat_template
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            known_outputs: Callable[[str], list[int] | None] | None = None,
+                            ) -> list[int]:
         """Render chat messages with the model's template and tokenize them.
 
         ``content: None`` renders as empty text (assistant turns that only carry tool calls have
@@ -82,6 +90,11 @@ class ChatTokenizer:
             messages: OpenAI-style ``{"role", "content", ...}`` dicts.
             tools: OpenAI tool schemas, or None.
             add_generation_prompt: append the assistant turn header.
+            known_outputs: ``text → ids | None`` for the model's own recent replies
+                (``OutputMemory.lookup_in``). An assistant message whose rendered content is
+                known keeps those ids instead of being re-tokenized (see
+                :meth:`_tokenize_spliced`), so a reply sent back verbatim extends the earlier
+                prompt + generated ids exactly. None: plain tokenization.
 
         Returns:
             Token ids of the rendered prompt (special tokens as the template writes them).
@@ -104,6 +117,14 @@ class ChatTokenizer:
         if not template_handles_tools(self.hf_tokenizer.chat_template):
             normalised = render_tools_fallback(normalised, tools)
             tools = None
+        if known_outputs is not None:
+            spliced = {i: ids for i, m in enumerate(normalised)
+                       if m["role"] == "assistant" and isinstance(m.get("content"), str)
+                       and m["content"] and (ids := known_outputs(m["content"])) is not None}
+            if spliced:
+                out = self._tokenize_spliced(normalised, tools, add_generation_prompt, spliced)
+                if out is not None:
+                    return out
         try:
             with self._lock:
                 ids = self.hf_tokenizer.apply_chat_template(
@@ -112,6 +133,62 @@ class ChatTokenizer:
         except Exception as exc:  # jinja2 errors (TemplateError, UndefinedError, ...) and friends
             raise ValueError(f"messages: chat template failed: {type(exc).__name__}: {exc}") from exc
         return [int(i) for i in ids]
+
+    def _render(self, messages: list[dict], tools: list[dict] | None,
+                add_generation_prompt: bool) -> str:
+        try:
+            with self._lock:
+                return self.hf_tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                    tokenize=False)
+        except Exception as exc:  # jinja2 errors, as in apply_chat_template
+            raise ValueError(f"messages: chat template failed: {type(exc).__name__}: {exc}") from exc
+
+    def _tokenize_spliced(self, messages: list[dict], tools: list[dict] | None,
+                          add_generation_prompt: bool, spliced: dict[int, list[int]]
+                          ) -> list[int] | None:
+        """Tokenize the rendered chat with the contents of ``spliced`` messages replaced by ids.
+
+        The chat is rendered twice: as is, and with each spliced content replaced by a marker
+        (private-use characters). The markers locate the contents in the rendered text; the
+        text between them is tokenized piece by piece and the remembered ids go in between.
+        Cutting the text right before a spliced content is what makes it token-exact: the
+        earlier prompt ended with this same assistant header, tokenized on its own, and the
+        model generated the content's ids after it. Text without a spliced content around it
+        is tokenized exactly as plain rendering would (the pieces end at the markers only).
+
+        Args:
+            messages: rendered-ready messages (string contents, tool fallback applied).
+            tools: tool schemas for templates that handle them, else None.
+            add_generation_prompt: as in :meth:`apply_chat_template`.
+            spliced: message index → ids of its content.
+
+        Returns:
+            The token ids, or None when the template does not place those contents verbatim
+            (it trims or rewrites them, or the text already holds a marker character): the
+            caller then tokenizes the plain rendering.
+        """
+        text = self._render(messages, tools, add_generation_prompt)
+        if _MARK_OPEN in text or _MARK_CLOSE in text:
+            return None
+        marked = [dict(m, content=f"{_MARK_OPEN}{i}{_MARK_CLOSE}") if i in spliced else m
+                  for i, m in enumerate(messages)]
+        parts = _MARKER.split(self._render(marked, tools, add_generation_prompt))
+        # parts = [text, index, text, index, ..., text]; each spliced message exactly once.
+        order = [int(x) for x in parts[1::2]]
+        if sorted(order) != sorted(spliced) or len(set(order)) != len(order):
+            return None
+        pieces = parts[0::2]
+        rebuilt = pieces[0] + "".join(messages[i]["content"] + piece
+                                      for i, piece in zip(order, pieces[1:]))
+        if rebuilt != text:
+            return None
+        ids = self.encode(pieces[0]) if pieces[0] else []
+        for i, piece in zip(order, pieces[1:]):
+            ids += spliced[i]
+            if piece:
+                ids += self.encode(piece)
+        return ids
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with no special tokens added (no BOS/EOS)."""

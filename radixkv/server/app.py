@@ -4,7 +4,9 @@ metrics and the OpenAPI document.
 Routes:
     POST /v1/chat/completions  chat completion, one JSON or SSE (``stream: true``)
     POST /v1/completions       text completion; the prompt is text or token ids
-    GET  /v1/models            the served model
+    GET  /v1/models            the served model and its loaded LoRA adapters
+    POST /v1/load_lora_adapter     vLLM's shapes; admin-only with API keys (``adapters``)
+    POST /v1/unload_lora_adapter
     POST /tokenize             vLLM's shape: ``{"model", "messages"}`` or ``{"prompt"}`` →
                                ``{"tokens", "count", "max_model_len"}``
     GET  /health               200 ``{"status": "ok"}``; 503 while draining or when the engine
@@ -33,13 +35,14 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
+from radixkv.server import adapters
 from radixkv.server.auth import REQUEST_TENANT, KeyStore, Tenant, auth_middleware, cache_salt_for
 from radixkv.server.completions import DEFAULT_MAX_TOKENS, parse_completion_request
 from radixkv.server.errors import (
     SERVER_ERROR, APIError, bad_request, error_middleware, json_response,
 )
 from radixkv.server.generation import (
-    ServerState, counted, generate_response, resolve_max_tokens,
+    ServerState, counted, generate_response, remember_outputs, resolve_max_tokens,
 )
 from radixkv.server.metrics import make_registry, render
 from radixkv.server.openapi import openapi_document
@@ -80,9 +83,10 @@ def _check_healthy(engine: AsyncEngine) -> None:
         raise APIError(503, "the engine is not healthy", type=SERVER_ERROR, code="unhealthy")
 
 
-async def _tokenize_chat(engine: AsyncEngine, messages: list[dict], tools: list | None) -> list[int]:
+async def _tokenize_chat(engine: AsyncEngine, messages: list[dict], tools: list | None,
+                         known_outputs: Any = None) -> list[int]:
     try:
-        return await engine.tokenize_chat(messages, tools)
+        return await engine.tokenize_chat(messages, tools, known_outputs=known_outputs)
     except ValueError as exc:  # the chat template rejected these messages
         raise bad_request(f"could not apply the chat template: {exc}", "messages")
     except RecursionError:
@@ -110,22 +114,28 @@ async def chat_completions(request: web.Request, state: ServerState, tenant: Ten
                            ) -> web.StreamResponse:
     engine = state.engine
     body = await _read_json(request)
-    req = parse_chat_request(body, engine.model_name)
+    req = parse_chat_request(body, adapters.model_names(engine))
+    lora = adapters.selected_lora(body, engine)
     _check_healthy(engine)
-    prompt = await _tokenize_chat(engine, req.messages, req.tools)
+    salt = cache_salt_for(tenant, req.cache_salt)
+    # The model's own earlier replies keep their generated ids (radixkv.output_memory).
+    prompt = await _tokenize_chat(engine, req.messages, req.tools, state.outputs.lookup_in(salt))
     param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
     max_tokens = resolve_max_tokens(req.max_tokens, None, param, len(prompt), engine, "messages")
-    shape = ChatCompletion(model=engine.model_name, include_usage=req.include_usage)
+    shape = ChatCompletion(model=lora or engine.model_name, include_usage=req.include_usage)
+    adapters.require_lora(engine, lora)  # may have been unloaded while tokenizing
     return await generate_response(request, state, shape, prompt=prompt, sampling=req,
-                                   max_tokens=max_tokens, tenant=tenant,
-                                   cache_salt=cache_salt_for(tenant, req.cache_salt),
-                                   prompt_param="messages")
+                                   max_tokens=max_tokens, tenant=tenant, cache_salt=salt,
+                                   prompt_param="messages",
+                                   remember=remember_outputs(state, salt), lora_name=lora)
 
 
 async def completions(request: web.Request, state: ServerState, tenant: Tenant | None
                       ) -> web.StreamResponse:
     engine = state.engine
-    req = parse_completion_request(await _read_json(request), engine.model_name)
+    body = await _read_json(request)
+    req = parse_completion_request(body, adapters.model_names(engine))
+    lora = adapters.selected_lora(body, engine)
     _check_healthy(engine)
     if req.prompt_ids is not None:
         prompt = req.prompt_ids
@@ -133,20 +143,24 @@ async def completions(request: web.Request, state: ServerState, tenant: Tenant |
         prompt = await engine.tokenize_text(req.prompt_text)
     max_tokens = resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens",
                                     len(prompt), engine, "prompt")
-    shape = TextCompletion(model=engine.model_name, include_usage=req.include_usage,
+    shape = TextCompletion(model=lora or engine.model_name, include_usage=req.include_usage,
                            echo=req.prompt_text if req.echo and req.prompt_text else "")
     echo_ids = prompt if req.echo and req.prompt_ids is not None else None
+    adapters.require_lora(engine, lora)  # may have been unloaded while tokenizing
     return await generate_response(request, state, shape, prompt=prompt, sampling=req,
                                    max_tokens=max_tokens, tenant=tenant,
                                    cache_salt=cache_salt_for(tenant, req.cache_salt),
-                                   prompt_param="prompt", echo_ids=echo_ids)
+                                   prompt_param="prompt", echo_ids=echo_ids, lora_name=lora)
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    engine = _state(request).engine
-    req = parse_tokenize_request(await _read_json(request), engine.model_name)
+    state = _state(request)
+    engine = state.engine
+    req = parse_tokenize_request(await _read_json(request), adapters.model_names(engine))
     if req.messages is not None:
-        tokens = await _tokenize_chat(engine, req.messages, req.tools)
+        # Exactly what a chat request with the same salt would send to the engine.
+        known = state.outputs.lookup_in(cache_salt_for(_tenant(request), req.cache_salt))
+        tokens = await _tokenize_chat(engine, req.messages, req.tools, known)
     else:  # the engine encodes in its tokenizer thread, off the event loop
         tokens = await engine.tokenize_text(req.prompt)
     return json_response({"tokens": list(tokens), "count": len(tokens),
@@ -155,9 +169,16 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     engine = _state(request).engine
-    return json_response({"object": "list", "data": [{
-        "id": engine.model_name, "object": "model", "created": request.app[STARTED_KEY],
-        "owned_by": "radixkv", "max_model_len": engine.max_model_len}]})
+    return json_response({"object": "list",
+                          "data": adapters.model_entries(engine, request.app[STARTED_KEY])})
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    return await adapters.load_adapter(await _read_json(request), _state(request).engine)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    return await adapters.unload_adapter(await _read_json(request), _state(request).engine)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -227,6 +248,8 @@ def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     app.router.add_post("/v1/chat/completions", completion_route(chat_completions))
     app.router.add_post("/v1/completions", completion_route(completions))
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)

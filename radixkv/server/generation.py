@@ -20,6 +20,7 @@ import structlog
 from aiohttp import web
 
 from radixkv.engine import EngineDeadError, QueueFullError
+from radixkv.output_memory import OutputMemory, ids_for_text
 from radixkv.server.auth import KeyStore, Tenant
 from radixkv.server.errors import (
     SERVER_ERROR, APIError, bad_request, json_response, queue_full, shutting_down, tenant_limit,
@@ -49,6 +50,8 @@ class ServerState:
         draining: Set on shutdown: new completion requests get 503, /health turns 503.
         in_flight: Completion requests admitted and not yet finished.
         outcomes: Completion requests by outcome (``OUTCOMES``), for /metrics.
+        outputs: token ids of recent chat replies per cache salt, so that a reply sent back
+            as history is tokenized as it was generated (``radixkv.output_memory``).
     """
 
     engine: AsyncEngine
@@ -59,6 +62,7 @@ class ServerState:
     per_tenant: dict[str | None, int] = field(default_factory=dict)
     outcomes: Counter = field(default_factory=Counter)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    outputs: OutputMemory = field(default_factory=OutputMemory)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -90,6 +94,28 @@ class ServerState:
             return True
         except asyncio.TimeoutError:
             return False
+
+
+Remember = Callable[[dict[int, list[int]], dict[int, str]], Awaitable[None]]
+"""``remember(ids, texts)``: per choice index, the generated token ids and the text sent."""
+
+
+def remember_outputs(state: ServerState, scope: str | None) -> Remember:
+    """A ``remember`` for chat replies: ids that decode to each choice's text go into
+    ``state.outputs`` under ``scope`` (the request's cache salt). Decoding runs in a worker
+    thread, off the event loop."""
+    tokenizer = state.engine.tokenizer
+
+    def record(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
+        for index, text in texts.items():
+            exact = ids_for_text(tokenizer, ids[index], text, tokenizer.eos_token_ids)
+            if exact is not None:
+                state.outputs.record(scope, text, exact)
+
+    async def remember(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, record, ids, texts)
+
+    return remember
 
 
 def outcome_of(err: APIError | web.HTTPException) -> str:
@@ -165,11 +191,16 @@ def resolve_max_tokens(requested: int | None, default: int | None, param: str,
 async def generate_response(request: web.Request, state: ServerState, shape: Any, *,
                             prompt: list[int], sampling: Any, max_tokens: int,
                             tenant: Tenant | None, cache_salt: str | None, prompt_param: str,
-                            echo_ids: list[int] | None = None) -> web.StreamResponse:
+                            echo_ids: list[int] | None = None,
+                            remember: Remember | None = None,
+                            lora_name: str | None = None) -> web.StreamResponse:
     """Run and answer one admitted completion request (JSON or SSE per ``sampling.stream``).
 
     ``shape`` is a ``ChatCompletion`` or ``TextCompletion`` (ids, chunk and body builders);
-    ``echo_ids``: token ids whose text becomes ``shape.echo`` once the engine accepted them.
+    ``echo_ids``: token ids whose text becomes ``shape.echo`` once the engine accepted them;
+    ``remember``: awaited with each choice's generated ids and text once all choices finished
+    (not aborted), before the response ends, so the client's next turn finds them;
+    ``lora_name``: the LoRA adapter to run with (None: the base model).
     """
     engine = state.engine
     try:
@@ -178,7 +209,8 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
         raise bad_request(str(exc), str(exc).split(":", 1)[0])
     try:
         gen = engine.generate(prompt, params, cache_salt=cache_salt, request_id=shape.id,
-                              tenant=tenant.name if tenant is not None else None)
+                              tenant=tenant.name if tenant is not None else None,
+                              lora_name=lora_name)
     except QueueFullError as exc:
         raise queue_full(str(exc))
     except ValueError as exc:
@@ -190,8 +222,8 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
             shape.echo = await engine.detokenize(echo_ids, skip_special_tokens=False)
         first = await _first_output(gen, prompt_param)
         if sampling.stream:
-            return await _respond_stream(request, shape, gen, first, sampling.n)
-        return await _respond_json(request, shape, gen, first, sampling.n)
+            return await _respond_stream(request, shape, gen, first, sampling.n, remember)
+        return await _respond_json(request, shape, gen, first, sampling.n, remember)
     finally:
         gen.close()
 
@@ -221,12 +253,14 @@ def _finish_outcome(last: dict[int, RequestOutput]) -> str:
 
 
 async def _respond_json(request: web.Request, shape: Any, gen: RequestStream,
-                        first: RequestOutput, n: int) -> web.Response:
+                        first: RequestOutput, n: int, remember: Remember | None) -> web.Response:
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    ids: dict[int, list[int]] = {i: [] for i in range(n)}
     last: dict[int, RequestOutput] = {}
     out: RequestOutput | None = first
     while out is not None:
         texts[out.index].append(out.new_text)
+        ids[out.index] += out.new_token_ids
         last[out.index] = out
         try:
             out = await gen.__anext__()
@@ -239,15 +273,20 @@ async def _respond_json(request: web.Request, shape: Any, gen: RequestStream,
                        code="aborted")
     request[OUTCOME] = _finish_outcome(last)
     choices = [("".join(texts[i]), last[i].finish_reason) for i in range(n)]
+    if remember is not None:
+        await remember(ids, {i: text for i, (text, _) in enumerate(choices)})
     return json_response(shape.response(choices, _usage(last)))
 
 
 async def _respond_stream(request: web.Request, shape: Any, gen: RequestStream,
-                          first: RequestOutput, n: int) -> web.StreamResponse:
+                          first: RequestOutput, n: int, remember: Remember | None
+                          ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     last: dict[int, RequestOutput] = {}
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    ids: dict[int, list[int]] = {i: [] for i in range(n)}
     try:
         for index in range(n):
             head = shape.role_chunk(index)
@@ -261,6 +300,8 @@ async def _respond_stream(request: web.Request, shape: Any, gen: RequestStream,
                                                    SERVER_ERROR, "aborted"))
                 break
             last[out.index] = out
+            texts[out.index].append(out.new_text)
+            ids[out.index] += out.new_token_ids
             if out.new_text:
                 await resp.write(shape.content_chunk(out.new_text, out.index))
             if out.finished:
@@ -271,6 +312,8 @@ async def _respond_stream(request: web.Request, shape: Any, gen: RequestStream,
                 out = None
         else:
             request[OUTCOME] = _finish_outcome(last)
+            if remember is not None and len(last) == n:
+                await remember(ids, {i: "".join(t) for i, t in texts.items()})
             if shape.include_usage:
                 await resp.write(shape.usage_chunk(_usage(last)))
         await resp.write(SSE_DONE)

@@ -47,6 +47,7 @@ _ERRORS = {
            "over the context (``code: context_length_exceeded``).",
     "401": "Missing or unknown API key (only when the server runs with --api-keys).",
     "404": "Unknown model (``code: model_not_found``).",
+    "409": "The LoRA adapter is in use by an in-flight request (``code: lora_in_use``).",
     "413": "Request body over the server's limit (``code: request_too_large``).",
     "429": "The tenant's concurrency limit is reached (``Retry-After``).",
     "503": "Queue full (``queue_full``), shutting down (``shutting_down``), engine dead "
@@ -62,7 +63,8 @@ def _error_responses(*codes: str) -> dict:
 
 
 _SAMPLING = {
-    "model": {"type": "string", "description": "Must be the served model id; may be omitted."},
+    "model": {"type": "string", "description": "The served model id or a loaded LoRA adapter's "
+                                               "name (selects the adapter); may be omitted."},
     "max_tokens": _int(1, description="Output cap in tokens."),
     "temperature": _num(0, 2, description="0 = greedy."),
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
@@ -175,12 +177,30 @@ _SCHEMAS = {
         "model": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE},
         "prompt": {"type": "string"}, "tools": {"type": "array"},
         "add_generation_prompt": {"const": True}, "add_special_tokens": {"const": False},
-    }, description="Exactly one of messages and prompt."),
+        "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024},
+    }, description="Exactly one of messages and prompt. With messages, the ids are those a "
+                   "chat request with the same cache_salt would run: the model's own recent "
+                   "replies, sent back as assistant messages, keep their generated ids."),
     "TokenizeResponse": _obj({"tokens": {"type": "array", "items": _int(0)},
                               "count": _int(0), "max_model_len": _int(1)}),
     "Models": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj({
         "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-        "owned_by": {"type": "string"}, "max_model_len": _int(1)})}}),
+        "owned_by": {"type": "string"}, "max_model_len": _int(1),
+        "parent": {"type": "string", "description": "A LoRA adapter's base model."}})}}),
+    "LoadLoRAAdapterRequest": _obj({
+        "lora_name": {"type": "string", "description": "The name requests send as model."},
+        "lora_path": {"type": "string", "description": "PEFT adapter directory on the server "
+                                                        "(adapter_config.json + "
+                                                        "adapter_model.safetensors)."},
+        "load_inplace": {"type": "boolean", "description": "Replace an adapter of that name."}},
+        ["lora_name", "lora_path"]),
+    "UnloadLoRAAdapterRequest": _obj({"lora_name": {"type": "string"}}, ["lora_name"]),
+    "LoRAAdapterResponse": _obj({
+        "lora_name": {"type": "string"}, "message": {"type": "string"},
+        "digest": {"type": "string", "description": "SHA-256 of the adapter's weights and "
+                                                     "scaling (part of the cache identity)."},
+        "rank": _int(1), "target_modules": {"type": "array", "items": {"type": "string"}}},
+        ["lora_name", "message"]),
     "Latency": _obj({k: _nullable({"type": "number"}) for k in
                      ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")},
                     description="Milliseconds over the most recent samples; null before any."),
@@ -246,9 +266,24 @@ def openapi_document(model_name: str) -> dict:
                     "example": {"model": model_name, "prompt": [1, 2, 3], "max_tokens": 8}}}},
                 "responses": {"200": text_ok,
                               **_error_responses("400", "401", "404", "413", "429", "503")}}},
-            "/v1/models": {"get": {"summary": "The served model",
+            "/v1/models": {"get": {"summary": "The served model and its loaded LoRA adapters",
                                    "responses": {"200": _json(_ref("Models")),
                                                  **_error_responses("401")}}},
+            "/v1/load_lora_adapter": {"post": {
+                "summary": "Load a PEFT LoRA adapter (admin key when --api-keys is set)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("LoadLoRAAdapterRequest")}}},
+                "responses": {"200": _json(_ref("LoRAAdapterResponse")),
+                              **_error_responses("400", "401"),
+                              "403": _json(_ref("Error"), "A non-admin key.")}}},
+            "/v1/unload_lora_adapter": {"post": {
+                "summary": "Unload a LoRA adapter no in-flight request uses (admin key when "
+                           "--api-keys is set)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("UnloadLoRAAdapterRequest")}}},
+                "responses": {"200": _json(_ref("LoRAAdapterResponse")),
+                              **_error_responses("400", "401", "404", "409"),
+                              "403": _json(_ref("Error"), "A non-admin key.")}}},
             "/tokenize": {"post": {
                 "summary": "Token ids of a chat (as a chat request renders it) or of text",
                 "requestBody": {"required": True, "content": {"application/json": {

@@ -117,8 +117,9 @@ def opt_bool(body: dict, key: str) -> bool | None:
     return v
 
 
-def check_model(body: dict, served_model: str) -> None:
-    """``model`` may be omitted; otherwise it must name the served model.
+def check_model(body: dict, served_model: str | tuple[str, ...]) -> None:
+    """``model`` may be omitted; otherwise it must name the served model (or, given a tuple of
+    names, one of them: the base model first, then its LoRA adapters).
 
     Raises:
         APIError: 400 if not a string, 404 ``model_not_found`` for another model.
@@ -128,9 +129,11 @@ def check_model(body: dict, served_model: str) -> None:
         return
     if not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {model!r}", "model")
-    if model != served_model:
+    names = (served_model,) if isinstance(served_model, str) else served_model
+    if model not in names:
+        served = ", ".join(f"'{n}'" for n in names)
         raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                            f"'{served_model}'", param="model", code="model_not_found")
+                            f"{served}", param="model", code="model_not_found")
 
 
 def refuse_unknown_keys(body: dict, allowed: frozenset[str]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from radixkv.server.errors import bad_request
 from radixkv.server.params import (  # some re-exported (see __all__)
-    JSON_CONTENT_TYPES, MAX_CHOICES, check_model, json_depth, opt_bool, parse_json_object,
+    JSON_CONTENT_TYPES, MAX_CHOICES, MAX_SALT_CHARS, check_model, json_depth, opt_bool, parse_json_object,
     Sampling, parse_sampling, refuse_unimplemented_sampling, refuse_unknown_keys,
 )
 
@@ -30,7 +30,7 @@ CHAT_KEYS = frozenset({
     "presence_penalty", "frequency_penalty", "response_format",
 })
 TOKENIZE_KEYS = frozenset({"model", "messages", "prompt", "tools", "add_generation_prompt",
-                           "add_special_tokens"})
+                           "add_special_tokens", "cache_salt"})
 
 # Keys a message may carry, per role. Assistant messages echoed back by OpenAI clients carry
 # refusal / annotations / audio / function_call; they do not reach the template.
@@ -233,6 +233,7 @@ class TokenizeRequest:
     messages: list[dict[str, Any]] | None
     tools: list[dict] | None
     prompt: str | None
+    cache_salt: str | None = None  # the salt whose remembered replies a chat is rendered with
 
 
 def parse_tokenize_request(body: dict[str, Any], served_model: str) -> TokenizeRequest:
@@ -265,5 +266,9 @@ def parse_tokenize_request(body: dict[str, Any], served_model: str) -> TokenizeR
         if body.get("tools") is not None:
             raise bad_request("'tools' needs 'messages'", "tools")
         return TokenizeRequest(messages=None, tools=None, prompt=body["prompt"])
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_SALT_CHARS):
+        raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} "
+                          "characters", "cache_salt")
     return TokenizeRequest(messages=validate_messages(body["messages"]),
-                           tools=validate_tools(body.get("tools")), prompt=None)
+                           tools=validate_tools(body.get("tools")), prompt=None, cache_salt=salt)

@@ -73,3 +73,50 @@ def test_cli_counts_skipped_requests_and_compares(server, tmp_path, capsys, monk
         assert run["prompt_tokens"] == lengths[0] + lengths[1]
     printed = capsys.readouterr().out
     assert "cached/ideal" in printed and "TTFT p50 ms" in printed
+
+
+def test_open_loop_with_warmup_writes_json_and_png(server, tmp_path):
+    from radixkv.transcripts import load_source
+
+    bench = load_bench("serve")
+    requests = [r for s in load_source("mini-swe-agent") for r in s]
+    tokens = _server_tokens(server.url, requests)
+    by_turn = {(r["session_id"], r["turn"]): t for r, t in zip(requests, tokens)}
+    fits = [t for t in tokens if len(t) + 16 <= 2048]
+    out = tmp_path / "rate.json"
+    # One request in flight at a time (--concurrency caps the open loop): no request can miss
+    # a prefix because the request holding it is still running, so the numbers are exact.
+    assert bench.main(["--url", server.url, "--source", "mini-swe-agent", "--sessions", "2",
+                       "--request-rate", "1000", "--concurrency", "1", "--warmup-requests", "2",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert KEYS | {"computed_tokens", "per_request", "itl_ms_p90"} <= set(data)
+    assert (data["mode"], data["request_rate"], data["warmup_requests"]) == ("poisson", 1000.0, 2)
+    assert (data["requests"], data["skipped_requests"]) == (len(fits), 12 - len(fits))
+    assert data["prompt_tokens"] == sum(len(t) for t in fits)
+    # Warm-up requests ran under throwaway salts: the measured run starts cold.
+    rows = data["per_request"]
+    ideal = ideal_cached_tokens([by_turn[r["session_id"], r["turn"]] for r in rows], BLOCK_SIZE)
+    assert [r["ideal_cached_tokens"] for r in rows] == ideal
+    assert [r["cached_tokens"] for r in rows] == ideal
+    assert data["cached_tokens"] == data["ideal_cached_tokens"] == sum(ideal)
+    assert data["server_cached_prompt_tokens"] == data["cached_tokens"]
+    assert data["computed_tokens"] == data["prompt_tokens"] - data["cached_tokens"]
+    turns = {}
+    for row in rows:  # each session's turns went out in order, one after the other
+        assert row["turn"] == turns.get(row["session_id"], -1) + 1
+        turns[row["session_id"]] = row["turn"]
+    assert (tmp_path / "rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_flags_exit_with_a_message(server):
+    bench = load_bench("serve")
+    for flags, message in [(["--request-rate", "0"], "--request-rate"),
+                           (["--warmup-requests", "-1"], "--warmup-requests"),
+                           (["--source", "crewai", "--path", "/nonexistent"], "path")]:
+        try:
+            bench.main(["--url", server.url, *flags])
+        except SystemExit as exc:
+            assert message in str(exc)
+        else:
+            raise AssertionError(f"{flags} did not exit")

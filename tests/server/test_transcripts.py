@@ -142,3 +142,93 @@ def test_ideal_cached_tokens_is_fast_for_thousands_of_requests():
     ideal = ideal_cached_tokens(prompts, 16)
     assert time.perf_counter() - t0 < 5.0
     assert ideal[0] == 0 and ideal[200] == 0 and ideal[201] == 10 // 16 * 16
+
+
+def test_mini_swe_agent_test_files_bare_lists():
+    sessions = load_source("mini-swe-agent")
+    assert [s[0]["session_id"] for s in sessions] == [
+        "tests/test_data/github_issue.traj.json", "tests/test_data/local.traj.json"]
+    assert [len(s) for s in sessions] == [10, 2]  # SOURCES.md: 12 requests, 2 sessions
+    local = sessions[1]
+    assert [len(r["messages"]) for r in local] == [2, 4]
+    assert [m["role"] for m in local[1]["messages"]] == ["system", "user", "assistant", "user"]
+    assert all(set(m) == {"role", "content"} for s in sessions for r in s for m in r["messages"])
+
+
+def test_mini_swe_agent_record_format_drops_extra(tmp_path):
+    record = {"info": {}, "instance_id": "x", "trajectory_format": "mini-swe-agent-1", "messages": [
+        {"role": "system", "content": "s", "extra": {}},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a", "extra": {"response": {"usage": {}}}},
+        {"role": "user", "content": "o"},
+        {"role": "assistant", "content": "b", "extra": {}},
+        {"role": "user", "content": "last"}]}
+    (tmp_path / "x.traj.json").write_text(json.dumps(record))
+    (sessions,) = load_source("mini-swe-agent", tmp_path)
+    assert sessions == [
+        {"session_id": "x.traj.json", "turn": 0, "messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
+        {"session_id": "x.traj.json", "turn": 1, "messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": "o"}]}]
+    (tmp_path / "bad.traj.json").write_text('{"messages": 3}')
+    with pytest.raises(ValueError, match="path"):
+        load_source("mini-swe-agent", tmp_path)
+    with pytest.raises(FileNotFoundError, match="path"):
+        load_source("mini-swe-agent", tmp_path / "empty")
+
+
+# VCR stores some request bodies as bytes: the third body is base64 of the JSON of a user
+# message, an assistant tool call with null content, a tool result and a "function" message.
+CASSETTE = """\
+interactions:
+- request:
+    body: '{"input": ["x"], "model": "text-embedding-3-small"}'
+    method: POST
+    uri: https://api.openai.com/v1/embeddings
+  response: {body: {string: '{}'}, status: {code: 200}}
+- request:
+    body: '{"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content":
+      [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}]}],
+      "model": "gpt-4o", "tools": [{"type": "function", "function": {"name": "f"}}]}'
+    method: POST
+    uri: https://api.openai.com/v1/chat/completions
+  response: {body: {string: '{}'}, status: {code: 200}}
+- request:
+    body: !!binary |
+      eyJtZXNzYWdlcyI6IFt7InJvbGUiOiAidXNlciIsICJjb250ZW50IjogImhpIn0sIHsicm9sZSI6
+      ICJhc3Npc3RhbnQiLCAiY29udGVudCI6IG51bGwsICJ0b29sX2NhbGxzIjogW3siaWQiOiAiYyJ9
+      XX0sIHsicm9sZSI6ICJ0b29sIiwgImNvbnRlbnQiOiAiNDIiLCAidG9vbF9jYWxsX2lkIjogImMi
+      fSwgeyJyb2xlIjogImZ1bmN0aW9uIiwgImNvbnRlbnQiOiAieCJ9XX0=
+    method: POST
+    uri: https://example.openai.azure.com/openai/deployments/d/chat/completions?api-version=1
+  response: {body: {string: '{}'}, status: {code: 200}}
+- request:
+    body: '{"model": "gpt-4o"}'
+    method: POST
+    uri: https://api.openai.com/v1/chat/completions
+  response: {body: {string: '{}'}, status: {code: 200}}
+"""
+
+
+def test_crewai_cassette_requests_as_recorded(tmp_path):
+    (tmp_path / "c.yaml").write_text(CASSETTE)
+    (session,) = load_source("crewai", tmp_path)
+    assert session == [
+        {"session_id": "c.yaml", "turn": 0, "messages": [
+            {"role": "system", "content": "sys"}, {"role": "user", "content": "look\n[image_url]"}],
+         "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"session_id": "c.yaml", "turn": 1, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]},
+            {"role": "tool", "content": "42", "tool_call_id": "c"}]}]
+    (tmp_path / "d.yaml").write_text("just: text\n")
+    with pytest.raises(ValueError, match="cassette"):
+        load_source("crewai", tmp_path)
+
+
+def test_crewai_and_swe_agent_counts_match_sources_md():
+    crewai = load_source("crewai")
+    assert (len(crewai), sum(len(s) for s in crewai)) == (204, 737)
+    swe = load_source("swe-agent")
+    assert (len(swe), sum(len(s) for s in swe)) == (22, 230)

@@ -1,0 +1,314 @@
+"""Replay core of ``radixkv bench serve``: dispatch transcript turns to one server, summarise.
+
+A session's turns always run in order, each sent only after the previous reply finished (an
+agent cannot send turn k+1 before it read reply k). Two dispatch modes:
+
+- closed loop (``request_rate=None``): ``concurrency`` sessions in flight, each sending its
+  next turn as soon as its previous reply ends;
+- open loop (``request_rate=R``): a Poisson clock ticks R times per second on average; each
+  tick sends the next turn of the longest-waiting ready session (sessions wait in file order
+  at the start), or of the next session to become ready if none is. ``concurrency`` then
+  caps the requests in flight (None: no cap).
+
+Every request streams with ``stream_options.include_usage``: TTFT is the time to the first
+chunk with content, ITL the gaps between content chunks, token counts come from ``usage``.
+"""
+
+# No ``from __future__ import annotations``: loaded by path (see bench/serve.py).
+import asyncio
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from radixkv.transcripts import ideal_cached_tokens
+
+WARMUP_SALT_PREFIX = "radixkv-bench-warmup-"
+
+
+@dataclass
+class Sample:
+    """One replayed request. Token counts come from the server's ``usage``; times in ms."""
+
+    session_id: str
+    turn: int
+    request: dict
+    prompt_token_ids: list[int]
+    dispatch_index: int = -1
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile (linear interpolation), None for no values."""
+    return float(np.percentile(values, q)) if values else None
+
+
+async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
+    async with http.get(url) as resp:
+        resp.raise_for_status()
+        return await resp.json()
+
+
+async def tokenize_all(http: aiohttp.ClientSession, url: str, model: str,
+                       requests: list[dict], cache_salt: str | None = None
+                       ) -> tuple[list[list[int]], int]:
+    """Token ids of every request's prompt (via the server, as a chat request with the same
+    ``cache_salt`` would run it), and the server's context length."""
+    sem = asyncio.Semaphore(4)
+    max_model_len = 0
+
+    async def one(req: dict) -> list[int]:
+        nonlocal max_model_len
+        body = {"model": model, "messages": req["messages"]}
+        if req.get("tools"):
+            body["tools"] = req["tools"]
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        async with sem, http.post(f"{url}/tokenize", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"/tokenize failed ({resp.status}): {await resp.text()}")
+            out = await resp.json()
+        max_model_len = out["max_model_len"]
+        return out["tokens"]
+
+    tokens = await asyncio.gather(*(one(r) for r in requests))
+    return list(tokens), max_model_len
+
+
+async def stream_one(http: aiohttp.ClientSession, url: str, model: str, sample: Sample,
+                     max_tokens: int, cache_salt: str | None = None) -> None:
+    """Send ``sample.request`` as a streamed chat completion; fill in times and usage."""
+    req = sample.request
+    body = {"model": model, "messages": req["messages"], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if req.get("tools"):
+        body["tools"] = req["tools"]
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    start = last = time.perf_counter()
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            sample.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                sample.error = chunk["error"].get("message", "stream error")
+                return
+            now = time.perf_counter()
+            for choice in chunk.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    if sample.ttft_ms is None:
+                        sample.ttft_ms = (now - start) * 1e3
+                    else:
+                        sample.itl_ms.append((now - last) * 1e3)
+                    last = now
+                elif choice.get("finish_reason") and sample.ttft_ms is None:
+                    sample.ttft_ms = (now - start) * 1e3  # finished without any text
+            if chunk.get("usage"):
+                use = chunk["usage"]
+                sample.prompt_tokens = use["prompt_tokens"]
+                sample.completion_tokens = use["completion_tokens"]
+                sample.cached_tokens = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+async def _send(http, url, model, sample, max_tokens, cache_salt, dispatched, bar) -> None:
+    sample.dispatch_index = len(dispatched)
+    dispatched.append(sample)
+    try:
+        await stream_one(http, url, model, sample, max_tokens, cache_salt)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"
+    bar.update(1)
+
+
+async def _closed_loop(plan: list[list[Sample]], concurrency: int, send) -> None:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def run_session(samples: list[Sample]) -> None:
+        async with sem:
+            for sample in samples:
+                await send(sample)
+
+    await asyncio.gather(*(run_session(s) for s in plan))
+
+
+async def _open_loop(plan: list[list[Sample]], rate: float, cap: int | None, seed: int,
+                     send) -> None:
+    rng = random.Random(seed)
+    ready: asyncio.Queue = asyncio.Queue()
+    for index, samples in enumerate(plan):
+        if samples:
+            ready.put_nowait((index, 0))
+    left = sum(len(s) for s in plan)
+    cap_sem = asyncio.Semaphore(cap) if cap else None
+    tasks: set[asyncio.Task] = set()
+
+    async def run(index: int, turn: int) -> None:
+        try:
+            await send(plan[index][turn])
+        finally:
+            if cap_sem is not None:
+                cap_sem.release()
+        if turn + 1 < len(plan[index]):
+            ready.put_nowait((index, turn + 1))  # the agent read the reply: next turn ready
+
+    next_tick = time.perf_counter()
+    while left:
+        next_tick += rng.expovariate(rate)
+        delay = next_tick - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        index, turn = await ready.get()
+        if cap_sem is not None:
+            await cap_sem.acquire()
+        task = asyncio.create_task(run(index, turn))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        left -= 1
+    await asyncio.gather(*tasks)
+
+
+async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | None,
+                 max_tokens: int, request_rate: float | None = None, seed: int = 0,
+                 warmup_requests: int = 0, cache_salt: str | None = None,
+                 request_timeout_s: float = 900.0, progress: bool | None = None
+                 ) -> dict[str, Any]:
+    """Replay ``sessions`` against the server at ``url`` and summarise.
+
+    Args:
+        url: Server base URL.
+        sessions: Normalised requests per session (``radixkv.transcripts``), already cut to
+            the turns to replay.
+        concurrency: Closed loop: sessions in flight (>= 1; None means 1). Open loop: most
+            requests in flight (None: no cap).
+        max_tokens: Output tokens requested per request (temperature 0).
+        request_rate: Open-loop dispatch rate in requests per second (> 0); None: closed loop.
+        seed: Seed of the open-loop Poisson clock.
+        warmup_requests: Requests sent first, one at a time, and left out of every number:
+            the first runnable requests of the plan, each under its own throwaway
+            ``cache_salt`` so they warm the server without caching anything the measured
+            requests could hit.
+        cache_salt: Sent with every measured request (and ``/tokenize``): a fresh salt per
+            run keeps runs against the same server from hitting each other's blocks.
+        request_timeout_s: Seconds without data before a request fails.
+        progress: Show a progress bar (None: only on a terminal).
+
+    Returns:
+        The result keys of DESIGN.md §8 plus run facts, ``computed_tokens``, ITL / TTFT
+        percentiles, ``server_cached_prompt_tokens`` (the ``/stats`` counter's increase),
+        ``prefix_caching`` (the server's own report) and ``per_request`` (dispatch order:
+        session, turn, prompt / cached / ideal tokens, TTFT ms; failed ones with ``error``).
+
+    Raises:
+        ValueError: concurrency < 1, request_rate <= 0 or warmup_requests < 0.
+        aiohttp.ClientError: the server cannot be reached, or /stats fails.
+    """
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if request_rate is not None and not request_rate > 0:
+        raise ValueError(f"request_rate must be > 0, got {request_rate}")
+    if warmup_requests < 0:
+        raise ValueError(f"warmup_requests must be >= 0, got {warmup_requests}")
+    url = url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=request_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        model = (await get_json(http, f"{url}/v1/models"))["data"][0]["id"]
+        flat = [req for session in sessions for req in session]
+        tokens, max_model_len = await tokenize_all(http, url, model, flat, cache_salt)
+        samples = iter([Sample(r["session_id"], r["turn"], r, t) for r, t in zip(flat, tokens)])
+        plan = [[next(samples) for _ in session] for session in sessions]
+        fits = [[s for s in ss if len(s.prompt_token_ids) + max_tokens <= max_model_len]
+                for ss in plan]
+        skipped = sum(len(ss) for ss in plan) - sum(len(ss) for ss in fits)
+        runnable = [s for ss in fits for s in ss]
+        for sample in runnable[:warmup_requests]:
+            warm = Sample(sample.session_id, sample.turn, sample.request, [])
+            await stream_one(http, url, model, warm, max_tokens,
+                             cache_salt=WARMUP_SALT_PREFIX + uuid.uuid4().hex)
+        stats_before = await get_json(http, f"{url}/stats")
+        dispatched: list[Sample] = []
+        bar = tqdm(total=len(runnable), desc=f"replay {url}", unit="req",
+                   disable=None if progress is None else not progress)
+
+        async def send(sample: Sample) -> None:
+            await _send(http, url, model, sample, max_tokens, cache_salt, dispatched, bar)
+
+        start = time.perf_counter()
+        if request_rate is None:
+            await _closed_loop(fits, concurrency or 1, send)
+        else:
+            await _open_loop(fits, request_rate, concurrency, seed, send)
+        wall_s = time.perf_counter() - start
+        bar.close()
+        stats_after = await get_json(http, f"{url}/stats")
+    out = summarise(dispatched, stats_before["pool"]["block_size_tokens"])
+    out.update({
+        "url": url, "model": model, "max_model_len": max_model_len,
+        "prefix_caching": stats_after.get("prefix_caching"), "sessions": len(sessions),
+        "mode": "closed-loop" if request_rate is None else "poisson",
+        "concurrency": concurrency if request_rate is not None else (concurrency or 1),
+        "request_rate": request_rate, "max_tokens": max_tokens, "cache_salt": cache_salt,
+        "warmup_requests": min(warmup_requests, len(runnable)), "skipped_requests": skipped,
+        "server_cached_prompt_tokens": (stats_after["cached_prompt_tokens_total"]
+                                        - stats_before["cached_prompt_tokens_total"]),
+        "wall_s": wall_s,
+        "requests_per_s": out["requests"] / wall_s if wall_s > 0 else None,
+        "output_tokens_per_s": out["output_tokens"] / wall_s if wall_s > 0 else None,
+    })
+    return out
+
+
+def summarise(dispatched: list[Sample], block_size: int) -> dict[str, Any]:
+    """Totals and percentiles over the requests that succeeded, in dispatch order.
+
+    ``ideal_cached_tokens`` is what a perfect prefix cache could have reused for the same
+    dispatch order: per request, the longest common token prefix with any earlier dispatched
+    request, capped as the engine caps hits.
+    """
+    ideal = ideal_cached_tokens([s.prompt_token_ids for s in dispatched], block_size)
+    ok = [(s, i) for s, i in zip(dispatched, ideal) if s.error is None]
+    prompt = sum(s.prompt_tokens for s, _ in ok)
+    cached = sum(s.cached_tokens for s, _ in ok)
+    ideal_total = sum(i for _, i in ok)
+    ttft = [s.ttft_ms for s, _ in ok if s.ttft_ms is not None]
+    itl = [x for s, _ in ok for x in s.itl_ms]
+    per_request = []
+    for s, i in zip(dispatched, ideal):
+        row = {"session_id": s.session_id, "turn": s.turn, "prompt_tokens": s.prompt_tokens,
+               "cached_tokens": s.cached_tokens, "ideal_cached_tokens": i,
+               "ttft_ms": None if s.ttft_ms is None else round(s.ttft_ms, 3)}
+        if s.error is not None:
+            row["error"] = s.error
+        per_request.append(row)
+    return {
+        "block_size_tokens": block_size,
+        "requests": len(ok), "failed_requests": len(dispatched) - len(ok),
+        "errors": sorted({s.error for s in dispatched if s.error})[:5],
+        "prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
+        "ideal_cached_tokens": ideal_total,
+        "cached_over_prompt": cached / prompt if prompt else None,
+        "cached_over_ideal": cached / ideal_total if ideal_total else None,
+        "ttft_ms_mean": float(np.mean(ttft)) if ttft else None,
+        "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p90": pct(ttft, 90), "ttft_ms_p99": pct(ttft, 99),
+        "itl_ms_p50": pct(itl, 50), "itl_ms_p90": pct(itl, 90), "itl_ms_p99": pct(itl, 99),
+        "output_tokens": sum(s.completion_tokens for s, _ in ok),
+        "per_request": per_request,
+    }
