@@ -321,8 +321,9 @@ class CacheManager(CacheGauges, CacheFork):
             known = req.known_hashes[offset:] if offset >= 0 else ()
             if num_full >= req.known_start + len(req.known_hashes):
                 req.known_hashes = []
-        result = self.tree.insert(req.cursor, tb, req.block_table[start:num_full], self.hasher,
-                                  extras=extras, known_hashes=known)
+        # A list: the pool walks the ids twice, and a list boxes each id once, not per pass.
+        result = self.tree.insert(req.cursor, tb, req.block_table[start:num_full].tolist(),
+                                  self.hasher, extras=extras, known_hashes=known)
         self.pool.to_cached(result.inserted_ids)
         if result.duplicate_ids:
             req.duplicate_ids += result.duplicate_ids
