@@ -1,19 +1,25 @@
-"""Physical KV block ids: free list, ownership state, reference counts.
+"""Physical KV block ids: free list, ownership, reference counts.
 
-Blocks are ``0 .. num_blocks-1``. The pool tracks who *owns* each block:
+Blocks are ``0 .. num_blocks-1``. The pool tracks whether a block is owned and by how many:
 
 * ``FREE``: no content, on the free list;
-* ``PRIVATE``: owned by one or more running requests (ref count ≥ 1); not in the tree;
-* ``CACHED``: owned by the radix tree (published, content immutable). Whether a cached block
-  is *evictable* or *locked* is a property of its tree node (``lock_ref``), so the tree keeps
-  those two counts; ``CacheManager`` combines both views into the four states of DESIGN.md §4.
+* ``OWNED`` with owner count ≥ 1: held by running requests (private; > 1 when a forked
+  sequence shares it), or by the radix tree (published, content immutable; exactly one owner).
+
+Publishing (:meth:`to_cached`) hands a block's single ownership from its request to the tree:
+it checks each block (one C-level gather) but writes nothing per block, only the private/cached
+counters, because which owned blocks are cached is the tree's knowledge (``node.block_ids``),
+as is whether a cached block is *evictable* or *locked* (``lock_ref``). ``CacheManager``
+combines the pool, the tree and its requests into the four states of DESIGN.md §4 (free,
+private, cached-evictable, cached-locked), and its ``check_integrity`` verifies that every block
+the tree holds is owned exactly once here and held privately by no request.
 
 The pool never evicts: when ``allocate`` cannot be served, the cache manager asks the tree to
 evict leaves, returns their blocks with :meth:`free_cached`, and retries.
 
 **Deferred free.** Between :meth:`begin_step` and :meth:`end_step` a forward step is in flight
 and may still write any private block it was given. A private block whose last owner lets go
-during that window stays ``PRIVATE`` with ref count 0 ("deferred": still in use by the step,
+during that window stays owned with owner count 0 ("deferred": still in use by the step,
 never handed out) and joins the free list only at :meth:`end_step`. Cached blocks need no such
 care: a published block is never written again.
 """
@@ -25,15 +31,13 @@ from operator import itemgetter
 from typing import Iterable, Sequence
 
 FREE = 0
-PRIVATE = 1
-CACHED = 2
-STATE_NAMES = {FREE: "free", PRIVATE: "private", CACHED: "cached"}
+OWNED = 1
+STATE_NAMES = {FREE: "free", OWNED: "owned"}
 
-# One ownership byte per block (a compact bytearray: one read and one write per block on the
-# hot paths, and the whole pool's state stays in the CPU cache): ``_OWN_FREE``, ``_OWN_CACHED``,
-# or the owner count of a private block (0 = deferred free, at most ``MAX_OWNERS``).
+# One ownership byte per block (a compact bytearray: the whole pool's state stays in the CPU
+# cache): ``_OWN_FREE``, or the owner count of an owned block (0 = a private block whose free is
+# deferred, at most ``MAX_OWNERS``).
 _OWN_FREE = 255
-_OWN_CACHED = 254
 MAX_OWNERS = 253
 
 
@@ -86,12 +90,11 @@ class BlockPool:
         return self._num_cached
 
     def state(self, block_id: int) -> int:
-        """Return ``FREE``, ``PRIVATE`` or ``CACHED`` for ``block_id``."""
-        own = self._own[block_id]
-        return FREE if own == _OWN_FREE else CACHED if own == _OWN_CACHED else PRIVATE
+        """Return ``FREE`` or ``OWNED`` for ``block_id`` (the tree knows which are cached)."""
+        return FREE if self._own[block_id] == _OWN_FREE else OWNED
 
     def ref_count(self, block_id: int) -> int:
-        """Return how many requests own private ``block_id`` (0 unless private)."""
+        """Return the owner count of ``block_id``: 0 if free or deferred, 1 for a cached block."""
         own = self._own[block_id]
         return own if own <= MAX_OWNERS else 0
 
@@ -129,7 +132,7 @@ class BlockPool:
             RuntimeError: if the block is not private, its free is deferred, or it already has
                 ``MAX_OWNERS`` owners.
         """
-        self._expect(block_id, PRIVATE)
+        self._expect(block_id, OWNED)
         if self._own[block_id] <= 0:
             raise RuntimeError(f"block {block_id}: cannot share a block whose free is deferred")
         if self._own[block_id] >= MAX_OWNERS:
@@ -148,7 +151,7 @@ class BlockPool:
         """
         own = self._own
         for block_id in block_ids:
-            self._expect(block_id, PRIVATE)
+            self._expect(block_id, OWNED)
             if own[block_id] <= 0:
                 raise RuntimeError(f"block {block_id}: freed again while its free is deferred")
             own[block_id] -= 1
@@ -193,9 +196,11 @@ class BlockPool:
     def to_cached(self, block_ids: Sequence[int]) -> None:
         """Hand private blocks (ref count 1) over to the tree after they are published.
 
+        The single ownership passes from the request to the tree: nothing is written per block.
+
         Raises:
-            RuntimeError: if a block is not private or is shared by several owners (a fork) or
-                none (deferred); nothing is changed then.
+            RuntimeError: if a block is not owned, is shared by several owners (a fork) or none
+                (deferred); nothing is changed then.
         """
         num = len(block_ids)
         if not num:
@@ -208,13 +213,11 @@ class BlockPool:
             owners = ()
         if owners.count(1) != num or min(block_ids) < 0:
             for block_id in block_ids:
-                self._expect(block_id, PRIVATE)
+                self._expect(block_id, OWNED)
                 if own[block_id] != 1:
                     raise RuntimeError(f"block {block_id}: cannot publish a block with "
                                        f"{own[block_id]} owners")
             raise RuntimeError(f"to_cached: invalid block ids {list(block_ids)}")
-        for block_id in block_ids:
-            own[block_id] = _OWN_CACHED
         self._num_private -= num
         self._num_cached += num
 
@@ -222,12 +225,14 @@ class BlockPool:
         """Return blocks the tree evicted to the free list.
 
         Raises:
-            RuntimeError: if a block is not cached (nothing is changed then).
+            RuntimeError: if a block is not owned exactly once (nothing is changed then).
         """
         own = self._own
         for block_id in block_ids:
-            if not 0 <= block_id < self.num_blocks or own[block_id] != _OWN_CACHED:
-                self._expect(block_id, CACHED)
+            if not 0 <= block_id < self.num_blocks or own[block_id] != 1:
+                self._expect(block_id, OWNED)
+                raise RuntimeError(f"block {block_id}: evicted from the tree with "
+                                   f"{own[block_id]} owners")
         for block_id in block_ids:
             own[block_id] = _OWN_FREE
         self._num_cached -= len(block_ids)
@@ -253,22 +258,16 @@ class BlockPool:
         deferred = set(self._deferred)
         assert len(deferred) == len(self._deferred), "deferred list holds a block twice"
         assert self._in_step or not deferred, "blocks deferred while no step is in flight"
-        counts = {FREE: 0, PRIVATE: 0, CACHED: 0}
+        num_owned = 0
         for block_id, own in enumerate(self._own):
-            state = self.state(block_id)
-            counts[state] += 1
-            assert (state == FREE) == (block_id in free_set), (
-                f"block {block_id}: state {STATE_NAMES[state]} disagrees with free-list membership"
-            )
-            if state == PRIVATE:
-                assert (own >= 1) != (block_id in deferred), (
-                    f"block {block_id}: private with ref count {own}, "
-                    f"deferred={block_id in deferred}")
-            else:
-                assert own in (_OWN_FREE, _OWN_CACHED), f"block {block_id}: bad ownership {own}"
-        assert counts[PRIVATE] == self._num_private, (
-            f"private counter {self._num_private} != {counts[PRIVATE]} private blocks"
-        )
-        assert counts[CACHED] == self._num_cached, (
-            f"cached counter {self._num_cached} != {counts[CACHED]} cached blocks"
-        )
+            is_free = own == _OWN_FREE
+            assert is_free == (block_id in free_set), (
+                f"block {block_id}: ownership {own} disagrees with free-list membership")
+            if not is_free:
+                num_owned += 1
+                assert own <= MAX_OWNERS, f"block {block_id}: bad ownership {own}"
+                assert (own == 0) == (block_id in deferred), (
+                    f"block {block_id}: owner count {own}, deferred={block_id in deferred}")
+        assert num_owned == self._num_private + self._num_cached, (
+            f"{num_owned} owned blocks != private {self._num_private} + cached "
+            f"{self._num_cached}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING, Callable
 
-from radixkv.block_pool import CACHED
+from radixkv.block_pool import OWNED
 from radixkv.hashing import MMItem
 from radixkv.miss_causes import MISS_CAUSES, empty_breakdown
 from radixkv.tree_node import Node
@@ -80,9 +80,13 @@ def check_manager(cm: CacheManager, requests: dict[str, RequestState],
     cm.pool.check_integrity()
     cursors = [r.cursor for r in requests.values() if r.cursor is not None]
     tree_ids = cm.tree.check_integrity(cursors, hash_fn)
-    pool_cached = {b for b in range(cm.num_blocks) if cm.pool.state(b) == CACHED}
-    assert tree_ids == pool_cached, (
-        f"tree holds {sorted(tree_ids ^ pool_cached)} without the pool agreeing")
+    # The tree's blocks are the cached ones: each owned exactly once (by the tree) in the pool.
+    assert len(tree_ids) == cm.pool.num_cached_blocks, (
+        f"tree holds {len(tree_ids)} blocks, pool counts {cm.pool.num_cached_blocks} cached")
+    for block_id in tree_ids:
+        assert cm.pool.state(block_id) == OWNED and cm.pool.ref_count(block_id) == 1, (
+            f"block {block_id}: in the tree but owned {cm.pool.ref_count(block_id)} times "
+            f"(state {cm.pool.state(block_id)}) in the pool")
     private_refs: dict[int, int] = {}
     bs = cm.block_size
     for request_id, req in requests.items():
@@ -112,6 +116,10 @@ def check_manager(cm: CacheManager, requests: dict[str, RequestState],
         for block_id in [*req.duplicate_ids, *table[req.num_published_blocks :]]:
             private_refs[block_id] = private_refs.get(block_id, 0) + 1
     for block_id in range(cm.num_blocks):
+        if block_id in tree_ids:
+            assert block_id not in private_refs, (
+                f"block {block_id}: cached in the tree and held privately by a request")
+            continue
         assert cm.pool.ref_count(block_id) == private_refs.get(block_id, 0), (
             f"block {block_id}: ref count {cm.pool.ref_count(block_id)}, "
             f"held by {private_refs.get(block_id, 0)} requests")

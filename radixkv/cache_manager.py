@@ -19,7 +19,8 @@ A request's life (all calls from the engine thread)::
                                                 stay cached-evictable (matchable until evicted)
 
 Block states (DESIGN.md §4): free, cached-evictable, cached-locked, private. The pool knows
-free / private / cached; the tree knows which cached blocks are locked.
+free vs owned (and owner counts); the tree knows which owned blocks are cached and which of
+those are locked.
 ``in_use = private + cached-locked`` and ``free + cached-evictable + in_use = num_blocks``.
 """
 
@@ -314,6 +315,15 @@ class CacheManager(CacheGauges, CacheFork):
             tb = bytes(memoryview(token_ids)[start * 4 * bs : num_full * 4 * bs])
         else:
             tb = pack_tokens(token_ids[start * bs : num_full * bs])
+        # A list: the pool walks the ids twice, and a list boxes each id once, not per pass.
+        ids = req.block_table[start:num_full].tolist()
+        if not req.mm_items and not req.known_hashes:
+            last_hash = self.tree.extend_leaf(req.cursor, tb, ids, self.hasher)
+            if last_hash is not None:  # the request extended its own leaf
+                self.pool.to_cached(ids)
+                req.last_hash = last_hash
+                req.num_published_blocks = num_full
+                return
         extras = block_extras(req.mm_items, num_full, bs, start) if req.mm_items else None
         known: Sequence[bytes] = ()
         if req.known_hashes:
@@ -321,9 +331,8 @@ class CacheManager(CacheGauges, CacheFork):
             known = req.known_hashes[offset:] if offset >= 0 else ()
             if num_full >= req.known_start + len(req.known_hashes):
                 req.known_hashes = []
-        # A list: the pool walks the ids twice, and a list boxes each id once, not per pass.
-        result = self.tree.insert(req.cursor, tb, req.block_table[start:num_full].tolist(),
-                                  self.hasher, extras=extras, known_hashes=known)
+        result = self.tree.insert(req.cursor, tb, ids, self.hasher, extras=extras,
+                                  known_hashes=known)
         self.pool.to_cached(result.inserted_ids)
         if result.duplicate_ids:
             req.duplicate_ids += result.duplicate_ids

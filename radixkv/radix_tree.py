@@ -329,20 +329,10 @@ class RadixTree(LeafEviction):
         if len(tb) != count * self.block_bytes or (extras is not None and len(extras) != count):
             raise ValueError(f"block_ids: {count} ids for {len(tb) // 4} tokens "
                              f"(block size {self.block_size})")
-        if (cursor.lock_ref == 1 and not cursor.children and cursor.hashes and count
-                and extras is None and cursor.extras is None and not known_hashes):
-            # The common case (a request extending the text leaf only it holds, e.g. its
-            # prompt's suffix or generated blocks): hash and append, nothing else to check.
-            hashes = hasher.hash_blocks(cursor.hashes[-1], tb, self.block_size)
-            cursor.tokens += tb
-            cursor.hashes += hashes
-            cursor.block_ids.extend(block_ids)
-            cursor.last_access_s = self._clock()
-            self.num_cached_blocks += count
-            self.num_locked_blocks += count
-            if self._notify_policy:
-                self.policy.on_insert(cursor, count)
-            return InsertResult(cursor, hashes[-1], block_ids, [])
+        if extras is None and not known_hashes:
+            last_hash = self.extend_leaf(cursor, tb, block_ids, hasher)
+            if last_hash is not None:
+                return InsertResult(cursor, last_hash, block_ids, [])
         now = self._clock()
         node = cursor
         k = 0
@@ -366,6 +356,40 @@ class RadixTree(LeafEviction):
                                             rest_tb[len(known) * bb :], self.block_size,
                                             rest_x[len(known) :] if rest_x is not None else None)
         return self._add_run(node, rest_tb, rest_ids, rest_x, hashes, now, list(block_ids[:k]))
+
+    def extend_leaf(self, cursor: Node, tb: bytes, block_ids: Sequence[int],
+                    hasher: RunHasher) -> bytes | None:
+        """Fast path of :meth:`insert` for text blocks continuing a leaf only the caller holds.
+
+        The common case (a request publishing its prompt's suffix or its generated blocks at
+        the end of its own leaf): hash the blocks and append them to the node, nothing to walk,
+        split or create. The caller's lock stays at ``cursor``.
+
+        Args:
+            cursor: The caller's cursor node (locked by the caller).
+            tb: Packed tokens of ``len(block_ids)`` full blocks (``bytes``).
+            block_ids: Physical block of each.
+            hasher: Hashes the new blocks.
+
+        Returns:
+            The chained hash of the last block, or None (nothing changed) when the fast path
+            does not apply: ``cursor`` has children, other locks, extras, is a root, or the
+            sizes disagree; use :meth:`insert` then.
+        """
+        count = len(block_ids)
+        if (cursor.lock_ref != 1 or cursor.children or not cursor.hashes or not count
+                or cursor.extras is not None or len(tb) != count * self.block_bytes):
+            return None
+        hashes = hasher.hash_blocks(cursor.hashes[-1], tb, self.block_size)
+        cursor.tokens += tb
+        cursor.hashes += hashes
+        cursor.block_ids.extend(block_ids)
+        cursor.last_access_s = self._clock()
+        self.num_cached_blocks += count
+        self.num_locked_blocks += count
+        if self._notify_policy:
+            self.policy.on_insert(cursor, count)
+        return hashes[-1]
 
     def _add_run(self, node: Node, tb: bytes, block_ids: list[int],
                  extras: Sequence[bytes] | None, hashes: list[bytes], now: float,
