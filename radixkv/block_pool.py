@@ -203,15 +203,20 @@ class BlockPool:
                 (deferred); nothing is changed then.
         """
         num = len(block_ids)
-        if not num:
+        if num == 1:
+            block_id = block_ids[0]
+            ok = 0 <= block_id < self.num_blocks and self._own[block_id] == 1
+        elif num:
+            # Validate in C (one gather) before changing anything: the publish hot path.
+            try:
+                ok = (itemgetter(*block_ids)(self._own).count(1) == num
+                      and min(block_ids) >= 0)
+            except (IndexError, TypeError):
+                ok = False
+        else:
             return
-        own = self._own
-        # Validate in C (one gather) before changing anything: the publish hot path.
-        try:
-            owners = itemgetter(*block_ids)(own) if num > 1 else (own[block_ids[0]],)
-        except (IndexError, TypeError):
-            owners = ()
-        if owners.count(1) != num or min(block_ids) < 0:
+        if not ok:
+            own = self._own
             for block_id in block_ids:
                 self._expect(block_id, OWNED)
                 if own[block_id] != 1:

@@ -311,10 +311,10 @@ class CacheManager(CacheGauges, CacheFork):
         start = req.num_published_blocks
         if num_full <= start or not self.enable_prefix_caching:
             return
-        if packed:  # one copy whether bytes or a bytearray (the engine's growing buffer)
-            tb = bytes(memoryview(token_ids)[start * 4 * bs : num_full * 4 * bs])
-        else:
-            tb = pack_tokens(token_ids[start * bs : num_full * bs])
+        # (a slice of the engine's bytearray is a bytearray: fine for the fast path, which only
+        # hashes and appends it; the general insert keys children by bytes)
+        tb = (token_ids[start * 4 * bs : num_full * 4 * bs] if packed
+              else pack_tokens(token_ids[start * bs : num_full * bs]))
         # A list: the pool walks the ids twice, and a list boxes each id once, not per pass.
         ids = req.block_table[start:num_full].tolist()
         if not req.mm_items and not req.known_hashes:
@@ -324,6 +324,8 @@ class CacheManager(CacheGauges, CacheFork):
                 req.last_hash = last_hash
                 req.num_published_blocks = num_full
                 return
+        if type(tb) is not bytes:
+            tb = bytes(tb)
         extras = block_extras(req.mm_items, num_full, bs, start) if req.mm_items else None
         known: Sequence[bytes] = ()
         if req.known_hashes:

@@ -305,14 +305,13 @@ class BlockHasher:
         """
         fn = self.hash_fn
         step = 4 * block_size
-        out: list[bytes] = []
-        append = out.append
         h = parent_hash
-        if extras is None:
-            for start in range(0, len(token_bytes), step):
-                h = fn(h + token_bytes[start : start + step])
-                append(h)
+        if extras is None:  # a comprehension: the tightest Python loop for the chain
+            out = [h := fn(h + token_bytes[start : start + step])
+                   for start in range(0, len(token_bytes), step)]
         else:
+            out = []
+            append = out.append
             for i, start in enumerate(range(0, len(token_bytes), step)):
                 h = fn(h + token_bytes[start : start + step] + extras[i])
                 append(h)

@@ -384,7 +384,7 @@ class RadixTree(LeafEviction):
         cursor.tokens += tb
         cursor.hashes += hashes
         cursor.block_ids.extend(block_ids)
-        cursor.last_access_s = self._clock()
+        # last_access_s: the caller's lock is released with touch=True (unlock), which sets it.
         self.num_cached_blocks += count
         self.num_locked_blocks += count
         if self._notify_policy:
