@@ -249,6 +249,8 @@ def read_adapter(name: str, path: str, shape: ModelShape, *, device: str | torch
         if not tensor.is_floating_point() or tensor.dim() != 2:
             raise LoRAError(f"{file}: tensor {key!r} must be a 2-D floating tensor, got "
                             f"{tensor.dtype} {tuple(tensor.shape)}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise LoRAError(f"{file}: tensor {key!r} holds NaN or infinite values")
         _, _, out_f, in_f = dims[module]
         expected = (r, in_f) if which == "A" else (out_f, r)
         got = tuple(tensor.shape)
@@ -263,6 +265,10 @@ def read_adapter(name: str, path: str, shape: ModelShape, *, device: str | torch
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:
         raise LoRAError(f"{file}: holds no LoRA weights")
+    absent = sorted(set(targets) - {module for _, module in pairs})
+    if absent:  # PEFT saves weights for every target: a listed module without any is a bad file
+        raise LoRAError(f"{file}: holds no weights for {absent}, which {CONFIG_FILE} lists in "
+                        f"target_modules")
     for (layer, module), pair in sorted(pairs.items()):
         if len(pair) != 2:
             missing = "B" if "A" in pair else "A"

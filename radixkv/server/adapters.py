@@ -28,8 +28,10 @@ from radixkv.server.params import opt_bool, refuse_unknown_keys
 if TYPE_CHECKING:
     from radixkv.engine import AsyncEngine
 
-LOAD_KEYS = frozenset({"lora_name", "lora_path", "load_inplace"})
-UNLOAD_KEYS = frozenset({"lora_name"})
+# vLLM's request bodies also carry an optional ``lora_int_id`` (its internal slot id): accepted
+# and ignored (adapters are addressed by name here).
+LOAD_KEYS = frozenset({"lora_name", "lora_path", "load_inplace", "lora_int_id"})
+UNLOAD_KEYS = frozenset({"lora_name", "lora_int_id"})
 
 
 def model_names(engine: AsyncEngine) -> tuple[str, ...]:
@@ -63,6 +65,9 @@ def model_entries(engine: AsyncEngine, created: int) -> list[dict[str, Any]]:
 
 
 def _name(body: dict[str, Any]) -> str:
+    int_id = body.get("lora_int_id")
+    if int_id is not None and (isinstance(int_id, bool) or not isinstance(int_id, int)):
+        raise bad_request("'lora_int_id' must be an integer when given", "lora_int_id")
     name = body.get("lora_name")
     if not isinstance(name, str) or not name:
         raise bad_request("'lora_name' must be a non-empty string", "lora_name")

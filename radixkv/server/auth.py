@@ -74,7 +74,7 @@ def parse_api_keys(data: object, source: str = "api keys") -> dict[str, Tenant]:
                          '{"<key>": {"tenant": "<name>", "admin": false}}')
     keys: dict[str, Tenant] = {}
     for i, (key, entry) in enumerate(data.items()):
-        where = f"api keys: entry {i} of {source}"
+        where = f"api keys: entry {i + 1} of {source}"
         if not key or len(key) < 8 or not key.isprintable() or not key.isascii():
             raise ValueError(f"{where}: a key must be at least 8 printable ASCII characters")
         if not isinstance(entry, dict) or set(entry) - {"tenant", "admin"}:

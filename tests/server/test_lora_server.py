@@ -129,6 +129,15 @@ async def test_load_unload_errors(server, tiny_model, lora_dir):
                                  load_inplace=True)
     assert status == 200 and second["digest"] != first["digest"]
     assert (await _unload(url, "swap"))[0] == 200
+    # vLLM clients may send lora_int_id: accepted (and ignored) when it is an integer.
+    status, body = await _load(url, "int-id", good, lora_int_id=7)
+    assert status == 200, body
+    status, body = await post_json(url, "/v1/unload_lora_adapter",
+                                   {"lora_name": "int-id", "lora_int_id": "7"})
+    assert status == 400 and body["error"]["param"] == "lora_int_id"
+    status, body = await post_json(url, "/v1/unload_lora_adapter",
+                                   {"lora_name": "int-id", "lora_int_id": 7})
+    assert status == 200, body
 
 
 def _bad_adapters(shape, root):

@@ -206,3 +206,9 @@ def test_every_key_is_compared(monkeypatch):
     with pytest.raises(APIError) as info:
         authenticate(store, "Bearer ключ")
     assert info.value.status == 401
+
+
+def test_api_key_errors_count_entries_from_one():
+    with pytest.raises(ValueError, match=r"entry 2 of keys.json: a key must be at least 8"):
+        parse_api_keys({"admin-key-1": {"tenant": "ops", "admin": True},
+                        "userkey": {"tenant": "u"}}, "keys.json")

@@ -97,6 +97,13 @@ def _bad(tmp_path, match, **kwargs):
     (dict(config={"r": 0}), "'r' must be a positive integer"),
     (dict(config={"lora_alpha": "8"}), "lora_alpha"),
     (dict(config={"target_modules": []}), "non-empty list"),
+    (dict(tensors={peft_key(1, "q_proj", "A"): torch.full((4, 16), float("nan"))}),
+     r"layers.1.self_attn.q_proj.lora_A.weight' holds NaN or infinite values"),
+    (dict(tensors={peft_key(0, "down_proj", "B"): torch.full((16, 4), float("inf"))}),
+     "NaN or infinite"),
+    (dict(targets=ATTN, config={"target_modules": "all-linear"}),
+     r"holds no weights for \['down_proj', 'gate_proj', 'up_proj'\], which adapter_config.json "
+     r"lists in target_modules"),
 ])
 def test_bad_adapters_are_refused_with_a_clear_error(tmp_path, kwargs, match):
     _bad(tmp_path, match, **kwargs)
