@@ -19,7 +19,8 @@ With ``--compare-url`` (e.g. a second server started with ``--no-prefix-cache``)
 requests are replayed there after the first run ends, so the two never share the cores; the
 JSON then holds the second run under ``"compare"`` and ``ttft_ms_p50_ratio`` (compare ÷ this).
 A PNG of the TTFT distributions (histogram and CDF, one curve per server) is written next to
-``--json`` (or to ``--plot``).
+``--json`` (or to ``--plot``). Missing parent folders of both are created before the run; the
+JSON is written first, and a plot that fails only warns (the JSON is kept).
 
 Usage::
 
@@ -155,6 +156,28 @@ def _replay_or_exit(url: str, sessions: list, args: argparse.Namespace) -> dict[
         raise SystemExit(f"bench serve: cannot use the server at {url}: {exc}") from exc
 
 
+def _output_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """``(json, plot)`` paths (plot default: the JSON path with ``.png``), their parent folders
+    created now, so that a bad path fails before the run rather than after it."""
+    json_path = Path(args.json) if args.json else None
+    plot = Path(args.plot) if args.plot else (json_path.with_suffix(".png") if json_path else None)
+    plot_flag = "--plot" if args.plot else "plot (from --json)"
+    if plot is not None and plot == json_path:
+        raise SystemExit(f"bench serve: the JSON and the plot would both be {plot}; "
+                         "give --json a .json path or a different --plot")
+    for path, flag in ((json_path, "--json"), (plot, plot_flag)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise SystemExit(f"bench serve: {flag} {path} is a folder; give a file path")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"bench serve: {flag} {path}: cannot create its folder: "
+                             f"{exc}") from exc
+    return json_path, plot
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Replay per ``args``, print the table, write ``--json`` and the PNG; returns the results."""
     for name in ("sessions", "concurrency", "max_tokens", "max_turns"):
@@ -171,6 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"bench serve: {exc}") from exc
     if args.max_turns is not None:
         sessions = [s[: args.max_turns] for s in sessions]
+    json_path, plot = _output_paths(args)
     results = _replay_or_exit(args.url, sessions, args)
     results["source"] = args.source
     shown = [results]
@@ -183,13 +207,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(format_table(shown))
     if results.get("ttft_ms_p50_ratio"):
         print(f"TTFT p50 {label(compare)} / {label(results)}: {results['ttft_ms_p50_ratio']:.2f}x")
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if plot:
+    if json_path is not None:  # first: a failing plot must not lose the results
+        try:
+            json_path.write_text(json.dumps(results, indent=2) + "\n")
+        except OSError as exc:
+            raise SystemExit(f"bench serve: cannot write --json {json_path}: {exc}") from exc
+    if plot is not None:
         turns = f", first {args.max_turns} turns" if args.max_turns else ""
-        plot_ttft(shown, plot, f"{args.source}: {len(sessions)} sessions{turns}, "
-                               f"{results['requests']} requests")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        try:
+            plot_ttft(shown, plot, f"{args.source}: {len(sessions)} sessions{turns}, "
+                                   f"{results['requests']} requests")
+        except Exception as exc:  # noqa: BLE001 - the results are kept; the plot is extra
+            kept = f"; the results are in {json_path}" if json_path is not None else ""
+            print(f"bench serve: warning: the TTFT plot {plot} was not written: "
+                  f"{type(exc).__name__}: {exc}{kept}", file=sys.stderr)
     return results
 
 

@@ -9,8 +9,12 @@ shows what the prefix cache did for the turn::
 The reply goes back into the history verbatim, so the next turn re-sends exactly the text the
 server generated (the server then reuses the reply's own token ids: the whole history hits).
 Commands: ``/reset`` (forget the history, keep the system prompt), ``/stats`` (the server's
-cache counters), ``/help``, ``/quit`` (also ``/exit`` or end of input). Ctrl-C during a reply
+cache counters), ``/help``, ``/quit`` (also ``/exit`` or end of input); any other line starting
+with ``/`` is refused as an unknown command (``//text`` sends ``/text``). Ctrl-C during a reply
 stops it (the request is cancelled, nothing is added to the history); at the prompt it quits.
+
+``--url`` may omit the scheme (``http://`` is assumed) and may end in ``/v1`` (an OpenAI
+``base_url``). A ``--model`` the server does not list in ``GET /v1/models`` is refused at start.
 
 The history is never truncated: cutting old turns would change the prompt's head and defeat
 the prefix cache. When the server refuses a prompt past the context, the chat says so and
@@ -32,7 +36,7 @@ from typing import Any, TextIO
 import aiohttp
 
 MAX_INPUT_CHARS = 100_000
-HELP = "commands: /reset  /stats  /help  /quit"
+HELP = "commands: /reset  /stats  /help  /quit  (//text sends /text)"
 
 
 @dataclass
@@ -50,6 +54,25 @@ class Turn:
 
 class ChatError(RuntimeError):
     """The server refused or failed a request (message from its error body)."""
+
+
+def normalise_url(url: str) -> str:
+    """The server's base URL from ``--url``: ``http://`` when no scheme is given, no trailing
+    ``/`` or ``/v1`` (an OpenAI-style ``base_url`` names the same server).
+
+    Raises:
+        ValueError: a scheme other than http or https.
+    """
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"URL must start with http:// or https://, got {url!r}")
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")].rstrip("/")
+    return url
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,7 +104,7 @@ class ChatSession:
                  max_tokens: int = 512, temperature: float = 0.7, seed: int | None = None,
                  api_key: str | None = None, cache_salt: str | None = None,
                  timeout_s: float = 600.0) -> None:
-        self.url = url.rstrip("/")
+        self.url = normalise_url(url)
         self.model = model
         self.system = system
         self.params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature}
@@ -98,12 +121,41 @@ class ChatSession:
 
     async def __aenter__(self) -> ChatSession:
         self._http = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
-        if self.model is None:
-            self.model = (await self._get("/v1/models"))["data"][0]["id"]
+        try:
+            await self._check_model()
+        except BaseException:
+            await self.close()  # __aexit__ does not run when __aenter__ raises
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._http.close()
+        await self.close()
+
+    async def close(self) -> None:
+        if self._http is not None and not self._http.closed:
+            await self._http.close()
+
+    async def _check_model(self) -> None:
+        """Pick the server's first model, or check that ``self.model`` is listed.
+
+        Raises:
+            ChatError: the model is not listed, or the server lists none.
+        """
+        try:
+            body = await self._get("/v1/models")
+        except ChatError as exc:
+            if self.model is not None and str(exc).startswith("HTTP 404"):
+                return  # the server has no model listing: nothing to check against
+            raise
+        data = body.get("data") if isinstance(body, dict) else None
+        ids = [m.get("id") for m in data or [] if isinstance(m, dict) and m.get("id")]
+        if self.model is None:
+            if not ids:
+                raise ChatError("GET /v1/models lists no model (pass --model)")
+            self.model = ids[0]
+        elif self.model not in ids:
+            raise ChatError(f"model {self.model!r} is not served here; GET /v1/models lists: "
+                            + (", ".join(ids) or "none"))
 
     def reset(self) -> None:
         """Forget every turn; keep the system prompt."""
@@ -111,7 +163,7 @@ class ChatSession:
 
     async def _get(self, path: str) -> Any:
         async with self._http.get(self.url + path) as resp:
-            body = await resp.json(content_type=None)
+            body = await _json_or_text(resp)
             if resp.status != 200:
                 raise ChatError(_error_message(resp.status, body))
             return body
@@ -256,10 +308,23 @@ async def chat_loop(session: ChatSession, stdin: TextIO, stdout: TextIO) -> list
             write("(history cleared)\n")
             continue
         if command == "/stats":
-            stats = await session.stats()
+            try:
+                stats = await session.stats()
+            except ChatError as exc:
+                write(f"(error: {exc})\n")
+                continue
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                write(f"(connection failed: {type(exc).__name__}: {exc})\n")
+                continue
             keys = ("requests_total", "prompt_tokens_total", "cached_prompt_tokens_total",
                     "token_hit_rate")
-            write(", ".join(f"{k} {stats[k]}" for k in keys if k in stats) + "\n")
+            if isinstance(stats, dict):
+                write(", ".join(f"{k} {stats[k]}" for k in keys if k in stats) + "\n")
+            continue
+        if text.startswith("//"):
+            text = text[1:]  # an escaped message: "//x" sends "/x"
+        elif text.lstrip().startswith("/"):
+            write(f"unknown command: {text.split()[0]} (try /help)\n")
             continue
         if len(text) > MAX_INPUT_CHARS:
             write(f"(input longer than {MAX_INPUT_CHARS:,} characters: not sent)\n")
@@ -302,10 +367,15 @@ def main(args: argparse.Namespace) -> int:
         print("radixkv chat: --max-tokens must be >= 1", file=sys.stderr)
         return 2
     try:
+        url = normalise_url(args.url)
+    except ValueError as exc:
+        print(f"radixkv chat: --url: {exc}", file=sys.stderr)
+        return 2
+    try:
         asyncio.run(run_chat(args))
     except KeyboardInterrupt:
         pass
     except (aiohttp.ClientError, ChatError, OSError) as exc:
-        print(f"radixkv chat: cannot use the server at {args.url}: {exc}", file=sys.stderr)
+        print(f"radixkv chat: cannot use the server at {url}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -88,6 +88,27 @@ def requests_from_history(session_id: str, history: Sequence[dict[str, Any]]) ->
     return requests
 
 
+def _existing(path: str | Path | None, default: str | Path) -> Path:
+    """``path`` (default ``DEFAULT_TRANSCRIPTS_DIR / default``) as a Path that exists.
+
+    Raises:
+        FileNotFoundError: it does not exist (the message names ``path``).
+    """
+    base = Path(path) if path is not None else DEFAULT_TRANSCRIPTS_DIR / default
+    if not base.exists():
+        raise FileNotFoundError(f"path: {base} does not exist")
+    return base
+
+
+def _read_json(file: Path, expected: str) -> Any:
+    """The JSON in ``file``; a ``ValueError`` naming the file and ``expected`` if it is not JSON."""
+    with open(file, "rb") as f:
+        try:
+            return json.load(f)
+        except ValueError as exc:  # also UnicodeDecodeError
+            raise ValueError(f"path: {file} is not JSON ({expected} expected): {exc}") from exc
+
+
 def load_tau_bench(path: str | Path | None = None) -> list[list[Request]]:
     """Load tau-bench ``gpt-4o-airline.json`` as normalised sessions, in file order.
 
@@ -101,11 +122,15 @@ def load_tau_bench(path: str | Path | None = None) -> list[list[Request]]:
 
     Raises:
         FileNotFoundError: The file does not exist.
+        IsADirectoryError: ``path`` is a folder (tau-bench reads one JSON file).
         ValueError: The file is not a list of ``{task_id, trial, traj}`` records.
     """
-    file = Path(path) if path is not None else DEFAULT_TRANSCRIPTS_DIR / TAU_BENCH_AIRLINE
-    with open(file, "rb") as f:
-        records = json.load(f)
+    file = _existing(path, TAU_BENCH_AIRLINE)
+    expected = "a tau-bench trajectories JSON file such as gpt-4o-airline.json"
+    if file.is_dir():
+        raise IsADirectoryError(f"path: {file} is a folder; the tau-bench source reads one "
+                                f"file, {expected}")
+    records = _read_json(file, expected)
     if not isinstance(records, list):
         raise ValueError(f"path: {file} is not a JSON list of tau-bench records")
     sessions: list[list[Request]] = []
@@ -135,14 +160,10 @@ def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
         FileNotFoundError: ``path`` does not exist or holds no ``.traj`` file.
         ValueError: A file has no ``history`` list.
     """
-    base = Path(path) if path is not None else DEFAULT_TRANSCRIPTS_DIR / "swe-agent"
-    files = [base] if base.is_file() else sorted(base.rglob("*.traj"))
-    if not files:
-        raise FileNotFoundError(f"path: no .traj file under {base}")
+    base, files = _files(path, "swe-agent", "*.traj")
     sessions: list[list[Request]] = []
     for file in files:
-        with open(file, "rb") as f:
-            record = json.load(f)
+        record = _read_json(file, "a SWE-agent .traj file")
         history = record.get("history") if isinstance(record, dict) else None
         if not isinstance(history, list):
             raise ValueError(f"path: {file} has no 'history' list")
@@ -162,7 +183,7 @@ def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
 def _files(path: str | Path | None, default: str, pattern: str) -> tuple[Path, list[Path]]:
     """``(base, files)``: ``path`` itself if it is a file, else every ``pattern`` match under it
     (default ``DEFAULT_TRANSCRIPTS_DIR / default``), in sorted path order."""
-    base = Path(path) if path is not None else DEFAULT_TRANSCRIPTS_DIR / default
+    base = _existing(path, default)
     if base.is_file():
         return base, [base]
     files = sorted(base.rglob(pattern))
@@ -194,8 +215,7 @@ def load_mini_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
     base, files = _files(path, "mini-swe-agent", "*.traj.json")
     sessions: list[list[Request]] = []
     for file in files:
-        with open(file, "rb") as f:
-            record = json.load(f)
+        record = _read_json(file, "a mini-swe-agent .traj.json file")
         history = record.get("messages") if isinstance(record, dict) else record
         if not isinstance(history, list) or not all(isinstance(m, dict) for m in history):
             raise ValueError(f"path: {file} is neither a message list nor has a 'messages' list")
@@ -209,7 +229,10 @@ def _cassette_chat_bodies(file: Path) -> Iterator[dict[str, Any]]:
     import yaml  # only this loader needs it (imported lazily)
 
     with open(file, "rb") as f:
-        cassette = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        try:
+            cassette = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        except yaml.YAMLError as exc:
+            raise ValueError(f"path: {file} is not YAML (a VCR cassette expected): {exc}") from exc
     if not isinstance(cassette, dict) or not isinstance(cassette.get("interactions"), list):
         raise ValueError(f"path: {file} is not a VCR cassette (no 'interactions' list)")
     for interaction in cassette["interactions"]:

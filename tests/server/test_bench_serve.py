@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import aiohttp
+import pytest
 
 from radixkv.cli import load_bench, main as cli_main
 from radixkv.transcripts import ideal_cached_tokens, load_tau_bench
@@ -120,3 +123,72 @@ def test_bad_flags_exit_with_a_message(server):
             assert message in str(exc)
         else:
             raise AssertionError(f"{flags} did not exit")
+
+
+def test_missing_output_folders_are_created_json_first(server, tmp_path, capsys):
+    bench = load_bench("serve")
+    out, png = tmp_path / "x" / "b3.json", tmp_path / "x" / "sub" / "dir" / "p.png"
+    assert bench.main(["--url", server.url, "--source", "crewai", "--sessions", "2",
+                       "--max-turns", "2", "--max-tokens", "4", "--json", str(out),
+                       "--plot", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert data["source"] == "crewai" and data["requests"] + data["skipped_requests"] == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The default plot (next to --json) gets its folder too.
+    out2 = tmp_path / "y" / "z" / "m.json"
+    assert bench.main(["--url", server.url, "--source", "mini-swe-agent", "--sessions", "1",
+                       "--max-turns", "1", "--max-tokens", "2", "--json", str(out2)]) == 0
+    assert json.loads(out2.read_text())["requests"] == 1
+    assert (tmp_path / "y" / "z" / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_plot_failure_keeps_the_json_and_warns(server, tmp_path, capsys, monkeypatch):
+    bench = load_bench("serve")
+    out = tmp_path / "r.json"
+
+    def failing_plot(results, path, title):
+        assert json.loads(out.read_text())["requests"] == 1  # the JSON is already written
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bench, "plot_ttft", failing_plot)
+    assert bench.main(["--url", server.url, "--source", "mini-swe-agent", "--sessions", "1",
+                       "--max-turns", "1", "--max-tokens", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["requests"] == 1
+    err = capsys.readouterr().err
+    assert f"warning: the TTFT plot {tmp_path / 'r.png'} was not written: OSError: disk full" in err
+    assert f"the results are in {out}" in err
+
+
+def test_bad_output_paths_fail_before_the_run(tmp_path):
+    bench = load_bench("serve")
+    (tmp_path / "afile").write_text("")
+    unreachable = "http://127.0.0.1:1"  # the run would fail differently: the paths fail first
+    for flags, message in [
+            (["--json", str(tmp_path)], f"--json {tmp_path} is a folder"),
+            (["--json", str(tmp_path / "j.json"), "--plot", str(tmp_path)], "--plot"),
+            (["--json", str(tmp_path / "afile" / "j.json")], "cannot create its folder"),
+            (["--json", str(tmp_path / "same.png")], "would both be")]:
+        with pytest.raises(SystemExit, match=message):
+            bench.main(["--url", unreachable, "--source", "mini-swe-agent", *flags])
+
+
+def test_bad_transcript_paths_exit_with_a_clear_message(tmp_path):
+    # Each fails before any server is contacted.
+    crewai_dir = tmp_path / "cassettes"
+    crewai_dir.mkdir()
+    (crewai_dir / "c.yaml").write_text("interactions: []\n")
+    cases = [(["--source", "crewai", "--path", str(tmp_path / "nonexistent")],
+              f"bench serve: path: {tmp_path / 'nonexistent'} does not exist"),
+             (["--source", "tau-bench", "--path", str(crewai_dir)],
+              f"bench serve: path: {crewai_dir} is a folder; the tau-bench source reads one "
+              "file, a tau-bench trajectories JSON file"),
+             (["--source", "tau-bench", "--path", str(crewai_dir / "c.yaml")],
+              f"bench serve: path: {crewai_dir / 'c.yaml'} is not JSON")]
+    for flags, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "radixkv.cli", "bench", "serve", "--url",
+                               "http://127.0.0.1:1", *flags], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 1, (flags, proc.stderr)
+        assert message in proc.stderr, (flags, proc.stderr)
+        assert "Traceback" not in proc.stderr and "Errno" not in proc.stderr

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
+import subprocess
+import sys
 import uuid
 
-from radixkv.chat_cli import add_arguments, run_chat, status_line
+import pytest
+
+from radixkv import chat_cli
+from radixkv.chat_cli import add_arguments, normalise_url, run_chat, status_line
 from radixkv.cli import build_parser
 from tests.server.conftest import BLOCK_SIZE
 from tests.server.helpers import post_json
@@ -73,3 +79,100 @@ def test_chat_reports_server_errors_and_keeps_going(server):
 def test_cli_registers_chat():
     args = build_parser().parse_args(["chat", "--url", "http://h:1", "--max-tokens", "7"])
     assert (args.command, args.url, args.max_tokens, args.temperature) == ("chat", "http://h:1", 7, 0.7)
+
+
+def run_cli_chat(*flags: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """``python -m radixkv.cli chat ...`` as a user runs it (its own process and stderr)."""
+    return subprocess.run([sys.executable, "-m", "radixkv.cli", "chat", *flags], input=stdin,
+                          capture_output=True, text=True, timeout=60)
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_unknown_command_is_refused_and_double_slash_sends_a_literal(server):
+    salt = uuid.uuid4().hex
+    stdin = io.StringIO("/bogus\n/bogus with words\n//etc/hosts please\n")
+    stdout = io.StringIO()
+    turns = asyncio.run(run_chat(chat_args(server.url, salt), stdin, stdout))
+    out = stdout.getvalue()
+    assert out.count("unknown command: /bogus (try /help)\n") == 2
+    # Only the escaped line reached the model, with one leading '/' removed.
+    assert len(turns) == 1
+    sent = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "/etc/hosts please"}]
+    assert turns[0].prompt_tokens == len(tokenize(server.url, sent, salt))
+
+
+def test_normalise_url():
+    assert normalise_url("http://h:1") == "http://h:1"
+    assert normalise_url("http://h:1/v1") == "http://h:1"
+    assert normalise_url(" https://h:1/v1/ ") == "https://h:1"
+    assert normalise_url("127.0.0.1:8100") == "http://127.0.0.1:8100"
+    assert normalise_url("localhost:8100/v1") == "http://localhost:8100"
+    assert normalise_url("http://h/api/v1x") == "http://h/api/v1x"
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
+        normalise_url("ftp://h:1")
+
+
+@pytest.mark.parametrize("form", ["{url}/v1", "{url}/v1/", "{hostport}", "{hostport}/v1"])
+def test_chat_accepts_openai_base_url_and_missing_scheme(server, form):
+    url = form.format(url=server.url, hostport=server.url.removeprefix("http://"))
+    salt = uuid.uuid4().hex
+    stdout = io.StringIO()
+    turns = asyncio.run(run_chat(chat_args(url, salt), io.StringIO("Hello there\n"), stdout))
+    assert len(turns) == 1 and turns[0].prompt_tokens > 0
+    assert f"at {server.url} " in stdout.getvalue()
+
+
+def test_cli_refuses_a_non_http_url():
+    proc = run_cli_chat("--url", "ftp://127.0.0.1:1")
+    assert proc.returncode == 2
+    assert "URL must start with http:// or https://" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_model_exits_non_zero_at_start(server):
+    proc = run_cli_chat("--url", server.url, "--model", "nope", stdin="hi\n")
+    assert proc.returncode == 1
+    model = server.engine.model_name
+    assert f"model 'nope' is not served here; GET /v1/models lists: {model}" in proc.stderr
+    assert "radixkv chat with" not in proc.stdout  # refused before the first prompt
+    assert "Unclosed" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_listed_model_is_accepted(server):
+    model = server.engine.model_name
+    stdout = io.StringIO()
+    turns = asyncio.run(run_chat(chat_args(server.url, uuid.uuid4().hex, "--model", model),
+                                 io.StringIO("hi\n"), stdout))
+    assert len(turns) == 1 and f"radixkv chat with {model} at" in stdout.getvalue()
+
+
+def test_unreachable_server_exits_cleanly_without_unclosed_session_warnings():
+    url = closed_port_url()
+    proc = run_cli_chat("--url", url)
+    assert proc.returncode == 1
+    assert f"radixkv chat: cannot use the server at {url}:" in proc.stderr
+    assert "Unclosed" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_http_session_is_closed_on_every_exit(server, monkeypatch):
+    opened: list = []
+
+    class Recording(chat_cli.aiohttp.ClientSession):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            opened.append(self)
+
+    monkeypatch.setattr(chat_cli.aiohttp, "ClientSession", Recording)
+    salt = uuid.uuid4().hex
+    with pytest.raises(chat_cli.aiohttp.ClientError):  # unreachable
+        asyncio.run(run_chat(chat_args(closed_port_url(), salt), io.StringIO(""), io.StringIO()))
+    with pytest.raises(chat_cli.ChatError, match="not served"):  # unknown model
+        asyncio.run(run_chat(chat_args(server.url, salt, "--model", "nope"), io.StringIO(""),
+                             io.StringIO()))
+    asyncio.run(run_chat(chat_args(server.url, salt), io.StringIO("/quit\n"), io.StringIO()))
+    assert len(opened) == 3 and all(s.closed for s in opened)

@@ -232,3 +232,26 @@ def test_crewai_and_swe_agent_counts_match_sources_md():
     assert (len(crewai), sum(len(s) for s in crewai)) == (204, 737)
     swe = load_source("swe-agent")
     assert (len(swe), sum(len(s) for s in swe)) == (22, 230)
+
+
+@pytest.mark.parametrize("source", ["tau-bench", "swe-agent", "mini-swe-agent", "crewai"])
+def test_missing_path_says_it_does_not_exist(source, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^path: .*/nope does not exist$"):
+        load_source(source, tmp_path / "nope")
+
+
+def test_wrong_kind_of_path_names_the_path_and_what_the_source_expects(tmp_path):
+    (tmp_path / "c.yaml").write_text("interactions: [\n")  # not even YAML
+    with pytest.raises(IsADirectoryError, match=f"^path: {tmp_path} is a folder; the tau-bench "
+                                                "source reads one file, a tau-bench"):
+        load_source("tau-bench", tmp_path)
+    with pytest.raises(ValueError, match=f"^path: {tmp_path / 'c.yaml'} is not JSON "
+                                         r"\(a tau-bench trajectories JSON file"):
+        load_source("tau-bench", tmp_path / "c.yaml")
+    with pytest.raises(ValueError, match=f"^path: {tmp_path / 'c.yaml'} is not YAML"):
+        load_source("crewai", tmp_path)
+    (tmp_path / "t.traj").write_text("{")
+    with pytest.raises(ValueError, match=r"t\.traj is not JSON \(a SWE-agent .traj file"):
+        load_source("swe-agent", tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no \*\.traj\.json file under"):
+        load_source("mini-swe-agent", tmp_path)
