@@ -10,8 +10,9 @@ Operations, each timed around the cache-manager call that does it:
 
 * ``match``: ``begin`` (pack the prompt, walk the tree comparing tokens, lock, classify the
   miss), per prompt block (``N // B``);
-* ``insert``: ``publish`` calls that insert blocks (after prefill: the new prompt blocks; during
-  decode: one block each time one fills), per new block; split into ``insert_prefill`` and
+* ``insert``: ``publish`` calls that insert blocks (after prefill: the new prompt blocks;
+  generated blocks as the engine publishes them: every ``--publish-interval-blocks`` blocks and
+  the rest when the request ends), per new block; split into ``insert_prefill`` and
   ``insert_decode``;
 * ``evict``: the tree's ``evict`` inside ``allocate``, per evicted block;
 * ``hash``: ``BlockHasher.hash_blocks`` over each prompt's packed tokens, per block;
