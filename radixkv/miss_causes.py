@@ -51,44 +51,38 @@ class GhostRun(NamedTuple):
 
 
 class _Chain:
-    """A ghost entry: evicted runs that continue one another, joined lazily.
+    """A ghost entry: evicted runs that continue one another.
 
     A leaf is evicted tail first, often one block per allocation during decode, so the runs of
     one leaf arrive in reverse token order. Each new run that ends where the entry begins is
-    put in front (``pending``, newest last) instead of making a new entry, so eviction stays
-    O(1) per run, and a lookup probes the dict once per chain and compares the runs in order
-    (``parts()``, no copy); ``run()`` joins them into one run when asked (tests, inspection).
+    appended to ``newest_first`` instead of making a new entry, so eviction stays O(1) per run
+    and a lookup probes the dict once per chain and compares the runs in token order
+    (``parts()``), copying nothing.
     """
 
-    __slots__ = ("parent_hash", "joined", "pending", "num_blocks")
+    __slots__ = ("parent_hash", "newest_first", "num_blocks")
 
     def __init__(self, parent_hash: bytes, run: GhostRun) -> None:
         self.parent_hash = parent_hash
-        self.joined = run
-        self.pending: list[GhostRun] = []
+        self.newest_first = [run]
         self.num_blocks = len(run.hashes)
 
     def parts(self) -> list[GhostRun]:
-        """The entry's runs in token order (no copy of their tokens)."""
-        if self.pending:
-            return [*reversed(self.pending), self.joined]
-        return [self.joined]
+        """The entry's runs in token order."""
+        return self.newest_first[::-1]
 
-    def run(self) -> GhostRun:
-        """The entry as one run (joins the parts once)."""
-        if self.pending:
-            parts = [*reversed(self.pending), self.joined]
-            hashes: list[bytes] = []
-            for part in parts:  # C-level extends: a chain may hold hundreds of one-block runs
-                hashes += part.hashes
-            extras = None
-            if any(part.extras is not None for part in parts):
-                extras = []
-                for part in parts:
-                    extras += part.extras if part.extras is not None else [b""] * len(part.hashes)
-            self.joined = GhostRun(b"".join([part.tokens for part in parts]), hashes, extras)
-            self.pending = []
-        return self.joined
+
+def _joined(parts: list[GhostRun]) -> GhostRun:
+    """Runs in token order as one run (inspection; lookups compare the parts)."""
+    hashes: list[bytes] = []
+    for part in parts:
+        hashes += part.hashes
+    extras = None
+    if any(part.extras is not None for part in parts):
+        extras = []
+        for part in parts:
+            extras += part.extras if part.extras is not None else [b""] * len(part.hashes)
+    return GhostRun(b"".join([part.tokens for part in parts]), hashes, extras)
 
 
 class GhostList:
@@ -119,7 +113,7 @@ class GhostList:
     def get(self, key: bytes) -> GhostRun | None:
         """The evicted run whose first block had hash input ``key``, or None."""
         chain = self._runs.get(key)
-        return chain.run() if chain is not None else None
+        return _joined(chain.parts()) if chain is not None else None
 
     def parts(self, key: bytes) -> list[GhostRun] | None:
         """The entry whose first block had hash input ``key`` as its runs in token order (each
@@ -149,7 +143,7 @@ class GhostList:
             chain = runs.pop(next_key, None) if next_key is not None else None
             if chain is not None:  # this run ends where that entry begins: extend it
                 del by_parent[hashes[-1]]
-                chain.pending.append(run)
+                chain.newest_first.append(run)
                 chain.parent_hash = parent_hash
                 chain.num_blocks += len(hashes)
             else:
