@@ -315,8 +315,8 @@ class CacheManager(CacheGauges, CacheFork):
         # hashes and appends it; the general insert keys children by bytes)
         tb = (token_ids[start * 4 * bs : num_full * 4 * bs] if packed
               else pack_tokens(token_ids[start * bs : num_full * bs]))
-        # A list: the pool walks the ids twice, and a list boxes each id once, not per pass.
-        ids = req.block_table[start:num_full].tolist()
+        # An array slice (one memcpy): the fast path appends it to the leaf's array as is.
+        ids = req.block_table[start:num_full]
         if not req.mm_items and not req.known_hashes:
             last_hash = self.tree.extend_leaf(req.cursor, tb, ids, self.hasher)
             if last_hash is not None:  # the request extended its own leaf
@@ -324,6 +324,7 @@ class CacheManager(CacheGauges, CacheFork):
                 req.last_hash = last_hash
                 req.num_published_blocks = num_full
                 return
+        ids = ids.tolist()
         if type(tb) is not bytes:
             tb = bytes(tb)
         extras = block_extras(req.mm_items, num_full, bs, start) if req.mm_items else None

@@ -108,7 +108,7 @@ class TreeInsert:
         Args:
             cursor: The caller's cursor node (locked by the caller).
             tb: Packed tokens of ``len(block_ids)`` full blocks (``bytes``).
-            block_ids: Physical block of each.
+            block_ids: Physical block of each (a list, or an ``array('q')``).
             hasher: Hashes the new blocks.
 
         Returns:
@@ -123,7 +123,10 @@ class TreeInsert:
         hashes = hasher.hash_blocks(cursor.hashes[-1], tb, self.block_size)
         cursor.tokens += tb
         cursor.hashes += hashes
-        cursor.block_ids.extend(block_ids)
+        if type(block_ids) is array and block_ids.typecode == BLOCK_ID_TYPECODE:
+            cursor.block_ids += block_ids  # one memcpy
+        else:
+            cursor.block_ids.extend(block_ids)
         # last_access_s: the caller's lock is released with touch=True (unlock), which sets it.
         self.num_cached_blocks += count
         self.num_locked_blocks += count
