@@ -121,8 +121,8 @@ class BlockPool:
         Raises:
             ValueError: naming ``num`` if negative.
         """
-        if num < 0:
-            raise ValueError(f"num: must be >= 0, got {num}")
+        if type(num) is not int or num < 0:
+            raise ValueError(f"num: must be an int >= 0, got {num!r}")
         if num > len(self._free):
             return None
         popleft = self._free.popleft
@@ -155,13 +155,21 @@ class BlockPool:
 
         Raises:
             RuntimeError: if a block is not private or has no owner left (double free, a cached
-                block, or a deferred one).
+                block, or a deferred one), or is given more times than it has owners; nothing
+                is changed then.
         """
         own = self._own
-        for block_id in block_ids:
+        block_ids = list(block_ids)
+        for block_id in block_ids:  # check everything first: a failed call changes nothing
             self._expect(block_id, OWNED)
             if own[block_id] <= 0:
                 raise RuntimeError(f"block {block_id}: freed again while its free is deferred")
+        if len(set(block_ids)) != len(block_ids):
+            for block_id in set(block_ids):
+                if block_ids.count(block_id) > own[block_id]:
+                    raise RuntimeError(f"block {block_id}: freed {block_ids.count(block_id)} "
+                                       f"times, has {own[block_id]} owners")
+        for block_id in block_ids:
             own[block_id] -= 1
             if own[block_id] == 0:
                 if self._in_step:
@@ -224,9 +232,10 @@ class BlockPool:
         first, last = block_ids[0], block_ids[-1]
         ok = (num <= self._num_private and 0 <= first < self.num_blocks
               and 0 <= last < self.num_blocks and own[first] == 1 and own[last] == 1)
-        if ok and self.check_every_block and num > 2:
+        if ok and self.check_every_block and num > 1:
             try:  # one C-level gather
-                ok = (itemgetter(*block_ids)(own).count(1) == num and min(block_ids) >= 0)
+                ok = (itemgetter(*block_ids)(own).count(1) == num and min(block_ids) >= 0
+                      and len(set(block_ids)) == num)
             except (IndexError, TypeError):
                 ok = False
         if not ok:
@@ -235,6 +244,8 @@ class BlockPool:
                 if own[block_id] != 1:
                     raise RuntimeError(f"block {block_id}: cannot publish a block with "
                                        f"{own[block_id]} owners")
+            if len(set(block_ids)) != num:
+                raise RuntimeError(f"to_cached: a block is given twice in {list(block_ids)}")
             raise RuntimeError(f"to_cached: {num} blocks given, {self._num_private} private "
                                f"(ids {list(block_ids)})")
         self._num_private -= num
@@ -244,16 +255,24 @@ class BlockPool:
         """Return blocks the tree evicted to the free list.
 
         Raises:
-            RuntimeError: if a block is not owned exactly once (nothing is changed then).
+            RuntimeError: if a block is not owned exactly once, appears twice, or more blocks
+                are given than are cached (nothing is changed then).
         """
         own = self._own
-        for block_id in block_ids:
+        if len(block_ids) > self._num_cached:
+            raise RuntimeError(f"free_cached: {len(block_ids)} blocks given, "
+                               f"{self._num_cached} cached")
+        for i, block_id in enumerate(block_ids):
             if not 0 <= block_id < self.num_blocks or own[block_id] != 1:
+                repeated = block_id in block_ids[:i]
+                for done in block_ids[:i]:  # all-or-nothing: undo, then report
+                    own[done] = 1
+                if repeated:
+                    raise RuntimeError(f"block {block_id}: given twice to free_cached")
                 self._expect(block_id, OWNED)
                 raise RuntimeError(f"block {block_id}: evicted from the tree with "
                                    f"{own[block_id]} owners")
-        for block_id in block_ids:
-            own[block_id] = _OWN_FREE
+            own[block_id] = _OWN_FREE  # marks it done: a repeated id fails the check above
         self._num_cached -= len(block_ids)
         self._free.extend(block_ids)
 
@@ -287,6 +306,8 @@ class BlockPool:
                 assert own <= MAX_OWNERS, f"block {block_id}: bad ownership {own}"
                 assert (own == 0) == (block_id in deferred), (
                     f"block {block_id}: owner count {own}, deferred={block_id in deferred}")
+        assert self._num_private >= 0 and self._num_cached >= 0, (
+            f"negative counter: private {self._num_private}, cached {self._num_cached}")
         assert num_owned == self._num_private + self._num_cached, (
             f"{num_owned} owned blocks != private {self._num_private} + cached "
             f"{self._num_cached}")

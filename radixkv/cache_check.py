@@ -37,6 +37,8 @@ class RequestState:
         known_hashes: Chained hashes the lookup recovered from the ghost list for positions
             ``known_start, …``, reused by ``publish`` instead of hashing those blocks again.
         known_start: Block position of ``known_hashes[0]``.
+        known_tokens: The packed prompt the lookup compared (immutable ``bytes``, token 0
+            first): ``publish`` reuses a known hash only for these very tokens.
         admitted: The hit was recorded on the matched path (first successful allocate).
         counted: The miss breakdown was added to the cumulative counters.
         match_node: Node at whose end the lookup's match stopped (None on a miss).
@@ -44,14 +46,15 @@ class RequestState:
 
     __slots__ = ("root", "cursor", "last_hash", "block_table", "num_cached_tokens",
                  "num_published_blocks", "mm_items", "duplicate_ids", "num_computed_tokens",
-                 "miss", "known_hashes", "known_start", "admitted", "counted", "match_node")
+                 "miss", "known_hashes", "known_start", "known_tokens", "admitted", "counted",
+                 "match_node")
 
     def __init__(self, root: Node | None, cursor: Node | None, last_hash: bytes,
                  block_table: array, num_cached_tokens: int, num_published_blocks: int,
                  mm_items: tuple[MMItem, ...] = (), *, duplicate_ids: list[int] | None = None,
                  num_computed_tokens: int = 0, miss: dict[str, int] | None = None,
                  known_hashes: list[bytes] | None = None, known_start: int = 0,
-                 admitted: bool = False, counted: bool = False,
+                 known_tokens: bytes = b"", admitted: bool = False, counted: bool = False,
                  match_node: Node | None = None) -> None:
         self.root = root
         self.cursor = cursor
@@ -65,6 +68,7 @@ class RequestState:
         self.miss = miss if miss is not None else empty_breakdown()
         self.known_hashes = known_hashes if known_hashes is not None else []
         self.known_start = known_start
+        self.known_tokens = known_tokens
         self.admitted = admitted
         self.counted = counted
         self.match_node = match_node

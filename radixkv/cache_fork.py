@@ -53,10 +53,14 @@ class CacheFork:
         Raises:
             KeyError: unknown ``parent_request_id``.
             ValueError: naming ``child_request_id`` if already active, ``num_computed_tokens``
-                if outside the parent's table, or ``parent_request_id`` if full computed
-                blocks are not published yet.
+                if not an int or outside the parent's table, or ``parent_request_id`` if full
+                computed blocks are not published yet.
         """
         parent = self._requests[parent_request_id]
+        if num_computed_tokens is not None and (type(num_computed_tokens) is not int
+                                                or num_computed_tokens < 0):
+            raise ValueError(f"num_computed_tokens: must be an int >= 0, got "
+                             f"{num_computed_tokens!r}")
         if child_request_id in self._requests:
             raise ValueError(f"child_request_id: {child_request_id!r} is already active")
         bs = self.block_size
@@ -86,5 +90,5 @@ class CacheFork:
             parent.num_published_blocks, parent.mm_items,
             duplicate_ids=list(parent.duplicate_ids), num_computed_tokens=computed,
             admitted=True, counted=True, known_hashes=list(parent.known_hashes),
-            known_start=parent.known_start)
+            known_start=parent.known_start, known_tokens=parent.known_tokens)
         return copies

@@ -14,6 +14,7 @@ A request's life (all calls from the engine thread)::
     begin_step() … forward … end_step()         blocks released while a step is in flight are
                                                 freed only after it
     publish(rid, token_ids, num_computed)       insert every full computed block, hashed once
+                                                (radixkv.cache_publish)
     fork(rid, child_rid) -> copies              n > 1: share full blocks, copy the partial tail
     release(rid)                                unlock, free private blocks; published blocks
                                                 stay cached-evictable (matchable until evicted)
@@ -28,21 +29,27 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 from radixkv.block_pool import BlockPool
 from radixkv.cache_fork import CacheFork
+from radixkv.cache_publish import CachePublish, count_arg
 from radixkv.cache_gauges import CacheGauges
 from radixkv.cache_check import RequestState, check_manager
 from radixkv.eviction import make_policy
 from radixkv.hashing import (BlockHasher, CacheIdentity, HashFn, as_packed_tokens, block_extras,
-                             pack_tokens, validate_mm_items)
+                             validate_mm_items)
 from radixkv.miss_causes import GhostList, classify_miss, empty_breakdown
 from radixkv.radix_tree import RadixTree
 from radixkv.tree_node import BLOCK_ID_TYPECODE
 
+#: Identities whose root hash is memoised (least recently used dropped first): a client may
+#: send a new cache salt with every request, so nothing here may grow per identity.
+IDENTITY_MEMO_SIZE = 4096
 
-class CacheManager(CacheGauges, CacheFork):
+
+class CacheManager(CacheGauges, CacheFork, CachePublish):
     """Radix-tree prefix cache over a paged KV block pool.
 
     Args:
@@ -53,8 +60,8 @@ class CacheManager(CacheGauges, CacheFork):
         hash_algo: ``"xxh3_128"`` or ``"sha256"``.
         hash_fn: Test hook replacing the hash function ``H`` (e.g. a tiny-digest hash).
         clock: Time source for policy fields (seconds); tests inject a counter.
-        ghost_capacity: Evicted block hashes remembered for the ``evicted`` miss cause
-            (default ``num_blocks`` clamped to [1024, 131072]; ~200 bytes each).
+        ghost_capacity: Evicted block hashes remembered for the ``evicted`` miss cause (≥ 1;
+            default ``num_blocks`` clamped to [1024, 131072]; ~200 bytes each).
         model_shape: The served model's shape (``radixkv.model.ModelShape``, a cost-model
             preset name or ``CostShape``) for cost-aware policies (``gdsf``, ``cost``); None
             uses their default shape. Other policies ignore it.
@@ -72,41 +79,59 @@ class CacheManager(CacheGauges, CacheFork):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.eviction_policy = eviction_policy
-        self.enable_prefix_caching = bool(enable_prefix_caching)
+        if type(enable_prefix_caching) is not bool:
+            raise ValueError(f"enable_prefix_caching: must be a bool, got "
+                             f"{enable_prefix_caching!r}")
+        if ghost_capacity is not None and (type(ghost_capacity) is not int
+                                           or ghost_capacity < 1):
+            raise ValueError(f"ghost_capacity: must be an int >= 1 or None, got "
+                             f"{ghost_capacity!r}")
+        self.enable_prefix_caching = enable_prefix_caching
         self.hasher = BlockHasher(hash_algo, hash_fn)
         self.hash_algo = self.hasher.algo
         self.pool = BlockPool(num_blocks)
         self.tree = RadixTree(block_size, make_policy(eviction_policy, model_shape=model_shape),
                               clock)
-        self.ghost = GhostList(ghost_capacity or min(max(1024, num_blocks), 1 << 17))
+        self.ghost = GhostList(ghost_capacity if ghost_capacity is not None
+                               else min(max(1024, num_blocks), 1 << 17))
         self._evicted_blocks_total = 0
         self._miss_tokens = empty_breakdown()
-        self._roots: dict[CacheIdentity, bytes] = {}
+        # identity -> root hash, and root hash -> cache salt (the tenant a new tree root is
+        # labelled with), both bounded by IDENTITY_MEMO_SIZE.
+        self._roots: OrderedDict[CacheIdentity, bytes] = OrderedDict()
         self._tenants: dict[bytes, str | None] = {}
+        self._root_bytes = len(self.hasher.hash_fn(b""))  # a root is one digest
         self._requests: dict[str, RequestState] = {}
 
     # ---- identity -----------------------------------------------------------------------
     def identity_root(self, identity: CacheIdentity) -> bytes:
-        """Return the root hash of ``identity`` (memoised).
+        """Return the root hash of ``identity`` (memoised for the last ``IDENTITY_MEMO_SIZE``).
 
         Raises:
             ValueError: naming ``block_size`` if the identity's block size is not this cache's.
         """
-        root = self._roots.get(identity)
-        if root is None:
-            if identity.block_size != self.block_size:
-                raise ValueError(f"block_size: identity has {identity.block_size}, "
-                                 f"cache uses {self.block_size}")
-            root = self.hasher.identity_root(identity)
-            self._roots[identity] = root
-            self._tenants[root] = identity.cache_salt
+        roots = self._roots
+        root = roots.get(identity)
+        if root is not None:
+            roots.move_to_end(identity)
+            return root
+        if identity.block_size != self.block_size:
+            raise ValueError(f"block_size: identity has {identity.block_size}, "
+                             f"cache uses {self.block_size}")
+        root = self.hasher.identity_root(identity)
+        roots[identity] = root
+        self._tenants[root] = identity.cache_salt
+        if len(roots) > IDENTITY_MEMO_SIZE:
+            self._tenants.pop(roots.popitem(last=False)[1], None)
         return root
 
     # ---- lookup -------------------------------------------------------------------------
     def _lookup_inputs(self, root: bytes, prompt_token_ids: Sequence[int] | bytes,
                        mm_items: Sequence[Sequence] | None):
-        if type(root) is not bytes:
-            raise ValueError(f"root: must be bytes from identity_root(), got {type(root).__name__}")
+        if type(root) is not bytes or len(root) != self._root_bytes:
+            raise ValueError(f"root: must be the {self._root_bytes} bytes identity_root() "
+                             f"returns, got {type(root).__name__} of length "
+                             f"{len(root) if isinstance(root, (bytes, bytearray)) else '-'}")
         if type(prompt_token_ids) is bytes and not mm_items and not len(prompt_token_ids) & 3:
             # Fast path: tokens already packed, text only.
             num_prompt_tokens = len(prompt_token_ids) >> 2
@@ -168,7 +193,8 @@ class CacheManager(CacheGauges, CacheFork):
         self._requests[request_id] = RequestState(
             root_node, result.node, result.last_hash, result.block_ids,
             num_blocks * self.block_size, num_blocks, items, miss=miss, known_hashes=known,
-            known_start=num_blocks, num_computed_tokens=num_blocks * self.block_size,
+            known_start=num_blocks, known_tokens=pb if known else b"",
+            num_computed_tokens=num_blocks * self.block_size,
             match_node=result.node if num_blocks else None)
         return num_blocks * self.block_size
 
@@ -199,7 +225,11 @@ class CacheManager(CacheGauges, CacheFork):
                 self._miss_tokens[cause] += num_tokens
 
     def miss_breakdown(self, request_id: str) -> dict[str, int]:
-        """Missed prompt tokens of this request's lookup by cause (sums to N - m)."""
+        """Missed prompt tokens of this request's lookup by cause (sums to N - m).
+
+        With prefix caching off no lookup runs: every cause is 0 (DESIGN.md §7's causes
+        explain what a cache missed; nothing was looked up).
+        """
         return dict(self._requests[request_id].miss)
 
     def _admit(self, req: RequestState) -> None:
@@ -234,11 +264,10 @@ class CacheManager(CacheGauges, CacheFork):
 
         Raises:
             KeyError: unknown ``request_id``.
-            ValueError: naming ``num_tokens`` if negative.
+            ValueError: naming ``num_tokens`` if not an int ≥ 0.
         """
         req = self._requests[request_id]
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens: must be >= 0, got {num_tokens}")
+        count_arg("num_tokens", num_tokens)
         need = -(-num_tokens // self.block_size) - len(req.block_table)
         if need > 0:
             ids = self._take_blocks(need)
@@ -253,7 +282,11 @@ class CacheManager(CacheGauges, CacheFork):
 
         Returns:
             Blocks evicted (returned to the free list).
+
+        Raises:
+            ValueError: naming ``num_blocks`` if not an int ≥ 0.
         """
+        count_arg("num_blocks", num_blocks)
         evicted: list = []
         freed = self.tree.evict(num_blocks, evicted)
         self.pool.free_cached(freed)
@@ -272,76 +305,6 @@ class CacheManager(CacheGauges, CacheFork):
     def num_cached_tokens(self, request_id: str) -> int:
         """Return m as returned by ``begin`` for this request."""
         return self._requests[request_id].num_cached_tokens
-
-    # ---- publish ------------------------------------------------------------------------
-    def publish(self, request_id: str, token_ids: Sequence[int] | bytes, num_computed_tokens: int, *,
-                mm_items: Sequence[Sequence] | None = None) -> None:
-        """Insert every full, computed block not yet published into the tree.
-
-        Args:
-            request_id: An active request.
-            token_ids: The sequence so far (prompt + generated), at least
-                ``num_computed_tokens`` long; ids, or packed uint32-LE ``bytes``.
-            num_computed_tokens: Tokens whose K/V sit in the pool; blocks fully inside
-                ``[0, num_computed_tokens)`` are published, each hashed exactly once.
-            mm_items: Multimodal items of ``token_ids``; None keeps those given to ``begin``.
-
-        Raises:
-            KeyError: unknown ``request_id``.
-            ValueError: naming ``num_computed_tokens`` if it exceeds the tokens given or the
-                allocated block table.
-        """
-        req = self._requests[request_id]
-        bs = self.block_size
-        packed = isinstance(token_ids, (bytes, bytearray))
-        num_tokens = len(token_ids) >> 2 if packed else len(token_ids)
-        if num_computed_tokens > num_tokens:
-            raise ValueError(f"num_computed_tokens: {num_computed_tokens} exceeds the "
-                             f"{num_tokens} token_ids given")
-        num_full = num_computed_tokens // bs
-        if num_full > len(req.block_table):
-            raise ValueError(f"num_computed_tokens: {num_computed_tokens} exceeds the "
-                             f"{len(req.block_table)} allocated blocks")
-        if num_computed_tokens > req.num_computed_tokens:
-            req.num_computed_tokens = num_computed_tokens
-        if mm_items is not None:
-            items = validate_mm_items(mm_items, num_tokens)
-            if items != req.mm_items:
-                req.mm_items, req.known_hashes = items, []
-        start = req.num_published_blocks
-        if num_full <= start or not self.enable_prefix_caching:
-            return
-        # (a slice of the engine's bytearray is a bytearray: fine for the fast path, which only
-        # hashes and appends it; the general insert keys children by bytes)
-        tb = (token_ids[start * 4 * bs : num_full * 4 * bs] if packed
-              else pack_tokens(token_ids[start * bs : num_full * bs]))
-        # An array slice (one memcpy): the fast path appends it to the leaf's array as is.
-        ids = req.block_table[start:num_full]
-        if not req.mm_items and not req.known_hashes:
-            last_hash = self.tree.extend_leaf(req.cursor, tb, ids, self.hasher)
-            if last_hash is not None:  # the request extended its own leaf
-                self.pool.to_cached(ids)
-                req.last_hash = last_hash
-                req.num_published_blocks = num_full
-                return
-        ids = ids.tolist()
-        if type(tb) is not bytes:
-            tb = bytes(tb)
-        extras = block_extras(req.mm_items, num_full, bs, start) if req.mm_items else None
-        known: Sequence[bytes] = ()
-        if req.known_hashes:
-            offset = start - req.known_start
-            known = req.known_hashes[offset:] if offset >= 0 else ()
-            if num_full >= req.known_start + len(req.known_hashes):
-                req.known_hashes = []
-        result = self.tree.insert(req.cursor, tb, ids, self.hasher, extras=extras,
-                                  known_hashes=known)
-        self.pool.to_cached(result.inserted_ids)
-        if result.duplicate_ids:
-            req.duplicate_ids += result.duplicate_ids
-        req.cursor = result.node
-        req.last_hash = result.last_hash
-        req.num_published_blocks = num_full
 
     # ---- release / steps ---------------------------------------------------------------
     def release(self, request_id: str) -> None:

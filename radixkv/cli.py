@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from radixkv.config import GIB, CacheConfig, EngineConfig, SchedulerConfig
+from radixkv.config import (GIB, CacheConfig, EngineConfig, SchedulerConfig,
+                            eviction_policy_problem, online_eviction_policies)
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 
@@ -31,7 +32,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in blocks (default: from --kv-cache-memory)")
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="KV pool memory in GiB (default 4 on CPU, ~90%% of free memory on CUDA)")
-    p.add_argument("--eviction-policy", default="lru", help="eviction policy name")
+    p.add_argument("--eviction-policy", type=_eviction_policy, default="lru",
+                   help=f"eviction policy: {', '.join(online_eviction_policies())}")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
     p.add_argument("--publish-interval-blocks", type=int, default=16,
@@ -74,6 +76,15 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
     return port
+
+
+def _eviction_policy(text: str) -> str:
+    # Checked here, not when the engine builds its cache: that comes after the model loads and
+    # the KV pool is allocated.
+    problem = eviction_policy_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def _positive(text: str) -> int:

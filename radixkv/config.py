@@ -4,12 +4,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixkv.eviction import available_policies, make_policy
+
 GIB = 1 << 30
 
 
 def _require(cond: bool, field: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{field}: {msg}")
+
+
+def online_eviction_policies() -> list[str]:
+    """Registered eviction policies a live cache can run, sorted.
+
+    The offline oracles (``belady``, ``belady-cost``) refuse to be built without the trace's
+    future, so they are left out: each policy is built once, with no arguments, to find out.
+    """
+    usable = []
+    for name in available_policies():
+        try:
+            make_policy(name)
+        except ValueError:  # an oracle: needs next_use= from a trace
+            continue
+        usable.append(name)
+    return usable
+
+
+def eviction_policy_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a live cache's eviction policy (no field prefix), or None if it can.
+
+    Checked when a config is built (and by the CLI at argument parsing), so that a bad name
+    fails before a model is loaded or a KV pool allocated.
+    """
+    usable = online_eviction_policies()
+    if name in usable:
+        return None
+    if isinstance(name, str) and name in available_policies():
+        return (f"{name!r} is an offline oracle that needs the trace's future (bench eviction "
+                f"only); usable: {', '.join(usable)}")
+    return f"unknown policy {name!r}; usable: {', '.join(usable)}"
 
 
 @dataclass(frozen=True)
@@ -21,7 +54,8 @@ class CacheConfig:
         num_blocks: pool size in blocks (M); None derives it from ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: bytes for the KV pool (K and V, all layers) when ``num_blocks``
             is None. None means the device default: 4 GiB on CPU, ~90 % of free memory on CUDA.
-        eviction_policy: registry name of the eviction policy (``radixkv.eviction``).
+        eviction_policy: registry name of the eviction policy (``radixkv.eviction``); one of
+            :func:`online_eviction_policies` (not an offline oracle).
         enable_prefix_caching: False turns matching and publishing off (every prompt is
             prefilled in full); blocks are still paged.
         hash_algo: ``xxh3_128`` (default) or ``sha256``.
@@ -48,6 +82,8 @@ class CacheConfig:
                  "num_blocks", f"must be a positive int or None, got {self.num_blocks!r}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  "kv_cache_memory_bytes", f"must be positive, got {self.kv_cache_memory_bytes!r}")
+        problem = eviction_policy_problem(self.eviction_policy)
+        _require(problem is None, "eviction_policy", problem or "")
         _require(self.hash_algo in ("xxh3_128", "sha256"),
                  "hash_algo", f"must be 'xxh3_128' or 'sha256', got {self.hash_algo!r}")
         _require(isinstance(self.publish_interval_blocks, int)

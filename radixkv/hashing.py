@@ -53,6 +53,7 @@ _BIG_ENDIAN = sys.byteorder == "big"
 _LEN = struct.Struct("<I")
 _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
+_I64_MAX = (1 << 63) - 1
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
@@ -99,6 +100,11 @@ def unpack_tokens(data: bytes) -> tuple[int, ...]:
     if _BIG_ENDIAN:
         arr.byteswap()
     return tuple(arr)
+
+
+def _check_bytes(name: str, value: object) -> None:
+    if type(value) is not bytes:
+        raise ValueError(f"{name}: must be bytes, got {type(value).__name__}")
 
 
 class MMItem(NamedTuple):
@@ -204,7 +210,13 @@ class CacheIdentity:
         kv_dtype: KV pool dtype name, e.g. ``"float32"``.
         rope: Canonical text of the RoPE config, e.g. ``"theta=100000.0;scaling=None"``.
         cache_salt: Tenant / client namespace; ``None`` (no salt) differs from ``""``.
-        adapter: ``(name, weights digest)`` of a LoRA adapter, or ``None`` for the base model.
+        adapter: ``(name, weights digest)`` of a LoRA adapter (both non-empty), or ``None`` for
+            the base model.
+
+    Raises:
+        ValueError: naming the field: an empty ``model_revision`` or ``kv_dtype``, a
+            ``block_size`` outside ``[1, 2**63)`` (or a bool), a non-string ``rope`` or
+            ``cache_salt``, an ``adapter`` that is not two non-empty strings.
     """
 
     model_revision: str
@@ -217,8 +229,10 @@ class CacheIdentity:
     def __post_init__(self) -> None:
         if not isinstance(self.model_revision, str) or not self.model_revision:
             raise ValueError("model_revision: must be a non-empty string")
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
-            raise ValueError(f"block_size: must be a positive int, got {self.block_size!r}")
+        if (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
+                or not 0 < self.block_size <= _I64_MAX):
+            # The encoding stores it as int64: a larger value must fail here, naming the field.
+            raise ValueError(f"block_size: must be an int in [1, 2**63), got {self.block_size!r}")
         if not isinstance(self.kv_dtype, str) or not self.kv_dtype:
             raise ValueError("kv_dtype: must be a non-empty string")
         if not isinstance(self.rope, str):
@@ -228,9 +242,11 @@ class CacheIdentity:
         if self.adapter is not None and not (
             isinstance(self.adapter, tuple)
             and len(self.adapter) == 2
-            and all(isinstance(part, str) for part in self.adapter)
+            and all(isinstance(part, str) and part for part in self.adapter)
         ):
-            raise ValueError("adapter: must be None or a (name, weights_digest) tuple of strings")
+            # An empty digest would let any weights under that name share KV: require both.
+            raise ValueError("adapter: must be None or a (name, weights_digest) tuple of "
+                             f"non-empty strings, got {self.adapter!r}")
 
     def encode(self) -> bytes:
         """Return the typed encoding: for each field in order, enc(name) || enc(value)."""
@@ -275,20 +291,39 @@ class BlockHasher:
         return self.hash_fn(ROOT_DOMAIN + identity.encode())
 
     def media_digest(self, media_format: str, shape: Sequence[int], data: bytes) -> bytes:
-        """Digest of one multimodal input: ``H(b"radixkv/media/v1" || enc(format, shape, bytes))``.
+        """Digest of one multimodal input: ``H(b"radixkv/media/v1" || enc(format) || enc(shape)
+        || enc(data))``, typed (``shape`` as a tuple of int64, ``data`` as bytes).
+
+        Each argument is encoded by its type, never converted: ``None`` is not ``"None"`` and
+        an int is not a run of zero bytes, so they are refused rather than coerced.
 
         Args:
-            media_format: Content type, e.g. ``"image/png"`` or ``"rgb8"``.
-            shape: Dimensions of the decoded input (e.g. ``(height, width, channels)``).
-            data: The raw bytes.
+            media_format: Content type, e.g. ``"image/png"`` or ``"rgb8"`` (a ``str``).
+            shape: Dimensions of the decoded input (e.g. ``(height, width, channels)``): a tuple
+                or list of ints in ``[0, 2**63)``.
+            data: The raw bytes: any bytes-like object (``bytes``, ``bytearray``,
+                ``memoryview``, or another buffer, taken in C order).
+
+        Returns:
+            The digest (16 bytes for xxh3-128, 32 for SHA-256).
 
         Raises:
-            ValueError: naming ``shape`` if it is not a sequence of ints.
+            ValueError: naming ``media_format`` if it is not a str, ``shape`` if it is not a
+                tuple or list of ints in ``[0, 2**63)`` (bools refused), ``data`` if it is not
+                bytes-like.
         """
-        if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-            raise ValueError(f"shape: must be a sequence of ints, got {shape!r}")
-        return self.hash_fn(MEDIA_DOMAIN + _enc(str(media_format)) + _enc(tuple(shape))
-                            + _enc(bytes(data)))
+        if not isinstance(media_format, str):
+            raise ValueError(f"media_format: must be a str, got {type(media_format).__name__}")
+        if not isinstance(shape, (tuple, list)) or not all(
+                type(d) is int and 0 <= d <= _I64_MAX for d in shape):
+            raise ValueError("shape: must be a tuple or list of ints in [0, 2**63), got "
+                             f"{shape!r}")
+        try:
+            raw = memoryview(data).tobytes()
+        except TypeError:
+            raise ValueError(f"data: must be bytes-like (bytes, bytearray, memoryview), got "
+                             f"{type(data).__name__}") from None
+        return self.hash_fn(MEDIA_DOMAIN + _enc(media_format) + _enc(tuple(shape)) + _enc(raw))
 
     def hash_blocks(self, parent_hash: bytes, token_bytes: bytes, block_size: int,
                     extras: Sequence[bytes] | None = None) -> list[bytes]:
@@ -302,6 +337,9 @@ class BlockHasher:
 
         Returns:
             ``k`` digests; each block is fed to ``H`` exactly once.
+
+        Raises:
+            ValueError: naming ``extras`` if given with other than ``k`` entries.
         """
         fn = self.hash_fn
         step = 4 * block_size
@@ -310,6 +348,9 @@ class BlockHasher:
             out = [h := fn(h + token_bytes[start : start + step])
                    for start in range(0, len(token_bytes), step)]
         else:
+            if len(extras) * step != len(token_bytes):
+                raise ValueError(f"extras: {len(extras)} entries for "
+                                 f"{len(token_bytes) // step} blocks")
             out = []
             append = out.append
             for i, start in enumerate(range(0, len(token_bytes), step)):
@@ -329,7 +370,13 @@ class BlockHasher:
 
         Returns:
             ``H(parent_hash || uint32-LE tokens || extras)``.
+
+        Raises:
+            ValueError: naming ``parent_hash`` or ``extras`` if not bytes, ``token_ids`` if an
+                id is outside ``[0, 2**32)``.
         """
+        _check_bytes("parent_hash", parent_hash)
+        _check_bytes("extras", extras)
         self.num_block_hashes += 1
         return self.hash_fn(parent_hash + pack_tokens(token_ids) + extras)
 
@@ -346,9 +393,14 @@ class BlockHasher:
 
         Returns:
             ``len(token_ids) // block_size`` digests.
+
+        Raises:
+            ValueError: naming ``block_size`` if not a positive int, ``parent_hash`` if not
+                bytes, ``token_ids`` or ``mm_items`` if malformed.
         """
-        if block_size <= 0:
-            raise ValueError(f"block_size: must be positive, got {block_size}")
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        _check_bytes("parent_hash", parent_hash)
         num_blocks = len(token_ids) // block_size
         items = validate_mm_items(mm_items, len(token_ids))
         extras = block_extras(items, num_blocks, block_size) if items else None

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from radixkv.cache_manager import CacheManager
+from radixkv.cache_manager import IDENTITY_MEMO_SIZE, CacheManager
 from radixkv.config import GIB, EngineConfig
 from radixkv.detokenizer import IncrementalDetokenizer
 from radixkv.eviction.cost_model import cost_shape_from_model_shape
@@ -118,7 +119,8 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self._rope = shape.rope_description()
         self._kv_dtype = str(self.model.dtype).removeprefix("torch.")
-        self._roots: dict[tuple[str | None, tuple[str, str] | None], bytes] = {}
+        # (cache salt, adapter identity) -> root hash; bounded: salts are client-chosen.
+        self._roots: OrderedDict[tuple[str | None, tuple[str, str] | None], bytes] = OrderedDict()
         self.adapters = LoRARegistry(shape, device=self.runner.device, dtype=self.model.dtype)
         for name, path in config.lora_adapters:
             self.load_lora(name, path)
@@ -130,18 +132,22 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def cache_root(self, cache_salt: str | None, adapter: LoRAAdapter | None = None) -> bytes:
-        """The identity root for this model, KV layout, salt and adapter (memoised).
+        """The identity root for this model, KV layout, salt and adapter (memoised, LRU-bounded).
 
         The adapter enters as ``(name, weights digest)``: new weights under an old name get a
         new root, so KV computed with the old weights is never matched.
         """
         key = (cache_salt, adapter.identity if adapter is not None else None)
         root = self._roots.get(key)
-        if root is None:
-            identity = CacheIdentity(model_revision=self.model.revision, block_size=self.block_size,
-                                     kv_dtype=self._kv_dtype, rope=self._rope,
-                                     cache_salt=cache_salt, adapter=key[1])
-            root = self._roots[key] = self.cache.identity_root(identity)
+        if root is not None:
+            self._roots.move_to_end(key)
+            return root
+        identity = CacheIdentity(model_revision=self.model.revision, block_size=self.block_size,
+                                 kv_dtype=self._kv_dtype, rope=self._rope,
+                                 cache_salt=cache_salt, adapter=key[1])
+        root = self._roots[key] = self.cache.identity_root(identity)
+        if len(self._roots) > IDENTITY_MEMO_SIZE:
+            self._roots.popitem(last=False)
         return root
 
     # ------------------------------------------------------------------ LoRA adapters

@@ -222,7 +222,7 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
     isolated = 0
     if evicted == 0 and num_matched_blocks == 0:
         key = child_key(pb[:bb], px[0] if px is not None else b"")
-        for other in tree.roots_holding(key, root)[:MAX_ISOLATION_ROOTS]:
+        for other in tree.roots_holding(key, root, MAX_ISOLATION_ROOTS):
             isolated = max(isolated, tree.walk(other, pb, px, cap_blocks)[1])
     return {"cold": (missing - evicted - isolated) * bs, "evicted": evicted * bs,
             "isolated": isolated * bs, "unaligned_tail": num_prompt_tokens - cap_blocks * bs}, hashes

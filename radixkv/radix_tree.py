@@ -18,6 +18,10 @@ extras, so the key is exact and the path from the root *is* the hash chain.
   eviction policy; keys change only on events (insert, hit, unlock, split, trim, becoming a
   leaf). ``evict(k)`` trims blocks off the tail of the first leaf, so the cached set stays
   prefix-closed, in O(k log n).
+* An identity root lives while it has children or locks: the last unlock or eviction that
+  leaves it bare drops it, so a stream of one-off identities (cache salts) keeps no state.
+  ``root()`` makes it again on the next use; ``lock`` re-attaches a dropped root object a
+  caller still holds.
 """
 
 from __future__ import annotations
@@ -52,8 +56,11 @@ class RadixTree(LeafEviction, TreeInsert):
 
     def __init__(self, block_size: int, policy: EvictionPolicy,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size: must be positive, got {block_size}")
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        if not isinstance(policy, EvictionPolicy):
+            raise ValueError(f"policy: must be an EvictionPolicy instance, got "
+                             f"{type(policy).__name__} (use radixkv.eviction.get_policy)")
         self.block_size = block_size
         self.block_bytes = 4 * block_size
         self.policy = policy
@@ -79,7 +86,11 @@ class RadixTree(LeafEviction, TreeInsert):
         return len(self.leaves)
 
     def root(self, root_hash: bytes, tenant: str | None = None) -> Node:
-        """Return (creating on first use) the root of the identity with hash ``root_hash``."""
+        """Return (creating on first use) the root of the identity with hash ``root_hash``.
+
+        A root with no children and no locks is dropped by the unlock or eviction that leaves
+        it so (it holds nothing); call ``root()`` again rather than keeping the node.
+        """
         node = self.roots.get(root_hash)
         if node is None:
             node = Node(next(self._uids), None, self.block_size, self._clock())
@@ -88,10 +99,22 @@ class RadixTree(LeafEviction, TreeInsert):
             self.roots[root_hash] = node
         return node
 
-    def roots_holding(self, key: object, exclude: Node) -> list[Node]:
-        """Roots other than ``exclude`` with a child keyed ``key`` (same first block)."""
+    def roots_holding(self, key: object, exclude: Node, limit: int | None = None) -> list[Node]:
+        """Roots other than ``exclude`` with a child keyed ``key`` (same first block).
+
+        Args:
+            limit: At most this many (the first registered), in O(limit) however many
+                identities hold the key.
+        """
         holders = self.root_child_keys.get(key)
-        return [r for r in holders if r is not exclude] if holders else []
+        if not holders:
+            return []
+        return list(itertools.islice((r for r in holders if r is not exclude), limit))
+
+    def _drop_bare_root(self, root: Node) -> None:
+        """Forget an identity root left with no children and no locks (it holds nothing)."""
+        if self.roots.get(root.root_hash) is root:
+            del self.roots[root.root_hash]
 
     # ---- walking and matching -----------------------------------------------------------
     def walk(self, start: Node, pb: bytes, px: Sequence[bytes] | None,
@@ -252,7 +275,16 @@ class RadixTree(LeafEviction, TreeInsert):
         node.lock_ref += 1
 
     def lock(self, node: Node) -> None:
-        """Add one cursor lock at ``node``; every ancestor up to the root is locked too."""
+        """Add one cursor lock at ``node``; every ancestor up to the root is locked too.
+
+        Raises:
+            RuntimeError: if ``node`` is a dropped root whose hash has a new root meanwhile.
+        """
+        if node.parent is None and node.lock_ref == 0 and not node.children:
+            # A bare root may have been dropped while its caller kept the object: re-attach.
+            held = self.roots.setdefault(node.root_hash, node)
+            if held is not node:
+                raise RuntimeError(f"lock of a stale root {node!r}: get it again with root()")
         n: Node | None = node
         while n is not None:
             if n.lock_ref == 0 and n.parent is not None:
@@ -289,6 +321,8 @@ class RadixTree(LeafEviction, TreeInsert):
                     self.num_locked_blocks -= len(n.block_ids)
                     if not n.children:
                         self.leaves.add(n)
+            elif n.lock_ref == 0 and not n.children:
+                self._drop_bare_root(n)
             n = n.parent
 
     # ---- inspection ---------------------------------------------------------------------

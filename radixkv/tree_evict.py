@@ -21,6 +21,7 @@ class LeafEviction:
     num_cached_blocks: int
     num_nodes: int
     root_child_keys: dict
+    # Also uses RadixTree._drop_bare_root.
 
     def evict(self, num_blocks: int, evicted: list | None = None) -> list[int]:
         """Evict up to ``num_blocks`` blocks, tail-first from the first leaves in policy order.
@@ -37,14 +38,19 @@ class LeafEviction:
         """
         freed: list[int] = []
         leaves = self.leaves
+        by_priority = leaves.by_priority
         bb = self.block_bytes
         while len(freed) < num_blocks:
             victim = leaves.first()
             if victim is None:
                 break
-            leaves.remove(victim)
             ids = victim.block_ids
             take = min(num_blocks - len(freed), len(ids))
+            # A priority-keyed leaf trimmed only in part stays indexed and is re-keyed below
+            # (one decode allocation under pressure trims one block: usually no re-sort).
+            keep = take < len(ids) and by_priority
+            if not keep:
+                leaves.remove(victim)
             freed.extend(reversed(ids[-take:]))
             if evicted is not None:
                 first, hs, x = len(ids) - take, victim.hashes, victim.extras
@@ -58,8 +64,11 @@ class LeafEviction:
                 del victim.extras[-take:]
             self.num_cached_blocks -= take
             self.policy.on_evict(victim, take)
-            if ids:
-                leaves.add(victim)  # partially trimmed: still the same leaf
+            if ids:  # partially trimmed: still the same leaf
+                if keep:
+                    leaves.reposition(victim)
+                else:
+                    leaves.add(victim)
                 continue
             parent = victim.parent
             del parent.children[victim.key]  # type: ignore[union-attr]
@@ -68,6 +77,8 @@ class LeafEviction:
                 del holders[parent]
                 if not holders:
                     del self.root_child_keys[victim.key]
+                if not parent.children and not parent.lock_ref:  # type: ignore[union-attr]
+                    self._drop_bare_root(parent)  # type: ignore[arg-type]
             victim.parent = None
             self.num_nodes -= 1
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:

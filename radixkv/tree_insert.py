@@ -120,13 +120,12 @@ class TreeInsert:
         if (cursor.lock_ref != 1 or cursor.children or not cursor.hashes or not count
                 or cursor.extras is not None or len(tb) != count * self.block_bytes):
             return None
+        if type(block_ids) is not array or block_ids.typecode != BLOCK_ID_TYPECODE:
+            block_ids = array(BLOCK_ID_TYPECODE, block_ids)  # a bad id raises before any change
         hashes = hasher.hash_blocks(cursor.hashes[-1], tb, self.block_size)
+        cursor.block_ids += block_ids  # one memcpy
         cursor.tokens += tb
         cursor.hashes += hashes
-        if type(block_ids) is array and block_ids.typecode == BLOCK_ID_TYPECODE:
-            cursor.block_ids += block_ids  # one memcpy
-        else:
-            cursor.block_ids.extend(block_ids)
         # last_access_s: the caller's lock is released with touch=True (unlock), which sets it.
         self.num_cached_blocks += count
         self.num_locked_blocks += count
@@ -138,6 +137,7 @@ class TreeInsert:
                  extras: Sequence[bytes] | None, hashes: list[bytes], now: float,
                  duplicates: list[int]) -> InsertResult:
         count = len(block_ids)
+        ids = array(BLOCK_ID_TYPECODE, block_ids)  # a bad id raises before any change
         if extras is not None and not any(extras):
             extras = None
         if node.parent is not None and not node.children and node.lock_ref == 1:
@@ -145,9 +145,9 @@ class TreeInsert:
             if extras is not None or node.extras is not None:
                 old = node.extras if node.extras is not None else [b""] * len(node.block_ids)
                 node.extras = old + (list(extras) if extras is not None else [b""] * count)
+            node.block_ids += ids
             node.tokens += tb
             node.hashes += hashes
-            node.block_ids.extend(block_ids)
             node.last_access_s = now
             new = node
         else:
@@ -155,7 +155,7 @@ class TreeInsert:
             new.key = child_key(tb[: self.block_bytes], extras[0] if extras is not None else b"")
             new.tokens = bytearray(tb)
             new.extras = list(extras) if extras is not None else None
-            new.hashes, new.block_ids = hashes, array(BLOCK_ID_TYPECODE, block_ids)
+            new.hashes, new.block_ids = hashes, ids
             new.depth_tokens = node.depth_tokens + len(node.block_ids) * self.block_size
             new.lock_ref = 1  # the caller's cursor moves here; ancestors already count it
             node.children[new.key] = new

@@ -233,6 +233,22 @@ class LeafIndex:
         node.leaf_entry = None
         del self.nodes[node.uid]
 
+    def reposition(self, node: Node) -> None:
+        """Re-key ``node`` (in the index) after its priority inputs changed (a trimmed leaf).
+
+        A priority policy whose key did not change (LRU, LFU, FIFO after a trim) costs one
+        ``priority`` call and no sorted-list update.
+        """
+        if self.by_priority:
+            entry = (self.policy.priority(node), node.uid)
+            if entry != node.leaf_entry:
+                self.sorted.remove(node.leaf_entry)
+                self.sorted.add(entry)
+                node.leaf_entry = entry
+        else:
+            self.remove(node)
+            self.add(node)
+
     def first(self) -> Node | None:
         """The next victim, or None when no leaf is evictable."""
         if self.by_priority:

@@ -230,6 +230,31 @@ def test_cli_flags():
             build_parser().parse_args(["serve", *bad])
 
 
+def test_cli_refuses_an_eviction_policy_before_loading_anything(monkeypatch, capsys):
+    import radixkv.engine
+    from radixkv.config import CacheConfig
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine (model, KV pool) was built before the policy check")
+
+    monkeypatch.setattr(radixkv.engine, "AsyncEngine", no_engine)
+    usable = "usable: cost, fifo, gdsf, lfu, lru, s3fifo"
+    oracle = "'belady' is an offline oracle that needs the trace's future (bench eviction only)"
+    for name, reason in (("nope", "unknown policy 'nope'"), ("belady", oracle)):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--eviction-policy", name])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"radixkv serve: error: argument --eviction-policy: {reason}; {usable}")
+    assert build_parser().parse_args(["serve", "--eviction-policy", "s3fifo"]).eviction_policy \
+        == "s3fifo"
+    # The config refuses it too (API users), naming the field.
+    for name, reason in (("nope", "unknown policy 'nope'"), ("belady", oracle)):
+        with pytest.raises(ValueError) as exc:
+            CacheConfig(eviction_policy=name)
+        assert str(exc.value) == f"eviction_policy: {reason}; {usable}"
+
+
 def test_cli_refuses_a_bad_key_file(tmp_path, capsys):
     path = tmp_path / "keys.json"
     path.write_text('{"short": {"tenant": "a"}}')

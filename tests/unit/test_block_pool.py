@@ -66,3 +66,51 @@ def test_check_every_block_finds_a_shared_middle_block(monkeypatch) -> None:
     pool.free([ids[2]])
     pool.to_cached(ids)
     assert _counts(pool) == (3, 0, 5)
+
+
+def test_free_cached_refuses_repeats_and_excess_atomically() -> None:
+    pool = BlockPool(4)
+    ids = pool.allocate(3)
+    pool.to_cached(ids[:2])
+    with pytest.raises(RuntimeError, match="block 0: given twice to free_cached"):
+        pool.free_cached([0, 0])
+    with pytest.raises(RuntimeError, match="3 blocks given, 2 cached"):
+        pool.free_cached([0, 1, 2])
+    with pytest.raises(RuntimeError, match="block 3: expected owned, found free"):
+        pool.free_cached([1, 3])
+    assert _counts(pool) == (1, 1, 2)  # nothing changed by the failed calls
+    pool.free_cached([1, 0])
+    assert _counts(pool) == (3, 1, 0)
+    assert pool.allocate(3) == [3, 1, 0]  # each block handed out once
+    pool.check_integrity()
+
+
+def test_free_is_all_or_nothing() -> None:
+    pool = BlockPool(4)
+    ids = pool.allocate(2)
+    with pytest.raises(RuntimeError, match="block 3: expected owned, found free"):
+        pool.free([ids[0], 3])
+    with pytest.raises(RuntimeError, match="block 1: freed 2 times, has 1 owners"):
+        pool.free([0, 1, 1])
+    assert _counts(pool) == (2, 2, 0)
+    pool.incref(1)
+    pool.free([1, 1, 0])  # two owners, two frees
+    assert _counts(pool) == (4, 0, 0)
+    pool.check_integrity()
+
+
+def test_counts_must_be_ints() -> None:
+    pool = BlockPool(4)
+    for bad in (True, 1.0, "1", -1):
+        with pytest.raises(ValueError, match="num: must be an int >= 0"):
+            pool.allocate(bad)
+    assert _counts(pool) == (4, 0, 0)
+
+
+def test_check_every_block_refuses_a_repeated_block(monkeypatch) -> None:
+    monkeypatch.setattr(BlockPool, "check_every_block", True)
+    pool = BlockPool(4)
+    pool.allocate(3)
+    with pytest.raises(RuntimeError, match=r"to_cached: a block is given twice in \[0, 0\]"):
+        pool.to_cached([0, 0])
+    assert _counts(pool) == (1, 3, 0)

@@ -290,3 +290,72 @@ def test_bad_input() -> None:
         CacheManager(0, B)
     with pytest.raises(ValueError, match="hash_algo"):
         CacheManager(8, B, hash_algo="md5")
+
+
+def test_one_off_identities_keep_no_state() -> None:
+    """A client may send a new cache salt per request: nothing may grow per salt."""
+    from radixkv.cache_manager import IDENTITY_MEMO_SIZE
+    cm, _ = make(8)
+    first = cm.identity_root(CacheIdentity("r1", B, "float32", ROPE, cache_salt="s0"))
+    for i in range(IDENTITY_MEMO_SIZE + 50):
+        root = cm.identity_root(CacheIdentity("r1", B, "float32", ROPE, cache_salt=f"s{i}"))
+        cm.begin(f"q{i}", root, [1, 2, 3])  # a miss: the lookup locks the bare root
+        cm.release(f"q{i}")
+    assert (len(cm.tree.roots), len(cm._roots), len(cm._tenants)) == (0, IDENTITY_MEMO_SIZE,
+                                                                      IDENTITY_MEMO_SIZE)
+    # An identity dropped from the memo still gets the same root hash (and its cached blocks).
+    assert cm.identity_root(CacheIdentity("r1", B, "float32", ROPE, cache_salt="s0")) == first
+    assert warm(cm, first, "w1", [1, 2, 3, 4, 5]) == 0
+    assert warm(cm, first, "w2", [1, 2, 3, 4, 5]) == 4
+    assert len(cm.tree.roots) == 1
+    cm.evict(8)
+    assert cm.tree.roots == {}
+    cm.check_integrity()
+
+
+def test_count_arguments_are_ints() -> None:
+    cm, root = make(8)
+    cm.begin("a", root, [1, 2, 3, 4, 5])
+    for bad in (True, 4.0, "4", -1):
+        with pytest.raises(ValueError, match="num_tokens: must be an int >= 0"):
+            cm.allocate("a", bad)
+        with pytest.raises(ValueError, match="num_blocks: must be an int >= 0"):
+            cm.evict(bad)
+    assert cm.allocate("a", 5)
+    for bad in (True, 4.0, -1):
+        with pytest.raises(ValueError, match="num_computed_tokens: must be an int >= 0"):
+            cm.publish("a", [1, 2, 3, 4, 5], bad)
+        with pytest.raises(ValueError, match="num_computed_tokens: must be an int >= 0"):
+            cm.fork("a", "child", num_computed_tokens=bad)
+    assert cm._requests["a"].num_computed_tokens == 0  # failed calls changed nothing
+    with pytest.raises(ValueError, match="token_ids: packed tokens need a multiple of 4 bytes"):
+        cm.publish("a", b"\x01" * 35, 8)
+    with pytest.raises(ValueError, match="mm_items"):
+        cm.publish("a", [1, 2, 3, 4, 5], 4, mm_items=[(9, 1, b"d")])
+    assert cm._requests["a"].num_computed_tokens == 0 and cm.num_cached_blocks == 0
+    with pytest.raises(ValueError, match="root: must be the 16 bytes identity_root"):
+        cm.begin("b", b"", [1, 2])
+    with pytest.raises(ValueError, match="enable_prefix_caching: must be a bool"):
+        CacheManager(8, B, enable_prefix_caching="no")
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="ghost_capacity: must be an int >= 1"):
+            CacheManager(8, B, ghost_capacity=bad)
+    cm.check_integrity()
+
+
+def test_recovered_hashes_are_reused_only_for_the_compared_tokens() -> None:
+    """A lookup recovers evicted blocks' hashes from the ghost list; publishing other tokens
+    than the prompt's must hash them afresh (the stored chain stays the tokens' hashes)."""
+    prompt = list(range(1, 10))
+    for published, reused in ((prompt, 2), ([50] * 9, 0)):
+        cm, root = make(8)
+        warm(cm, root, "a", prompt)
+        assert cm.evict(10) == 2
+        hashed = cm.hasher.num_block_hashes
+        assert cm.begin("b", root, prompt) == 0
+        assert cm.miss_breakdown("b") == {"cold": 0, "evicted": 8, "isolated": 0,
+                                          "unaligned_tail": 1}
+        assert cm.allocate("b", 9)
+        cm.publish("b", published, 8)
+        assert cm.hasher.num_block_hashes - hashed == 2 - reused
+        cm.check_integrity(verify_hashes=True)

@@ -108,6 +108,10 @@ def test_parent_is_chained() -> None:
         ({"kv_dtype": ""}, "kv_dtype"),
         ({"cache_salt": 3}, "cache_salt"),
         ({"adapter": ("only-name",)}, "adapter"),
+        ({"adapter": ("a", "")}, "adapter"),
+        ({"adapter": ("", "d")}, "adapter"),
+        ({"adapter": ("", "")}, "adapter"),
+        ({"block_size": 2**63}, "block_size"),
     ],
 )
 def test_identity_validation_names_field(kwargs: dict, field: str) -> None:
@@ -207,6 +211,50 @@ def test_media_digest_covers_format_shape_and_bytes() -> None:
         hasher.media_digest("rgb8", (2.0, 2), bytes(4))
 
 
+def test_identity_messages_exact() -> None:
+    with pytest.raises(ValueError) as exc:
+        CacheIdentity("r1", 4, "float32", ROPE, adapter=("a", ""))
+    assert str(exc.value) == ("adapter: must be None or a (name, weights_digest) tuple of "
+                              "non-empty strings, got ('a', '')")
+    with pytest.raises(ValueError) as exc:
+        CacheIdentity("r1", 2**63, "float32", ROPE)
+    assert str(exc.value) == f"block_size: must be an int in [1, 2**63), got {2**63}"
+    # The largest int64 still encodes (no struct.error anywhere in range).
+    top = CacheIdentity("r1", 2**63 - 1, "float32", ROPE).encode()
+    assert bytes.fromhex("4908000000ffffffffffffff7f") in top
+
+
+def test_media_digest_encodes_by_type_no_coercion() -> None:
+    hasher = BlockHasher()
+    want = GOLDEN_MM["xxh3_128"]["media"]
+    # Equivalent containers of the same values keep the golden digest (derivation unchanged).
+    data = bytes(range(12))
+    for shape, raw in (([2, 2, 3], data), ((2, 2, 3), bytearray(data)),
+                       ((2, 2, 3), memoryview(data))):
+        assert hasher.media_digest("rgb8", shape, raw).hex() == want
+    # Dimensions in [0, 2**63) are accepted, a zero dimension included.
+    assert len(hasher.media_digest("rgb8", (0, 2**63 - 1), b"")) == 16
+    cases = [
+        ((None, (1,), b"x"), "media_format: must be a str, got NoneType"),
+        ((b"png", (1,), b"x"), "media_format: must be a str, got bytes"),
+        (("png", (1,), 5), "data: must be bytes-like (bytes, bytearray, memoryview), got int"),
+        (("png", (1,), "x"), "data: must be bytes-like (bytes, bytearray, memoryview), got str"),
+        (("png", (1,), None),
+         "data: must be bytes-like (bytes, bytearray, memoryview), got NoneType"),
+        (("png", (-1,), b"x"), "shape: must be a tuple or list of ints in [0, 2**63), got (-1,)"),
+        (("png", (2**64,), b"x"),
+         f"shape: must be a tuple or list of ints in [0, 2**63), got ({2**64},)"),
+        (("png", (True,), b"x"),
+         "shape: must be a tuple or list of ints in [0, 2**63), got (True,)"),
+        (("png", "12", b"x"), "shape: must be a tuple or list of ints in [0, 2**63), got '12'"),
+        (("png", 3, b"x"), "shape: must be a tuple or list of ints in [0, 2**63), got 3"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError) as exc:
+            hasher.media_digest(*args)
+        assert str(exc.value) == message
+
+
 def test_block_extras_offsets_relative_to_block_start() -> None:
     d1, d2 = b"\x01" * 16, b"\x02" * 16
     items = validate_mm_items([(9, 2, d2), (2, 4, d1)], 12)
@@ -240,3 +288,21 @@ def test_packed_tokens_round_trip() -> None:
     assert as_packed_tokens(data) == data and as_packed_tokens([0, 1, 70000, 2**32 - 1]) == data
     with pytest.raises(ValueError, match="token_ids"):
         as_packed_tokens(b"\x00" * 5)
+
+
+def test_block_hasher_refuses_bad_arguments() -> None:
+    h = BlockHasher()
+    root = h.identity_root(IDENT)
+    for bad in (True, "4", 0, 2.0):
+        with pytest.raises(ValueError, match="block_size: must be a positive int"):
+            h.chain(root, [1, 2, 3, 4], bad)
+    for bad in (None, "root", bytearray(16)):
+        with pytest.raises(ValueError, match="parent_hash: must be bytes"):
+            h.chain(bad, [1, 2, 3, 4], 4)
+        with pytest.raises(ValueError, match="parent_hash: must be bytes"):
+            h.block_hash(bad, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="extras: must be bytes, got str"):
+        h.block_hash(root, [1, 2, 3, 4], "e")
+    with pytest.raises(ValueError, match="extras: 1 entries for 2 blocks"):
+        h.hash_blocks(root, pack_tokens(range(8)), 4, [b""])
+    assert h.num_block_hashes == 0  # nothing was hashed by the refused calls

@@ -219,3 +219,58 @@ def test_victim_naming_policy() -> None:
     assert tree.evict(2) == [2, 1]  # b became evictable first; then a's tail
     tree.check_integrity([])
     assert tree.evict(2) == [0]
+
+
+def test_bare_identity_roots_are_dropped_and_reattached() -> None:
+    tree, root, hasher = make_tree()
+    # A lookup that finds nothing locks the bare root as its cursor; its release drops the root.
+    tree.lock(root)
+    assert set(tree.roots) == {b"root-1"}
+    tree.unlock(root)
+    assert tree.roots == {}
+    # A caller that kept the object may lock it again: it is re-attached, not orphaned.
+    r = insert(tree, root, hasher, [1, 2, 3, 4, 5, 6, 7, 8], [0, 1])
+    assert tree.roots == {b"root-1": root}
+    tree.unlock(r.node)
+    assert tree.roots == {b"root-1": root}  # it holds blocks: kept
+    assert tree.evict(1) == [1] and tree.roots == {b"root-1": root}
+    assert tree.evict(1) == [0] and tree.roots == {}  # its last block evicted: dropped
+    tree.check_integrity([])
+    new = tree.root(b"root-1")
+    assert new is not root
+    with pytest.raises(RuntimeError, match="stale root"):
+        tree.lock(root)
+    assert tree.root(b"root-1") is new and new.lock_ref == 0
+
+
+def test_roots_holding_limit() -> None:
+    tree, root, hasher = make_tree()
+    others = [tree.root(f"other-{i}".encode()) for i in range(6)]
+    for i, other in enumerate(others):
+        tree.unlock(insert(tree, other, hasher, [1, 2, 3, 4], [i]).node)
+    key = pack_tokens([1, 2, 3, 4])
+    assert tree.roots_holding(key, root, 4) == others[:4]
+    assert tree.roots_holding(key, others[0], 2) == others[1:3]
+    assert tree.roots_holding(key, root) == others
+
+
+def test_insert_with_a_bad_block_id_changes_nothing() -> None:
+    tree, root, hasher = make_tree()
+    r = insert(tree, root, hasher, [1, 2, 3, 4], [0])
+    leaf = r.node
+    for bad in (["x"], [1.5], [None], [2**70]):
+        with pytest.raises((TypeError, OverflowError)):
+            tree.insert(leaf, pack_tokens([5, 6, 7, 8]), bad, hasher)  # the fast path
+        with pytest.raises((TypeError, OverflowError)):
+            tree._add_run(leaf, pack_tokens([5, 6, 7, 8]), bad, None, [b"h" * 16], 0.0, [])
+        assert (leaf.num_blocks, bytes(leaf.tokens), len(leaf.hashes)) == (
+            1, pack_tokens([1, 2, 3, 4]), 1)
+    tree.check_integrity([leaf], hasher.hash_fn)
+
+
+def test_constructor_refuses_bad_arguments() -> None:
+    for bad in (True, "4", 0, 2.0):
+        with pytest.raises(ValueError, match="block_size: must be a positive int"):
+            RadixTree(bad, get_policy("lru"))
+    with pytest.raises(ValueError, match="policy: must be an EvictionPolicy instance, got str"):
+        RadixTree(4, "lru")
