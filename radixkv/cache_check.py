@@ -84,6 +84,10 @@ def check_manager(cm: CacheManager, requests: dict[str, RequestState],
     cm.pool.check_integrity()
     cursors = [r.cursor for r in requests.values() if r.cursor is not None]
     tree_ids = cm.tree.check_integrity(cursors, hash_fn)
+    # Every lookup locks the root it makes, and the last unlock or eviction drops a bare one:
+    # a root without children or locks is state kept for an identity that holds nothing.
+    for root in cm.tree.roots.values():
+        assert root.children or root.lock_ref, f"bare identity root {root!r} kept"
     # The tree's blocks are the cached ones: each owned exactly once (by the tree) in the pool.
     assert len(tree_ids) == cm.pool.num_cached_blocks, (
         f"tree holds {len(tree_ids)} blocks, pool counts {cm.pool.num_cached_blocks} cached")
