@@ -92,7 +92,6 @@ class CachePublish:
                 req.last_hash = last_hash
                 req.num_published_blocks = num_full
                 return
-        ids = ids.tolist()
         if type(tb) is not bytes:
             tb = bytes(tb)
         extras = block_extras(req.mm_items, num_full, bs, start) if req.mm_items else None

@@ -82,6 +82,8 @@ class CacheConfig:
                  "num_blocks", f"must be a positive int or None, got {self.num_blocks!r}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  "kv_cache_memory_bytes", f"must be positive, got {self.kv_cache_memory_bytes!r}")
+        _require(type(self.enable_prefix_caching) is bool, "enable_prefix_caching",
+                 f"must be a bool, got {self.enable_prefix_caching!r}")
         problem = eviction_policy_problem(self.eviction_policy)
         _require(problem is None, "eviction_policy", problem or "")
         _require(self.hash_algo in ("xxh3_128", "sha256"),

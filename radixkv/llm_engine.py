@@ -119,8 +119,9 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self._rope = shape.rope_description()
         self._kv_dtype = str(self.model.dtype).removeprefix("torch.")
-        # (cache salt, adapter identity) -> root hash; bounded: salts are client-chosen.
-        self._roots: OrderedDict[tuple[str | None, tuple[str, str] | None], bytes] = OrderedDict()
+        # (cache salt, adapter identity) -> its CacheIdentity; bounded: salts are client-chosen.
+        self._identities: OrderedDict[tuple[str | None, tuple[str, str] | None],
+                                      CacheIdentity] = OrderedDict()
         self.adapters = LoRARegistry(shape, device=self.runner.device, dtype=self.model.dtype)
         for name, path in config.lora_adapters:
             self.load_lora(name, path)
@@ -138,17 +139,18 @@ class LLMEngine:
         new root, so KV computed with the old weights is never matched.
         """
         key = (cache_salt, adapter.identity if adapter is not None else None)
-        root = self._roots.get(key)
-        if root is not None:
-            self._roots.move_to_end(key)
-            return root
-        identity = CacheIdentity(model_revision=self.model.revision, block_size=self.block_size,
-                                 kv_dtype=self._kv_dtype, rope=self._rope,
-                                 cache_salt=cache_salt, adapter=key[1])
-        root = self._roots[key] = self.cache.identity_root(identity)
-        if len(self._roots) > IDENTITY_MEMO_SIZE:
-            self._roots.popitem(last=False)
-        return root
+        identity = self._identities.get(key)
+        if identity is not None:
+            self._identities.move_to_end(key)
+        else:
+            identity = CacheIdentity(model_revision=self.model.revision,
+                                     block_size=self.block_size, kv_dtype=self._kv_dtype,
+                                     rope=self._rope, cache_salt=cache_salt, adapter=key[1])
+            self._identities[key] = identity
+            if len(self._identities) > IDENTITY_MEMO_SIZE:
+                self._identities.popitem(last=False)
+        # Through the cache's own memo every time, so its LRU order follows real use.
+        return self.cache.identity_root(identity)
 
     # ------------------------------------------------------------------ LoRA adapters
     def check_lora_name(self, name: str, *, replace: bool = False) -> None:

@@ -49,7 +49,8 @@ class TreeInsert:
         Args:
             cursor: Node at whose end the blocks continue (locked by the caller).
             tokens: The blocks' tokens, ``len(block_ids) * B`` ids or their packed bytes.
-            block_ids: The caller's physical block holding each block.
+            block_ids: The caller's physical block holding each block (ints, or an
+                ``array('q')``).
             hasher: Hashes new blocks (``hash_blocks``).
             extras: Per-block extras, None for text.
             known_hashes: Chained hashes already computed for the leading blocks of the run
@@ -61,10 +62,13 @@ class TreeInsert:
         Raises:
             RuntimeError: if the caller does not lock ``cursor``.
             ValueError: naming ``block_ids`` if the sizes disagree.
+            TypeError, OverflowError: if a block id is not an int64; nothing is changed then.
         """
         if cursor.lock_ref <= 0:
             raise RuntimeError(f"insert at {cursor!r} which the caller does not lock")
         tb = tokens if type(tokens) is bytes else as_token_bytes(tokens)
+        if type(block_ids) is not array or block_ids.typecode != BLOCK_ID_TYPECODE:
+            block_ids = array(BLOCK_ID_TYPECODE, block_ids)  # a bad id raises before any change
         count = len(block_ids)
         if len(tb) != count * self.block_bytes or (extras is not None and len(extras) != count):
             raise ValueError(f"block_ids: {count} ids for {len(tb) // 4} tokens "
@@ -72,7 +76,7 @@ class TreeInsert:
         if extras is None and not known_hashes:
             last_hash = self.extend_leaf(cursor, tb, block_ids, hasher)
             if last_hash is not None:
-                return InsertResult(cursor, last_hash, block_ids, [])
+                return InsertResult(cursor, last_hash, block_ids.tolist(), [])
         now = self._clock()
         node = cursor
         k = 0
@@ -86,7 +90,7 @@ class TreeInsert:
                 child.last_access_s = now
                 node = child
         if k == count:
-            return InsertResult(node, node.end_hash, [], list(block_ids))
+            return InsertResult(node, node.end_hash, [], block_ids.tolist())
         bb = self.block_bytes
         rest_tb = tb[k * bb :] if k else tb
         rest_ids = block_ids[k:] if k else block_ids
@@ -95,7 +99,7 @@ class TreeInsert:
         hashes = known + hasher.hash_blocks(known[-1] if known else node.end_hash,
                                             rest_tb[len(known) * bb :], self.block_size,
                                             rest_x[len(known) :] if rest_x is not None else None)
-        return self._add_run(node, rest_tb, rest_ids, rest_x, hashes, now, list(block_ids[:k]))
+        return self._add_run(node, rest_tb, rest_ids, rest_x, hashes, now, block_ids[:k].tolist())
 
     def extend_leaf(self, cursor: Node, tb: bytes, block_ids: Sequence[int],
                     hasher: RunHasher) -> bytes | None:
@@ -133,11 +137,11 @@ class TreeInsert:
             self.policy.on_insert(cursor, count)
         return hashes[-1]
 
-    def _add_run(self, node: Node, tb: bytes, block_ids: list[int],
+    def _add_run(self, node: Node, tb: bytes, block_ids: Sequence[int],
                  extras: Sequence[bytes] | None, hashes: list[bytes], now: float,
                  duplicates: list[int]) -> InsertResult:
         count = len(block_ids)
-        ids = array(BLOCK_ID_TYPECODE, block_ids)  # a bad id raises before any change
+        ids = array(BLOCK_ID_TYPECODE, block_ids)
         if extras is not None and not any(extras):
             extras = None
         if node.parent is not None and not node.children and node.lock_ref == 1:
@@ -166,4 +170,4 @@ class TreeInsert:
         self.num_locked_blocks += count
         if self._notify_policy:
             self.policy.on_insert(new, count)
-        return InsertResult(new, hashes[-1], block_ids, duplicates)
+        return InsertResult(new, hashes[-1], ids.tolist(), duplicates)

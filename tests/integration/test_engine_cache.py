@@ -200,3 +200,35 @@ def test_c06_model_revision_is_part_of_the_cache_identity(tiny, tmp_path):
     # Engine level: the revision reaches the identity root the engine matches under.
     engines = [make_engine(m) for m in (tiny, other)]
     assert engines[0].cache_root(None) != engines[1].cache_root(None)
+
+
+def test_identity_memos_stay_bounded_and_in_step(tiny, monkeypatch):
+    """Client-chosen salts must not grow the engine's or the cache's memos; an identity in use
+    stays in both (a hit in the engine's memo refreshes the cache's)."""
+    from radixkv import cache_manager, llm_engine
+    monkeypatch.setattr(cache_manager, "IDENTITY_MEMO_SIZE", 3)
+    monkeypatch.setattr(llm_engine, "IDENTITY_MEMO_SIZE", 3)
+    engine = make_engine(tiny)
+    prompt = list(range(100, 121))  # 21 tokens: 5 full blocks, 4 cacheable below the cap
+
+    def cached(tokens, salt):
+        (req,) = engine.generate([tokens], GREEDY, cache_salt=salt)
+        engine.cache.check_integrity()
+        return req.num_cached_tokens
+
+    assert cached(prompt, "keep") == 0
+    keep_root = engine.cache_root("keep")
+    for i in range(10):
+        engine.cache_root("keep")  # in use between one-off salts
+        cached([7, 8, 9, 10, 11], f"once-{i}")
+    assert len(engine._identities) == 3 and len(engine.cache._roots) == 3
+    assert engine.cache._tenants[keep_root] == "keep"  # still memoised by the cache
+    assert cached(prompt, "keep") == 20
+    # One-off salts' blocks stay cached (evictable) under their roots; nothing else is kept.
+    assert len(engine.cache.tree.roots) == 11
+
+
+def test_cache_config_refuses_a_non_bool_prefix_caching_flag():
+    for bad in (0, 1, None, "no"):
+        with pytest.raises(ValueError, match="enable_prefix_caching: must be a bool"):
+            CacheConfig(enable_prefix_caching=bad)

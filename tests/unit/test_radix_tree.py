@@ -266,6 +266,15 @@ def test_insert_with_a_bad_block_id_changes_nothing() -> None:
         assert (leaf.num_blocks, bytes(leaf.tokens), len(leaf.hashes)) == (
             1, pack_tokens([1, 2, 3, 4]), 1)
     tree.check_integrity([leaf], hasher.hash_fn)
+    tree.unlock(leaf)
+    # Where the insert would first follow the cached block (moving the lock): still nothing
+    # changes.
+    tree.lock(root)
+    before = [(n.num_blocks, n.lock_ref) for n in tree.iter_nodes()]
+    with pytest.raises(TypeError):
+        tree.insert(root, pack_tokens([1, 2, 3, 4, 9, 9, 9, 9]), [5, "x"], hasher)
+    assert [(n.num_blocks, n.lock_ref) for n in tree.iter_nodes()] == before == [(1, 0)]
+    tree.check_integrity([root], hasher.hash_fn)
 
 
 def test_constructor_refuses_bad_arguments() -> None:
