@@ -7,7 +7,8 @@ import math
 import sys
 from pathlib import Path
 
-from radixkv.config import eviction_policy_problem, online_eviction_policies
+from radixkv.cli import eviction_policy_arg, non_negative_int, positive_int
+from radixkv.config import online_eviction_policies
 
 # Token counts (inclusive ranges) the generator draws: each session's own opening, each reply,
 # each tool output. The shortest prompt is therefore system + HISTORY_TOKENS[0] tokens.
@@ -24,26 +25,6 @@ DEFAULT_WORKLOAD = {"sessions": 48, "turns": 10, "block_size": 16, "system_token
                     "seed": 0}
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -52,14 +33,6 @@ def _fraction(text: str) -> float:
     if not (math.isfinite(value) and 0 < value <= 1):
         raise argparse.ArgumentTypeError(f"must be a finite number in (0, 1], got {text}")
     return value
-
-
-def _policy(text: str) -> str:
-    # The replay has no trace to look ahead in, so the offline oracles cannot run here.
-    problem = eviction_policy_problem(text)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return text
 
 
 def _sizes(text: str) -> list[int]:
@@ -81,32 +54,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tie two flags together (and ``--json``'s folder) are in :func:`check_args`.
     """
     d = DEFAULT_WORKLOAD
-    parser.add_argument("--sessions", type=_positive_int, default=d["sessions"],
+    parser.add_argument("--sessions", type=positive_int, default=d["sessions"],
                         help="agent sessions (>= 1)")
-    parser.add_argument("--turns", type=_positive_int, default=d["turns"],
+    parser.add_argument("--turns", type=positive_int, default=d["turns"],
                         help="turns per session (>= 1)")
-    parser.add_argument("--block-size", type=_positive_int, default=d["block_size"],
+    parser.add_argument("--block-size", type=positive_int, default=d["block_size"],
                         help="tokens per block (B >= 1), at most the shortest prompt: "
                              f"--system-tokens + {HISTORY_TOKENS[0]}")
-    parser.add_argument("--system-tokens", type=_non_negative_int, default=d["system_tokens"],
+    parser.add_argument("--system-tokens", type=non_negative_int, default=d["system_tokens"],
                         help="shared system prompt (>= 0; 0 = none, sessions share nothing)")
     parser.add_argument("--capacity-fraction", type=_fraction, default=d["capacity_fraction"],
                         help="pool blocks as a fraction in (0, 1] of the workload's distinct "
                              "blocks; the pool never holds fewer blocks than the largest "
                              "request needs (its prompt and reply, plus one)")
-    parser.add_argument("--policy", type=_policy, default=d["policy"],
+    parser.add_argument("--policy", type=eviction_policy_arg, default=d["policy"],
                         help=f"eviction policy: {', '.join(online_eviction_policies())} (the "
                              "offline oracles need a trace's future: see bench eviction)")
-    parser.add_argument("--publish-interval-blocks", type=_positive_int,
+    parser.add_argument("--publish-interval-blocks", type=positive_int,
                         default=d["publish_interval_blocks"],
                         help="generated blocks published per batch, as the engine's flag (>= 1)")
     parser.add_argument("--seed", type=int, default=d["seed"])
-    parser.add_argument("--repeat", type=_positive_int, default=3,
+    parser.add_argument("--repeat", type=positive_int, default=3,
                         help="replays of the workload (>= 1); each operation keeps its fastest "
                              "replay (the machine may be shared)")
     parser.add_argument("--c18-sizes", type=_sizes, default="5000,50000",
                         help="leaf counts for C18 (comma list), each >= 3 x --c18-ops")
-    parser.add_argument("--c18-ops", type=_positive_int, default=1000,
+    parser.add_argument("--c18-ops", type=positive_int, default=1000,
                         help="evictions and hits for C18 (>= 1)")
     parser.add_argument("--skip-c18", action="store_true")
     parser.add_argument("--json", default=None, metavar="PATH",

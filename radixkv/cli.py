@@ -32,7 +32,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in blocks (default: from --kv-cache-memory)")
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="KV pool memory in GiB (default 4 on CPU, ~90%% of free memory on CUDA)")
-    p.add_argument("--eviction-policy", type=_eviction_policy, default="lru",
+    p.add_argument("--eviction-policy", type=eviction_policy_arg, default="lru",
                    help=f"eviction policy: {', '.join(online_eviction_policies())}")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
@@ -52,15 +52,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help='JSON {"<key>": {"tenant": "<name>", "admin": false}}: require '
                         "'Authorization: Bearer <key>', one cache namespace per tenant")
-    p.add_argument("--max-queue", type=_non_negative, default=None,
+    p.add_argument("--max-queue", type=non_negative_int, default=None,
                    help="most sequences waiting beyond --max-num-seqs; more get 503 with "
                         "Retry-After (default: unbounded)")
-    p.add_argument("--max-concurrency-per-tenant", type=_positive, default=None,
+    p.add_argument("--max-concurrency-per-tenant", type=positive_int, default=None,
                    help="most in-flight requests per tenant; more get 429 (default: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may finish before they are "
                         "aborted")
-    p.add_argument("--max-body-bytes", type=_positive, default=8 << 20,
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20,
                    help="largest request body; larger ones get 413")
 
 
@@ -78,26 +78,35 @@ def _port(text: str) -> int:
     return port
 
 
-def _eviction_policy(text: str) -> str:
-    # Checked here, not when the engine builds its cache: that comes after the model loads and
-    # the KV pool is allocated.
+def eviction_policy_arg(text: str) -> str:
+    """argparse type: a registered eviction policy a live cache can run (not an oracle).
+
+    Checked at parsing, not when the engine builds its cache: that comes after the model loads
+    and the KV pool is allocated.
+    """
     problem = eviction_policy_problem(text)
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
     return text
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (one-line error naming the value otherwise)."""
+    return _int_at_least(text, 1)
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0 (one-line error naming the value otherwise)."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
 
 
