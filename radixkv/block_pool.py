@@ -9,11 +9,11 @@ Blocks are ``0 .. num_blocks-1``. The pool tracks whether a block is owned and b
 Publishing (:meth:`to_cached`) hands a block's single ownership from its request to the tree:
 it checks the run (its end blocks and the private count; every block when
 :attr:`BlockPool.check_every_block` is set) but writes nothing per block, only the
-private/cached counters, because which owned blocks are cached is the tree's knowledge (``node.block_ids``),
-as is whether a cached block is *evictable* or *locked* (``lock_ref``). ``CacheManager``
-combines the pool, the tree and its requests into the four states of DESIGN.md §4 (free,
-private, cached-evictable, cached-locked), and its ``check_integrity`` verifies that every block
-the tree holds is owned exactly once here and held privately by no request.
+private/cached counters, because which owned blocks are cached is the tree's knowledge
+(``node.block_ids``), as is whether a cached block is *evictable* or *locked* (``lock_ref``).
+``CacheManager`` combines the pool, the tree and its requests into the four states of DESIGN.md
+§4 (free, private, cached-evictable, cached-locked), and its ``check_integrity`` verifies that
+every block the tree holds is owned exactly once here and held privately by no request.
 
 The pool never evicts: when ``allocate`` cannot be served, the cache manager asks the tree to
 evict leaves, returns their blocks with :meth:`free_cached`, and retries.
