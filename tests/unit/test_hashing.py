@@ -305,4 +305,6 @@ def test_block_hasher_refuses_bad_arguments() -> None:
         h.block_hash(root, [1, 2, 3, 4], "e")
     with pytest.raises(ValueError, match="extras: 1 entries for 2 blocks"):
         h.hash_blocks(root, pack_tokens(range(8)), 4, [b""])
+    with pytest.raises(ValueError, match="token_bytes: 28 bytes are not whole blocks of 16"):
+        h.hash_blocks(root, pack_tokens(range(7)), 4)
     assert h.num_block_hashes == 0  # nothing was hashed by the refused calls
