@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from radixkv.cache_check import RequestState
+from radixkv.cache_publish import count_arg
 
 if TYPE_CHECKING:
     from radixkv.block_pool import BlockPool
@@ -57,10 +58,8 @@ class CacheFork:
                 computed blocks are not published yet.
         """
         parent = self._requests[parent_request_id]
-        if num_computed_tokens is not None and (type(num_computed_tokens) is not int
-                                                or num_computed_tokens < 0):
-            raise ValueError(f"num_computed_tokens: must be an int >= 0, got "
-                             f"{num_computed_tokens!r}")
+        if num_computed_tokens is not None:
+            count_arg("num_computed_tokens", num_computed_tokens)
         if child_request_id in self._requests:
             raise ValueError(f"child_request_id: {child_request_id!r} is already active")
         bs = self.block_size
