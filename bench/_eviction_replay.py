@@ -17,11 +17,12 @@ from collections import defaultdict
 from typing import Callable
 
 from _eviction_trace import Trace  # bench/ is on sys.path (see bench/eviction.py)
-from radixkv.cache_manager import CacheManager
+
+from radixkv.cache.hashing import BlockHasher, CacheIdentity
+from radixkv.cache.manager import CacheManager
+from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.eviction import make_policy
 from radixkv.eviction.cost_model import CostShape, prefill_flops
-from radixkv.hashing import BlockHasher, CacheIdentity
-from radixkv.radix_tree import RadixTree
 
 ORACLES = ("belady", "belady-cost")
 

@@ -190,7 +190,7 @@ def interleave(sessions: list[list], concurrency: int) -> list:
 
 def load_chat(source: str, path: str | None, block_size: int, concurrency: int,
               tokenizer=None) -> Trace:
-    """Agent transcripts (``radixkv.transcripts`` source), tokenized with the embedded model's
+    """Agent transcripts (``radixkv.tools.transcripts`` source), tokenized with the embedded model's
     chat template; the clock is the request's ordinal (seconds).
 
     Args:
@@ -200,7 +200,7 @@ def load_chat(source: str, path: str | None, block_size: int, concurrency: int,
         concurrency: Sessions in flight (see :func:`interleave`).
         tokenizer: A ``ChatTokenizer`` (default: the embedded SmolLM2's).
     """
-    from radixkv.transcripts import load_source
+    from radixkv.tools.transcripts import load_source
 
     sessions = load_source(source, path)
     if tokenizer is None:

@@ -27,7 +27,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from radixkv.transcripts import ideal_cached_tokens
+from radixkv.tools.transcripts import ideal_cached_tokens
 
 WARMUP_SALT_PREFIX = "radixkv-bench-warmup-"
 
@@ -195,7 +195,7 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
 
     Args:
         url: Server base URL.
-        sessions: Normalised requests per session (``radixkv.transcripts``), already cut to
+        sessions: Normalised requests per session (``radixkv.tools.transcripts``), already cut to
             the turns to replay.
         concurrency: Closed loop: sessions in flight (>= 1; None means 1). Open loop: most
             requests in flight (None: no cap).

@@ -36,10 +36,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tqdm import tqdm  # noqa: E402
-
 import _eviction_replay as replay_mod  # noqa: E402
 import _eviction_trace as trace_mod  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
 from radixkv.eviction import available_policies  # noqa: E402
 from radixkv.eviction.cost_model import PRESETS, get_shape  # noqa: E402
 

@@ -40,10 +40,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _serve_replay  # noqa: E402
 import aiohttp  # noqa: E402
 
-import _serve_replay  # noqa: E402
-from radixkv.transcripts import SOURCES, load_source  # noqa: E402
+from radixkv.tools.transcripts import SOURCES, load_source  # noqa: E402
 
 replay = _serve_replay.replay
 

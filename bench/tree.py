@@ -65,17 +65,25 @@ from typing import Any
 
 import xxhash
 
-from radixkv.cache_manager import CacheManager
+from radixkv.cache.hashing import BlockHasher, CacheIdentity, pack_tokens
+from radixkv.cache.manager import CacheManager
+from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.eviction import get_policy
-from radixkv.hashing import BlockHasher, CacheIdentity, pack_tokens
-from radixkv.radix_tree import RadixTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Flags, their checks and the targets (re-exported: the CLI calls add_arguments and run).
-from _tree_args import (C18_MAX_RATIO, DEFAULT_WORKLOAD, HISTORY_TOKENS,  # noqa: E402,F401
-                        REPLY_TOKENS, TARGETS, TOOL_TOKENS, add_arguments, check_args,
-                        usage_error)
+from _tree_args import (  # noqa: E402,F401
+    C18_MAX_RATIO,
+    DEFAULT_WORKLOAD,
+    HISTORY_TOKENS,
+    REPLY_TOKENS,
+    TARGETS,
+    TOOL_TOKENS,
+    add_arguments,
+    check_args,
+    usage_error,
+)
 
 VOCAB = 49152
 @dataclass

@@ -25,8 +25,8 @@ import math
 from typing import Any, Callable
 
 from .base import NodeView, PriorityPolicy, register
-from .gdsf import _TERA, GreedyDualPolicy
 from .cost_model import CostShape, prefill_flops
+from .gdsf import _TERA, GreedyDualPolicy
 
 NextUse = Callable[[NodeView], float]
 

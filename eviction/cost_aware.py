@@ -48,7 +48,7 @@ N. Beckmann, H. Chen, A. Cidon, "LHD: Improving Cache Hit Rate by Maximizing Hit
 NSDI 2018 (value per space-time, hence the dependence on reuse gaps vs. residency).
 
 The ghost needs the tree's chained block hashes (``node.hashes``, present on
-``radixkv.radix_tree`` nodes); a node view without them simply gets no inherited history.
+``radixkv.cache.tree.radix_tree`` nodes); a node view without them simply gets no inherited history.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 def _env_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 

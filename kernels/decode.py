@@ -23,9 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import (check_device, dot_precision, interpreting, last_dim_contiguous,
-                             next_pow2, online_softmax_step, scores_to_log2, staging_output,
-                             upcast_tiles)
+from ._triton_common import (
+    check_device,
+    dot_precision,
+    interpreting,
+    last_dim_contiguous,
+    next_pow2,
+    online_softmax_step,
+    scores_to_log2,
+    staging_output,
+    upcast_tiles,
+)
 
 __all__ = ["decode_attention", "default_num_kv_splits"]
 

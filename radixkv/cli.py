@@ -13,8 +13,14 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from radixkv.config import (GIB, CacheConfig, EngineConfig, SchedulerConfig,
-                            eviction_policy_problem, online_eviction_policies)
+from radixkv.config import (
+    GIB,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    eviction_policy_problem,
+    online_eviction_policies,
+)
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 
@@ -136,7 +142,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from radixkv.engine import AsyncEngine
+    from radixkv.engine.async_engine import AsyncEngine
     from radixkv.server.app import run_server
     from radixkv.server.auth import load_api_keys
 
@@ -184,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible server"))
-    from radixkv.chat_cli import add_arguments as add_chat_args
+    from radixkv.tools.chat import add_arguments as add_chat_args
     add_chat_args(sub.add_parser("chat", help="interactive terminal chat against a server, "
                                               "showing each turn's cached tokens"))
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "chat":
-        from radixkv.chat_cli import main as chat_main
+        from radixkv.tools.chat import main as chat_main
         return chat_main(args)
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from radixkv.block_pool import BlockPool  # noqa: E402
+from radixkv.cache.pool import BlockPool  # noqa: E402
 from radixkv.model.loader import LoadedModel, embedded_tokenizer_dir, load_model  # noqa: E402
 
 # Tests check every block a publish hands to the tree (the hot path checks the run's ends).

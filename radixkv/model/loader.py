@@ -28,8 +28,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from .config import ModelShape  # noqa: E402
 from .digest import cache_dir, file_sha256  # noqa: E402
-from .hf_loader import (generation_eos_ids, hf_revision, load_hf_weights,  # noqa: E402
-                        read_hf_config, shape_from_hf_config)
+from .hf_loader import generation_eos_ids, hf_revision, load_hf_weights, read_hf_config, shape_from_hf_config  # noqa: E402
 from .tokenizer import ChatTokenizer  # noqa: E402
 
 __all__ = ["LoadedModel", "load_model", "embedded_gguf_path", "embedded_tokenizer_dir", "EMBEDDED_PACKAGE"]

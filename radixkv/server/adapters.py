@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from radixkv.engine import LoRAError, LoRAInUseError, LoRANotFoundError
+from radixkv.engine.async_engine import LoRAError, LoRAInUseError, LoRANotFoundError
 from radixkv.server.errors import APIError, bad_request, json_response
 from radixkv.server.params import opt_bool, refuse_unknown_keys
 
 if TYPE_CHECKING:
-    from radixkv.engine import AsyncEngine
+    from radixkv.engine.async_engine import AsyncEngine
 
 # vLLM's request bodies also carry an optional ``lora_int_id`` (its internal slot id): accepted
 # and ignored (adapters are addressed by name here).

@@ -39,10 +39,18 @@ from radixkv.server import adapters
 from radixkv.server.auth import REQUEST_TENANT, KeyStore, Tenant, auth_middleware, cache_salt_for
 from radixkv.server.completions import DEFAULT_MAX_TOKENS, parse_completion_request
 from radixkv.server.errors import (
-    SERVER_ERROR, APIError, bad_request, error_middleware, json_response,
+    SERVER_ERROR,
+    APIError,
+    bad_request,
+    error_middleware,
+    json_response,
 )
 from radixkv.server.generation import (
-    ServerState, counted, generate_response, remember_outputs, resolve_max_tokens,
+    ServerState,
+    counted,
+    generate_response,
+    remember_outputs,
+    resolve_max_tokens,
 )
 from radixkv.server.metrics import make_registry, render
 from radixkv.server.openapi import openapi_document
@@ -50,7 +58,7 @@ from radixkv.server.protocol import parse_chat_request, parse_json_object, parse
 from radixkv.server.responses import ChatCompletion, TextCompletion
 
 if TYPE_CHECKING:
-    from radixkv.engine import AsyncEngine
+    from radixkv.engine.async_engine import AsyncEngine
 
 log = structlog.get_logger(__name__)
 
@@ -118,7 +126,7 @@ async def chat_completions(request: web.Request, state: ServerState, tenant: Ten
     lora = adapters.selected_lora(body, engine)
     _check_healthy(engine)
     salt = cache_salt_for(tenant, req.cache_salt)
-    # The model's own earlier replies keep their generated ids (radixkv.output_memory).
+    # The model's own earlier replies keep their generated ids (radixkv.server.output_memory).
     prompt = await _tokenize_chat(engine, req.messages, req.tools, state.outputs.lookup_in(salt))
     param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
     max_tokens = resolve_max_tokens(req.max_tokens, None, param, len(prompt), engine, "messages")

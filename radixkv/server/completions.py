@@ -14,7 +14,12 @@ from typing import Any
 
 from radixkv.server.errors import bad_request
 from radixkv.server.params import (
-    Sampling, check_model, is_int, opt_bool, parse_sampling, refuse_unimplemented_sampling,
+    Sampling,
+    check_model,
+    is_int,
+    opt_bool,
+    parse_sampling,
+    refuse_unimplemented_sampling,
     refuse_unknown_keys,
 )
 

@@ -19,16 +19,22 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
-from radixkv.engine import EngineDeadError, QueueFullError
-from radixkv.output_memory import OutputMemory, ids_for_text
+from radixkv.engine.async_engine import EngineDeadError, QueueFullError
 from radixkv.server.auth import KeyStore, Tenant
 from radixkv.server.errors import (
-    SERVER_ERROR, APIError, bad_request, json_response, queue_full, shutting_down, tenant_limit,
+    SERVER_ERROR,
+    APIError,
+    bad_request,
+    json_response,
+    queue_full,
+    shutting_down,
+    tenant_limit,
 )
+from radixkv.server.output_memory import OutputMemory, ids_for_text
 from radixkv.server.responses import SSE_DONE, usage
 
 if TYPE_CHECKING:
-    from radixkv.engine import AsyncEngine, RequestOutput, RequestStream
+    from radixkv.engine.async_engine import AsyncEngine, RequestOutput, RequestStream
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +57,7 @@ class ServerState:
         in_flight: Completion requests admitted and not yet finished.
         outcomes: Completion requests by outcome (``OUTCOMES``), for /metrics.
         outputs: token ids of recent chat replies per cache salt, so that a reply sent back
-            as history is tokenized as it was generated (``radixkv.output_memory``).
+            as history is tokenized as it was generated (``radixkv.server.output_memory``).
     """
 
     engine: AsyncEngine

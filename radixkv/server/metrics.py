@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 try:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.core import (
-        CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
     )
     from prometheus_client.utils import floatToGoString
 except ImportError:  # pragma: no cover - a declared dependency; /metrics says so if missing

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from radixkv.sampling import SamplingParams
+from radixkv.engine.sampling import SamplingParams
 from radixkv.server.errors import APIError, bad_request
 
 JSON_CONTENT_TYPES = ("application/json",)

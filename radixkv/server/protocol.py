@@ -14,8 +14,17 @@ from typing import Any
 
 from radixkv.server.errors import bad_request
 from radixkv.server.params import (  # some re-exported (see __all__)
-    JSON_CONTENT_TYPES, MAX_CHOICES, MAX_SALT_CHARS, check_model, json_depth, opt_bool, parse_json_object,
-    Sampling, parse_sampling, refuse_unimplemented_sampling, refuse_unknown_keys,
+    JSON_CONTENT_TYPES,
+    MAX_CHOICES,
+    MAX_SALT_CHARS,
+    Sampling,
+    check_model,
+    json_depth,
+    opt_bool,
+    parse_json_object,
+    parse_sampling,
+    refuse_unimplemented_sampling,
+    refuse_unknown_keys,
 )
 
 __all__ = ["CHAT_KEYS", "JSON_CONTENT_TYPES", "MAX_CHOICES", "ChatRequest", "TokenizeRequest",

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from radixkv.llm_engine import LLMEngine
+from radixkv.engine.llm_engine import LLMEngine
+from radixkv.engine.request import RequestStatus
+from radixkv.engine.sampling import SamplingParams
 from radixkv.model.loader import load_model
-from radixkv.request import RequestStatus
-from radixkv.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -173,8 +173,8 @@ def test_stop_string_and_eos(tiny):
 
 
 def test_c06_model_revision_is_part_of_the_cache_identity(tiny, tmp_path):
-    from radixkv.cache_manager import CacheManager
-    from radixkv.hashing import CacheIdentity
+    from radixkv.cache.hashing import CacheIdentity
+    from radixkv.cache.manager import CacheManager
     from tests.conftest import make_tiny_model_dir
 
     other = load_model(str(make_tiny_model_dir(tmp_path / "r2", seed=99)))
@@ -205,7 +205,8 @@ def test_c06_model_revision_is_part_of_the_cache_identity(tiny, tmp_path):
 def test_identity_memos_stay_bounded_and_in_step(tiny, monkeypatch):
     """Client-chosen salts must not grow the engine's or the cache's memos; an identity in use
     stays in both (a hit in the engine's memo refreshes the cache's)."""
-    from radixkv import cache_manager, llm_engine
+    from radixkv.cache import manager as cache_manager
+    from radixkv.engine import llm_engine
     monkeypatch.setattr(cache_manager, "IDENTITY_MEMO_SIZE", 3)
     monkeypatch.setattr(llm_engine, "IDENTITY_MEMO_SIZE", 3)
     engine = make_engine(tiny)

@@ -11,10 +11,10 @@ import random
 import pytest
 
 from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from radixkv.llm_engine import LLMEngine
+from radixkv.engine.llm_engine import LLMEngine
+from radixkv.engine.request import RequestStatus
+from radixkv.engine.sampling import SamplingParams
 from radixkv.model.loader import load_model
-from radixkv.request import RequestStatus
-from radixkv.sampling import SamplingParams
 from tests.conftest import make_tiny_model_dir
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from radixkv.llm_engine import LLMEngine
+from radixkv.engine.llm_engine import LLMEngine
+from radixkv.engine.sampling import SamplingParams
 from radixkv.model.loader import load_model
-from radixkv.sampling import SamplingParams
 
 B = 4
 PROMPT = [100 + 7 * i for i in range(10)]  # 10 tokens: 2 full prompt blocks + 2 in the tail

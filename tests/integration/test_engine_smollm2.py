@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from radixkv.config import CacheConfig, EngineConfig
-from radixkv.llm_engine import LLMEngine
-from radixkv.sampling import SamplingParams
+from radixkv.engine.llm_engine import LLMEngine
+from radixkv.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.smollm2
 

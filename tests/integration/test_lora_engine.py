@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from radixkv.llm_engine import LLMEngine, LoRAInUseError, LoRANotFoundError
+from radixkv.engine.llm_engine import LLMEngine, LoRAInUseError, LoRANotFoundError
+from radixkv.engine.sampling import SamplingParams
 from radixkv.model.lora import LoRAError, read_adapter
 from radixkv.model.runner import ModelRunner
-from radixkv.sampling import SamplingParams
 from tests.lora_files import ATTN, merged_model, write_adapter
 
 TINY_ATOL = 1e-5

@@ -14,7 +14,6 @@ import transformers
 
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner
-
 from tests.conftest import make_tiny_model_dir
 
 ATOL = 1e-5

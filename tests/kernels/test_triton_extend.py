@@ -16,8 +16,15 @@ import torch
 
 from radixkv.kernels import reference
 from radixkv.kernels import triton_backend as triton_ops
-from tests.kernels.paged import (DEVICE, LSE_TOL, dtype_id, make_paged_batch, nan_like,
-                                 reference_extend, tolerance)
+from tests.kernels.paged import (
+    DEVICE,
+    LSE_TOL,
+    dtype_id,
+    make_paged_batch,
+    nan_like,
+    reference_extend,
+    tolerance,
+)
 
 BLOCK_M = triton_ops.extend_block_sizes(64, torch.float32, DEVICE)[0]
 

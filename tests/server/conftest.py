@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from radixkv.engine import AsyncEngine
+from radixkv.engine.async_engine import AsyncEngine
 from radixkv.model.loader import LoadedModel
 from radixkv.server.app import serve
 

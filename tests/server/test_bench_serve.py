@@ -10,8 +10,9 @@ import sys
 import aiohttp
 import pytest
 
-from radixkv.cli import load_bench, main as cli_main
-from radixkv.transcripts import ideal_cached_tokens, load_tau_bench
+from radixkv.cli import load_bench
+from radixkv.cli import main as cli_main
+from radixkv.tools.transcripts import ideal_cached_tokens, load_tau_bench
 from tests.server.conftest import BLOCK_SIZE
 
 KEYS = {"requests", "skipped_requests", "prompt_tokens", "cached_tokens", "ideal_cached_tokens",
@@ -79,7 +80,7 @@ def test_cli_counts_skipped_requests_and_compares(server, tmp_path, capsys, monk
 
 
 def test_open_loop_with_warmup_writes_json_and_png(server, tmp_path):
-    from radixkv.transcripts import load_source
+    from radixkv.tools.transcripts import load_source
 
     bench = load_bench("serve")
     requests = [r for s in load_source("mini-swe-agent") for r in s]

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from radixkv import chat_cli
-from radixkv.chat_cli import add_arguments, normalise_url, run_chat, status_line
 from radixkv.cli import build_parser
+from radixkv.tools import chat as chat_cli
+from radixkv.tools.chat import add_arguments, normalise_url, run_chat, status_line
 from tests.server.conftest import BLOCK_SIZE
 from tests.server.helpers import post_json
 

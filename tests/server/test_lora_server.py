@@ -16,7 +16,7 @@ import torch
 
 from radixkv.cli import build_parser, main
 from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from radixkv.engine import AsyncEngine
+from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server.auth import load_api_keys
 from tests.lora_files import ATTN, peft_key, write_adapter
 from tests.server.conftest import RunningServer, run_server_in_thread

@@ -6,7 +6,10 @@ import pytest
 
 from radixkv.server.errors import APIError
 from radixkv.server.protocol import (
-    parse_chat_request, parse_json_object, parse_tokenize_request, validate_messages,
+    parse_chat_request,
+    parse_json_object,
+    parse_tokenize_request,
+    validate_messages,
 )
 
 MODEL = "tiny"

@@ -231,13 +231,13 @@ def test_cli_flags():
 
 
 def test_cli_refuses_an_eviction_policy_before_loading_anything(monkeypatch, capsys):
-    import radixkv.engine
+    import radixkv.engine.async_engine
     from radixkv.config import CacheConfig
 
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine (model, KV pool) was built before the policy check")
 
-    monkeypatch.setattr(radixkv.engine, "AsyncEngine", no_engine)
+    monkeypatch.setattr(radixkv.engine.async_engine, "AsyncEngine", no_engine)
     usable = "usable: cost, fifo, gdsf, lfu, lru, s3fifo"
     oracle = "'belady' is an offline oracle that needs the trace's future (bench eviction only)"
     for name, reason in (("nope", "unknown policy 'nope'"), ("belady", oracle)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from radixkv.stats import EngineStats, LatencyHistogram
+from radixkv.engine.stats import EngineStats, LatencyHistogram
 
 
 def test_tenant_counters_are_recorded_once_at_admission_and_sum_to_global():

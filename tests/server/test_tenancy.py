@@ -14,7 +14,12 @@ import openai
 import pytest
 
 from radixkv.server.auth import (
-    KeyStore, Tenant, authenticate, cache_salt_for, load_api_keys, parse_api_keys,
+    KeyStore,
+    Tenant,
+    authenticate,
+    cache_salt_for,
+    load_api_keys,
+    parse_api_keys,
 )
 from radixkv.server.errors import APIError
 from tests.server.conftest import RunningServer, make_engine, run_server_in_thread

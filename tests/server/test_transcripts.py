@@ -7,9 +7,14 @@ import time
 
 import pytest
 
-from radixkv.transcripts import (
-    DEFAULT_TRANSCRIPTS_DIR, TAU_BENCH_AIRLINE, ideal_cached_tokens, load_source, load_tau_bench,
-    normalise_message, requests_from_history,
+from radixkv.tools.transcripts import (
+    DEFAULT_TRANSCRIPTS_DIR,
+    TAU_BENCH_AIRLINE,
+    ideal_cached_tokens,
+    load_source,
+    load_tau_bench,
+    normalise_message,
+    requests_from_history,
 )
 
 TAU_FILE = DEFAULT_TRANSCRIPTS_DIR / TAU_BENCH_AIRLINE

@@ -114,7 +114,7 @@ def test_driver_reports_bad_input(tmp_path: Path) -> None:
 
 
 def test_swe_agent_loader_counts_and_prefixes() -> None:
-    from radixkv.transcripts import DEFAULT_TRANSCRIPTS_DIR, load_source
+    from radixkv.tools.transcripts import DEFAULT_TRANSCRIPTS_DIR, load_source
 
     if not (DEFAULT_TRANSCRIPTS_DIR / "swe-agent").is_dir():
         pytest.skip("../shared/agent-transcripts not present")

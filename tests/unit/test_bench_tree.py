@@ -131,7 +131,7 @@ def test_evict_sums_tree_pool_and_ghost_list(monkeypatch) -> None:
 
 
 def test_replay_restores_the_cache_manager_methods(monkeypatch) -> None:
-    from radixkv import cache_manager
+    from radixkv.cache import manager as cache_manager
 
     seen = []
     real = cache_manager.CacheManager.check_integrity

@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-from radixkv.block_pool import BlockPool
+from radixkv.cache.pool import BlockPool
 
 
 def _counts(pool: BlockPool) -> tuple[int, int, int]:

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import xxhash
 
-from radixkv.cache_manager import CacheManager
-from radixkv.hashing import CacheIdentity, pack_tokens
+from radixkv.cache.hashing import CacheIdentity, pack_tokens
+from radixkv.cache.manager import CacheManager
 
 B = 4
 ROPE = "theta=100000.0;scaling=None"

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from radixkv.cache_manager import CacheManager
-from radixkv.hashing import CacheIdentity
+from radixkv.cache.hashing import CacheIdentity
+from radixkv.cache.manager import CacheManager
 
 B = 4
 ROPE = "theta=100000.0;scaling=None"
@@ -294,7 +294,7 @@ def test_bad_input() -> None:
 
 def test_one_off_identities_keep_no_state() -> None:
     """A client may send a new cache salt per request: nothing may grow per salt."""
-    from radixkv.cache_manager import IDENTITY_MEMO_SIZE
+    from radixkv.cache.manager import IDENTITY_MEMO_SIZE
     cm, _ = make(8)
     first = cm.identity_root(CacheIdentity("r1", B, "float32", ROPE, cache_salt="s0"))
     for i in range(IDENTITY_MEMO_SIZE + 50):

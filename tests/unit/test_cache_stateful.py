@@ -27,11 +27,16 @@ import itertools
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
-from radixkv.cache_manager import CacheManager
-from radixkv.hashing import CacheIdentity
+from radixkv.cache.hashing import CacheIdentity
+from radixkv.cache.manager import CacheManager
 
 B = 2
 NUM_BLOCKS = 10

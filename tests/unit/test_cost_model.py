@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.eviction.cost_model import (PRESETS, CostShape, cost_shape_from_model_shape,
-                                          get_shape, prefill_flops, saved_prefill_flops)
+from radixkv.eviction.cost_model import (
+    PRESETS,
+    CostShape,
+    cost_shape_from_model_shape,
+    get_shape,
+    prefill_flops,
+    saved_prefill_flops,
+)
 
 
 def naive_flops(shape: CostShape, start: int, n: int) -> float:
@@ -70,7 +76,7 @@ def test_model_shape_adapter_agrees_with_preset() -> None:
 
 
 def test_stats_count_saved_prefill_flops() -> None:
-    from radixkv.stats import EngineStats
+    from radixkv.engine.stats import EngineStats
 
     stats = EngineStats(PRESETS["smollm2-135m"])
     stats.record_admission(100, 64)
@@ -79,7 +85,7 @@ def test_stats_count_saved_prefill_flops() -> None:
 
 
 def test_cache_manager_builds_cost_policy_with_model_shape() -> None:
-    from radixkv.cache_manager import CacheManager
+    from radixkv.cache.manager import CacheManager
 
     cm = CacheManager(8, 4, eviction_policy="cost", model_shape="llama3-70b")
     assert cm.tree.policy.shape is PRESETS["llama3-70b"]

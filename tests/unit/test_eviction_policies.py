@@ -9,10 +9,10 @@ import random
 
 import pytest
 
+from radixkv.cache.hashing import BlockHasher
+from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.eviction import available_policies, get_policy, make_policy
 from radixkv.eviction.cost_model import CostShape
-from radixkv.hashing import BlockHasher
-from radixkv.radix_tree import RadixTree
 
 B = 4
 # A toy shape where attention dominates, so depth visibly changes a block's recompute cost:

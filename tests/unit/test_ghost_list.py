@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import itertools
 
-from radixkv.cache_manager import CacheManager
-from radixkv.hashing import CacheIdentity
-from radixkv.miss_causes import GhostList
+from radixkv.cache.hashing import CacheIdentity
+from radixkv.cache.manager import CacheManager
+from radixkv.cache.miss_causes import GhostList
 
 B = 4
 

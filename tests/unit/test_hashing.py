@@ -8,8 +8,16 @@ import sys
 
 import pytest
 
-from radixkv.hashing import (BlockHasher, CacheIdentity, MMItem, as_packed_tokens, block_extras,
-                             pack_tokens, unpack_tokens, validate_mm_items)
+from radixkv.cache.hashing import (
+    BlockHasher,
+    CacheIdentity,
+    MMItem,
+    as_packed_tokens,
+    block_extras,
+    pack_tokens,
+    unpack_tokens,
+    validate_mm_items,
+)
 
 ROPE = "theta=100000.0;scaling=None"
 IDENT = CacheIdentity("r1", 4, "float32", ROPE)
@@ -143,7 +151,7 @@ def test_c01_tiny_digest_chain() -> None:
 
 
 _C02_SCRIPT = (
-    "from radixkv.hashing import BlockHasher, CacheIdentity\n"
+    "from radixkv.cache.hashing import BlockHasher, CacheIdentity\n"
     "h = BlockHasher()\n"
     "root = h.identity_root(CacheIdentity('r1', 4, 'float32', 'theta=100000.0;scaling=None'))\n"
     "print(','.join(x.hex() for x in h.chain(root, list(range(1, 9)), 4)))\n"

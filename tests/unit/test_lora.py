@@ -11,7 +11,11 @@ from safetensors.torch import save_file
 
 from radixkv.model.config import ModelShape
 from radixkv.model.lora import (
-    LoRABatch, LoRAError, LoRARegistry, check_name, read_adapter,
+    LoRABatch,
+    LoRAError,
+    LoRARegistry,
+    check_name,
+    read_adapter,
 )
 from tests.lora_files import ATTN, peft_key, write_adapter
 

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from radixkv.model.loader import LoadedModel, embedded_tokenizer_dir
 from radixkv.model.tokenizer import ChatTokenizer
-from radixkv.output_memory import OutputMemory, ids_for_text
+from radixkv.server.output_memory import OutputMemory, ids_for_text
 
 IM_START, IM_END = 1, 2
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from radixkv.cache.hashing import BlockHasher, pack_tokens
+from radixkv.cache.tree.radix_tree import Node, RadixTree
 from radixkv.eviction import NodeView, VictimPolicy, get_policy
-from radixkv.hashing import BlockHasher, pack_tokens
-from radixkv.radix_tree import Node, RadixTree
 
 B = 4
 

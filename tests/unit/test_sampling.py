@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv.detokenizer import IncrementalDetokenizer
-from radixkv.sampling import SamplingParams, make_generator, sample_tokens
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.sampling import SamplingParams, make_generator, sample_tokens
 
 
 def test_extreme_temperature_and_top_p_fall_back_to_the_top_token():

@@ -1,6 +1,6 @@
 """Per-request cache state and the cache manager's ``check_integrity``.
 
-``RequestState`` is what :class:`radixkv.cache_manager.CacheManager` keeps per active request;
+``RequestState`` is what :class:`radixkv.cache.manager.CacheManager` keeps per active request;
 ``check_manager`` verifies the pool, the tree and their agreement with every such state.
 """
 
@@ -9,13 +9,13 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING, Callable
 
-from radixkv.block_pool import OWNED
-from radixkv.hashing import MMItem
-from radixkv.miss_causes import MISS_CAUSES, empty_breakdown
-from radixkv.tree_node import Node
+from radixkv.cache.hashing import MMItem
+from radixkv.cache.miss_causes import MISS_CAUSES, empty_breakdown
+from radixkv.cache.pool import OWNED
+from radixkv.cache.tree.node import Node
 
 if TYPE_CHECKING:
-    from radixkv.cache_manager import CacheManager
+    from radixkv.cache.manager import CacheManager
 
 
 class RequestState:

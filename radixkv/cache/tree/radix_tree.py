@@ -1,7 +1,7 @@
 """Radix tree of published KV blocks: match, insert, split, lock, evict.
 
 One root per cache identity (keyed by its root hash). A node holds a run of full blocks (see
-:mod:`radixkv.tree_node`); children are keyed by their first block's exact token bytes plus its
+:mod:`radixkv.cache.tree.node`); children are keyed by their first block's exact token bytes plus its
 extras, so the key is exact and the path from the root *is* the hash chain.
 
 * ``match`` walks the tree comparing the prompt's packed tokens with each node's packed run in
@@ -12,8 +12,8 @@ extras, so the key is exact and the path from the root *is* the hash chain.
   lock on a cursor node propagates to the root and every block on a held path is protected.
 * A request cursor always sits at the *end* of a node: a match ending inside a node splits it,
   and a split keeps the deeper half in the original node object, so cursors stay valid.
-* ``insert`` / ``extend_leaf`` live in :mod:`radixkv.tree_insert`, ``evict`` in
-  :mod:`radixkv.tree_evict` (mixins).
+* ``insert`` / ``extend_leaf`` live in :mod:`radixkv.cache.tree.insert`, ``evict`` in
+  :mod:`radixkv.cache.tree.leaves` (mixins).
 * Evictable leaves (``lock_ref == 0``, no children) live in a :class:`LeafIndex` keyed by the
   eviction policy; keys change only on events (insert, hit, unlock, split, trim, becoming a
   leaf). ``evict(k)`` trims blocks off the tail of the first leaf, so the cached set stays
@@ -27,16 +27,23 @@ extras, so the key is exact and the path from the root *is* the hash chain.
 from __future__ import annotations
 
 import itertools
-from array import array
 import time
+from array import array
 from typing import Callable, Iterable, Sequence
 
+from radixkv.cache.hashing import as_packed_tokens as as_token_bytes
+from radixkv.cache.tree.insert import TreeInsert
+from radixkv.cache.tree.leaves import LeafEviction
+from radixkv.cache.tree.node import (
+    BLOCK_ID_TYPECODE,
+    LeafIndex,
+    MatchResult,
+    Node,
+    child_key,
+    common_blocks,
+    extras_agree,
+)
 from radixkv.eviction import EvictionPolicy
-from radixkv.hashing import as_packed_tokens as as_token_bytes
-from radixkv.tree_evict import LeafEviction
-from radixkv.tree_insert import TreeInsert
-from radixkv.tree_node import (BLOCK_ID_TYPECODE, LeafIndex, MatchResult, Node, child_key,
-                               common_blocks, extras_agree)
 
 
 class RadixTree(LeafEviction, TreeInsert):
@@ -337,11 +344,11 @@ class RadixTree(LeafEviction, TreeInsert):
 
     def check_integrity(self, cursors: Iterable[Node] | None = None,
                         hash_fn: Callable[[bytes], bytes] | None = None) -> set[int]:
-        """Verify structure, locks, leaf index and counters; see ``radixkv.tree_check``.
+        """Verify structure, locks, leaf index and counters; see ``radixkv.cache.tree.check``.
 
         Returns:
             The set of block ids the tree holds.
         """
-        from radixkv.tree_check import check_tree
+        from radixkv.cache.tree.check import check_tree
 
         return check_tree(self, cursors, hash_fn)

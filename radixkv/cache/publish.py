@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from radixkv.hashing import block_extras, pack_tokens, validate_mm_items
+from radixkv.cache.hashing import block_extras, pack_tokens, validate_mm_items
 
 if TYPE_CHECKING:
-    from radixkv.block_pool import BlockPool
-    from radixkv.cache_check import RequestState
-    from radixkv.hashing import BlockHasher
-    from radixkv.radix_tree import RadixTree
+    from radixkv.cache.check import RequestState
+    from radixkv.cache.hashing import BlockHasher
+    from radixkv.cache.pool import BlockPool
+    from radixkv.cache.tree.radix_tree import RadixTree
 
 
 def count_arg(name: str, value: object) -> int:

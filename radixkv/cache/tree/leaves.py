@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from radixkv.cache.tree.node import LeafIndex
     from radixkv.eviction import EvictionPolicy
-    from radixkv.tree_node import LeafIndex
 
 
 class LeafEviction:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, NamedTuple, Sequence
 
-from radixkv.radix_tree import RadixTree
-from radixkv.tree_node import Node, child_key, common_blocks, extras_agree
+from radixkv.cache.tree.node import Node, child_key, common_blocks, extras_agree
+from radixkv.cache.tree.radix_tree import RadixTree
 
 MISS_CAUSES = ("cold", "evicted", "isolated", "unaligned_tail")
 #: Other identities examined for an isolated miss (bounds the lookup cost with many tenants).

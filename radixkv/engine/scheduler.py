@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from radixkv.cache_manager import CacheManager
+from radixkv.cache.manager import CacheManager
 from radixkv.config import SchedulerConfig
+from radixkv.engine.request import Request, RequestStatus
+from radixkv.engine.stats import EngineStats
 from radixkv.log import get_logger
-from radixkv.request import Request, RequestStatus
-from radixkv.stats import EngineStats
 
 log = get_logger(__name__)
 

@@ -14,7 +14,7 @@ A request's life (all calls from the engine thread)::
     begin_step() … forward … end_step()         blocks released while a step is in flight are
                                                 freed only after it
     publish(rid, token_ids, num_computed)       insert every full computed block, hashed once
-                                                (radixkv.cache_publish)
+                                                (radixkv.cache.publish)
     fork(rid, child_rid) -> copies              n > 1: share full blocks, copy the partial tail
     release(rid)                                unlock, free private blocks; published blocks
                                                 stay cached-evictable (matchable until evicted)
@@ -32,17 +32,23 @@ from array import array
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from radixkv.block_pool import BlockPool
-from radixkv.cache_fork import CacheFork
-from radixkv.cache_publish import CachePublish, count_arg
-from radixkv.cache_gauges import CacheGauges
-from radixkv.cache_check import RequestState, check_manager
+from radixkv.cache.check import RequestState, check_manager
+from radixkv.cache.fork import CacheFork
+from radixkv.cache.gauges import CacheGauges
+from radixkv.cache.hashing import (
+    BlockHasher,
+    CacheIdentity,
+    HashFn,
+    as_packed_tokens,
+    block_extras,
+    validate_mm_items,
+)
+from radixkv.cache.miss_causes import GhostList, classify_miss, empty_breakdown
+from radixkv.cache.pool import BlockPool
+from radixkv.cache.publish import CachePublish, count_arg
+from radixkv.cache.tree.node import BLOCK_ID_TYPECODE
+from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.eviction import make_policy
-from radixkv.hashing import (BlockHasher, CacheIdentity, HashFn, as_packed_tokens, block_extras,
-                             validate_mm_items)
-from radixkv.miss_causes import GhostList, classify_miss, empty_breakdown
-from radixkv.radix_tree import RadixTree
-from radixkv.tree_node import BLOCK_ID_TYPECODE
 
 #: Identities whose root hash is memoised (least recently used dropped first): a client may
 #: send a new cache salt with every request, so nothing here may grow per identity.

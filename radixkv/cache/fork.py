@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from radixkv.cache_check import RequestState
-from radixkv.cache_publish import count_arg
+from radixkv.cache.check import RequestState
+from radixkv.cache.publish import count_arg
 
 if TYPE_CHECKING:
-    from radixkv.block_pool import BlockPool
-    from radixkv.radix_tree import RadixTree
+    from radixkv.cache.pool import BlockPool
+    from radixkv.cache.tree.radix_tree import RadixTree
 
 
 class CacheFork:

@@ -8,15 +8,15 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
-from radixkv.hashing import as_packed_tokens as as_token_bytes
-from radixkv.tree_node import BLOCK_ID_TYPECODE, InsertResult, Node, child_key
+from radixkv.cache.hashing import as_packed_tokens as as_token_bytes
+from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, InsertResult, Node, child_key
 
 if TYPE_CHECKING:
     from radixkv.eviction import EvictionPolicy
 
 
 class RunHasher(Protocol):
-    """What ``insert`` needs to hash new blocks (``radixkv.hashing.BlockHasher`` is one)."""
+    """What ``insert`` needs to hash new blocks (``radixkv.cache.hashing.BlockHasher`` is one)."""
 
     def hash_blocks(self, parent_hash: bytes, token_bytes: bytes, block_size: int,
                     extras: Sequence[bytes] | None = None) -> list[bytes]: ...

@@ -18,8 +18,8 @@ from typing import NamedTuple, Sequence
 
 from sortedcontainers import SortedList
 
+from radixkv.cache.hashing import unpack_tokens
 from radixkv.eviction import EvictionPolicy
-from radixkv.hashing import unpack_tokens
 
 #: ``array`` typecode of block-id runs (8-byte signed): a match concatenates runs in C, without
 #: touching one Python int per block.

@@ -1,6 +1,6 @@
 """The synchronous engine: one ``step()`` = schedule → forward → sample → publish → finish.
 
-``LLMEngine`` is single-threaded: the ``AsyncEngine`` in ``radixkv.engine`` runs it in its own
+``LLMEngine`` is single-threaded: the ``AsyncEngine`` in ``radixkv.engine.async_engine`` runs it in its own
 thread. Everything here (scheduler, cache manager, pools) is touched only by that thread.
 """
 
@@ -14,19 +14,19 @@ from typing import Sequence
 
 import torch
 
-from radixkv.cache_manager import IDENTITY_MEMO_SIZE, CacheManager
+from radixkv.cache.hashing import CacheIdentity
+from radixkv.cache.manager import IDENTITY_MEMO_SIZE, CacheManager
 from radixkv.config import GIB, EngineConfig
-from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.request import Request, RequestStatus
+from radixkv.engine.sampling import SamplingParams, make_generator, sample_tokens
+from radixkv.engine.scheduler import Scheduler
+from radixkv.engine.stats import EngineStats
 from radixkv.eviction.cost_model import cost_shape_from_model_shape
-from radixkv.hashing import CacheIdentity
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.lora import LoRAAdapter, LoRAError, LoRARegistry
 from radixkv.model.runner import ModelRunner
-from radixkv.request import Request, RequestStatus
-from radixkv.sampling import SamplingParams, make_generator, sample_tokens
-from radixkv.scheduler import Scheduler
-from radixkv.stats import EngineStats
 
 log = get_logger(__name__)
 

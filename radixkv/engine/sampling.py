@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 # The repository root's parent holds the shared data folder (../shared relative to the repo).
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRANSCRIPTS_DIR = _REPO_ROOT.parent / "shared" / "agent-transcripts"
 TAU_BENCH_AIRLINE = Path("tau-bench") / "historical_trajectories" / "gpt-4o-airline.json"
 

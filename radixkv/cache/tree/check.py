@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from radixkv.tree_node import Node, child_key
+from radixkv.cache.tree.node import Node, child_key
 
 if TYPE_CHECKING:
-    from radixkv.radix_tree import RadixTree
+    from radixkv.cache.tree.radix_tree import RadixTree
 
 
 def check_tree(tree: RadixTree, cursors: Iterable[Node] | None = None,

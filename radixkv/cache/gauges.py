@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from radixkv.block_pool import FREE
+from radixkv.cache.pool import FREE
 
 if TYPE_CHECKING:
-    from radixkv.block_pool import BlockPool
-    from radixkv.radix_tree import RadixTree
+    from radixkv.cache.pool import BlockPool
+    from radixkv.cache.tree.radix_tree import RadixTree
 
 
 class CacheGauges:

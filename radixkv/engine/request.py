@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixkv.detokenizer import IncrementalDetokenizer
-from radixkv.hashing import pack_tokens
-from radixkv.sampling import SamplingParams
+from radixkv.cache.hashing import pack_tokens
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from radixkv.model.lora import LoRAAdapter

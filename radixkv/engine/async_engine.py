@@ -23,11 +23,11 @@ from functools import partial
 from typing import Any, Sequence
 
 from radixkv.config import EngineConfig
-from radixkv.llm_engine import LLMEngine, LoRAInUseError, LoRANotFoundError, RequestOutput
+from radixkv.engine.llm_engine import LLMEngine, LoRAInUseError, LoRANotFoundError, RequestOutput
+from radixkv.engine.sampling import SamplingParams
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel
 from radixkv.model.lora import LoRAAdapter, LoRAError
-from radixkv.sampling import SamplingParams
 
 log = get_logger(__name__)
 
