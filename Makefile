@@ -26,7 +26,9 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/radixkv serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
+# Lint first (ruff, rules in pyproject.toml): a lint error fails the suite like a test.
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

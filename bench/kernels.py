@@ -47,12 +47,25 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _kernels_timing import (  # noqa: E402
+    _PKG,
+    _extend_args,
+    _make_timer,
+    _max_err,
+    _paged_inputs,
+    build_cases,
+    run_roofs,
+    run_sweep,
+    time_decode,
+    time_extend,
+    time_kv_write,
+)
+
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
-_PKG = "_radixkv_bench_kernels"
 LLAMA3_8B = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 SMOKE = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 64}
 GOAL_RATIO = 0.6
@@ -65,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checks, roofs and only the two goal cases plus L=4k without prefix")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--sweep", action="store_true",
-                        help="also time the two goal cases over a grid of tile sizes / warps / stages / splits")
+                        help="also time the two goal cases over a grid of tile sizes / warps / stages / "
+                             "splits")
     parser.add_argument("--cpu-interpret-smoke", action="store_true",
                         help="no GPU: run checks and reporting on tiny shapes under TRITON_INTERPRET=1")
 
@@ -81,65 +95,6 @@ def load_kernels() -> tuple[Any, Any]:
     return importlib.import_module(f"{_PKG}.reference"), importlib.import_module(f"{_PKG}.triton_backend")
 
 
-# ----------------------------------------------------------------------------- inputs
-
-
-def _paged_inputs(torch, seqs, block_size, heads, dtype, device, seed, poison):
-    """Random paged batch: q/k/v of the suffixes, pools holding the prefixes, metadata.
-
-    ``poison``: unused pool slots are NaN (checks) instead of random (timing, faster to build).
-    Returns a dict; ``prefix_slots[i]`` (int64 ``[P]``) locates sequence i's prefix in the pools.
-    """
-    hq, hkv, d = heads["num_q_heads"], heads["num_kv_heads"], heads["head_dim"]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    blocks = [-(-(p + l) // block_size) for p, l in seqs]
-    num_blocks = sum(blocks) + 1
-    perm = torch.randperm(num_blocks, generator=gen)
-    width = max(blocks)
-    tables = torch.full((len(seqs), width), -1, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = perm[start:start + n].to(torch.int32)
-        start += n
-    tables = tables.to(device)
-    shape = (num_blocks, block_size, hkv, d)
-    if poison:
-        k_pool = torch.full(shape, float("nan"), dtype=dtype, device=device)
-        v_pool = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    else:
-        k_pool = torch.randn(shape, dtype=dtype, device=device)
-        v_pool = torch.randn(shape, dtype=dtype, device=device)
-    prefix_slots = []
-    for i, (p, _) in enumerate(seqs):
-        pos = torch.arange(p, device=device)
-        slots = tables[i].long()[pos // block_size] * block_size + pos % block_size
-        if poison:
-            k_pool.view(-1, hkv, d)[slots] = torch.randn(p, hkv, d, dtype=dtype, device=device)
-            v_pool.view(-1, hkv, d)[slots] = torch.randn(p, hkv, d, dtype=dtype, device=device)
-        prefix_slots.append(slots)
-    num_tokens = sum(l for _, l in seqs)
-    indptr = [0]
-    for _, l in seqs:
-        indptr.append(indptr[-1] + l)
-    return {
-        "q": torch.randn(num_tokens, hq, d, dtype=dtype, device=device),
-        "k": torch.randn(num_tokens, hkv, d, dtype=dtype, device=device),
-        "v": torch.randn(num_tokens, hkv, d, dtype=dtype, device=device),
-        "k_pool": k_pool, "v_pool": v_pool, "block_tables": tables,
-        "prefix_lens": torch.tensor([p for p, _ in seqs], dtype=torch.int32, device=device),
-        "qo_indptr": torch.tensor(indptr, dtype=torch.int32, device=device),
-        "max_q_len": max(l for _, l in seqs), "prefix_slots": prefix_slots, "indptr": indptr,
-    }
-
-
-def _extend_args(x):
-    return (x["q"], x["k"], x["v"], x["k_pool"], x["v_pool"], x["block_tables"], x["prefix_lens"], x["qo_indptr"])
-
-
-def _max_err(torch, got, want) -> float:
-    return float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
-
-
 # ----------------------------------------------------------------------------- checks
 
 
@@ -149,7 +104,8 @@ def run_checks(torch, reference, ops, device, dtype, heads, smoke: bool) -> list
     if smoke:
         ext_seqs, dec_lens, num_write = [(0, 17), (20, 5), (3, 1)], [1, 15, 40], 37
     else:
-        ext_seqs, dec_lens, num_write = [(0, 1024), (3000, 1000), (17, 1), (100, 77)], [1, 15, 1000, 4096], 4096
+        ext_seqs, dec_lens = [(0, 1024), (3000, 1000), (17, 1), (100, 77)], [1, 15, 1000, 4096]
+        num_write = 4096
     checks = []
 
     def record(name: str, fn: Callable[[], tuple[float, float]]) -> None:
@@ -165,10 +121,13 @@ def run_checks(torch, reference, ops, device, dtype, heads, smoke: bool) -> list
     for block_size in (1, 16, 64):
         for dt in ([dtype, torch.float32] if block_size == 16 else [dtype]):
             def extend_check(block_size=block_size, dt=dt):
-                x = _paged_inputs(torch, ext_seqs, block_size, heads, dt, device, seed=block_size, poison=True)
+                x = _paged_inputs(torch, ext_seqs, block_size, heads, dt, device, seed=block_size,
+                                  poison=True)
                 out = torch.full_like(x["q"], float("nan"))
-                got, lse = ops.extend_attention(*_extend_args(x), max_q_len=x["max_q_len"], out=out, return_lse=True)
-                want, want_lse = reference.extend_attention(*f32(x), max_q_len=x["max_q_len"], return_lse=True)
+                got, lse = ops.extend_attention(*_extend_args(x), max_q_len=x["max_q_len"], out=out,
+                                                return_lse=True)
+                want, want_lse = reference.extend_attention(*f32(x), max_q_len=x["max_q_len"],
+                                                            return_lse=True)
                 return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dt]
             record(f"extend B={block_size} {str(dt)[6:]} seqs={ext_seqs}", extend_check)
 
@@ -178,8 +137,9 @@ def run_checks(torch, reference, ops, device, dtype, heads, smoke: bool) -> list
             kv_lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
             got, lse = ops.decode_attention(x["q"], x["k_pool"], x["v_pool"], x["block_tables"], kv_lens,
                                             out=torch.full_like(x["q"], float("nan")), return_lse=True)
-            want, want_lse = reference.decode_attention(x["q"].float(), x["k_pool"].float(), x["v_pool"].float(),
-                                                        x["block_tables"], kv_lens, return_lse=True)
+            want, want_lse = reference.decode_attention(x["q"].float(), x["k_pool"].float(),
+                                                        x["v_pool"].float(), x["block_tables"], kv_lens,
+                                                        return_lse=True)
             return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dtype]
         record(f"decode B={block_size} {str(dtype)[6:]} kv_lens={dec_lens}", decode_check)
 
@@ -200,226 +160,6 @@ def run_checks(torch, reference, ops, device, dtype, heads, smoke: bool) -> list
     return checks
 
 
-# ----------------------------------------------------------------------------- timing
-
-
-def _make_timer(torch, smoke: bool) -> Callable[[Callable[[], Any]], float]:
-    if smoke:
-        def timer(fn):  # one warm call, one timed call: exercises the path, not a measurement
-            fn()
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        return timer
-    import triton.testing
-
-    def timer(fn):
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    return timer
-
-
-def run_roofs(torch, device, dtype, timer, smoke: bool) -> dict:
-    roofs = {}
-    try:
-        n = 256 if smoke else 8192
-        a = torch.randn(n, n, dtype=torch.bfloat16 if not smoke else torch.float32, device=device)
-        b = torch.randn(n, n, dtype=a.dtype, device=device)
-        ms = timer(lambda: a @ b)
-        roofs["matmul"] = {"shape": [n, n, n], "dtype": str(a.dtype)[6:], "ms": ms, "tflops": 2 * n ** 3 / ms / 1e9}
-        del a, b
-    except Exception as exc:  # noqa: BLE001
-        roofs["matmul"] = {"error": f"{type(exc).__name__}: {exc}"}
-    try:
-        nbytes = (1 << 20) if smoke else (1 << 31)
-        src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-        dst = torch.empty_like(src)
-        ms = timer(lambda: dst.copy_(src))
-        roofs["copy"] = {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / ms / 1e6}
-        del src, dst
-    except Exception as exc:  # noqa: BLE001
-        roofs["copy"] = {"error": f"{type(exc).__name__}: {exc}"}
-    return roofs
-
-
-def _gather_dense(torch, x, i, hq):
-    """``(q, k, v)`` of sequence i as contiguous ``[1, Hq, L|S, D]`` (K/V expanded to Hq heads)."""
-    lo, hi = x["indptr"][i], x["indptr"][i + 1]
-    slots = x["prefix_slots"][i]
-    k = torch.cat([x["k_pool"].flatten(0, 1)[slots], x["k"][lo:hi]])
-    v = torch.cat([x["v_pool"].flatten(0, 1)[slots], x["v"][lo:hi]])
-    group = hq // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    return tuple(t.transpose(0, 1).unsqueeze(0).contiguous() for t in (x["q"][lo:hi], k, v))
-
-
-def _sdpa_extend(torch, backend: str, q4, k4, v4, prefix_len: int):
-    """SDPA over dense ``[N, Hq, L|S, D]`` with a bottom-right causal mask on one backend."""
-    F = torch.nn.functional
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if backend == "flash":
-        if prefix_len == 0:
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
-        # Flash's own is_causal is bottom-right: what causal_lower_right dispatches to.
-        return torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, is_causal=True)[0]
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        if prefix_len == 0:
-            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
-        num_q, num_k = q4.shape[2], k4.shape[2]
-        mask = torch.ones(num_q, num_k, dtype=torch.bool, device=q4.device).tril(num_k - num_q)
-        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask)
-
-
-def time_extend(torch, ops, case, heads, dtype, device, timer, roofs, baselines=True) -> dict:
-    p, l, b, n = case["P"], case["L"], case["block_size"], case["N"]
-    x = _paged_inputs(torch, [(p, l)] * n, b, heads, dtype, device, seed=1, poison=False)
-    hq, d = heads["num_q_heads"], heads["head_dim"]
-    flops = 4 * d * hq * n * (l * p + l * (l + 1) // 2)
-    out = torch.empty_like(x["q"])
-    ms = timer(lambda: ops.extend_attention(*_extend_args(x), max_q_len=l, out=out))
-    row = dict(case, ms=ms, tflops=flops / ms / 1e9)
-    if "tflops" in roofs.get("matmul", {}):
-        row["ratio_matmul"] = row["tflops"] / roofs["matmul"]["tflops"]
-    if not baselines:
-        return row
-    dense = [_gather_dense(torch, x, i, hq) for i in range(n)]
-    q4, k4, v4 = (torch.cat([t[j] for t in dense]) for j in range(3))
-    del dense
-    ours = out.view(n, l, hq, d).transpose(1, 2)
-    for backend in ("flash", "cudnn"):
-        try:
-            base = _sdpa_extend(torch, backend, q4, k4, v4, p)
-            diff = _max_err(torch, base, ours)
-            base_ms = timer(lambda: _sdpa_extend(torch, backend, q4, k4, v4, p))
-            row[f"sdpa_{backend}_tflops"] = flops / base_ms / 1e9
-            row[f"ratio_{backend}"] = row["tflops"] / row[f"sdpa_{backend}_tflops"]
-            row[f"max_abs_diff_{backend}"] = diff
-        except Exception as exc:  # noqa: BLE001 - a refusing backend is "n/a"
-            row[f"sdpa_{backend}_tflops"] = None
-            row[f"ratio_{backend}"] = None
-            row[f"sdpa_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    return row
-
-
-def time_decode(torch, ops, case, heads, dtype, device, timer, roofs, baselines=True) -> dict:
-    n, kv, b = case["N"], case["kv"], case["block_size"]
-    x = _paged_inputs(torch, [(kv, 1)] * n, b, heads, dtype, device, seed=2, poison=False)
-    hq, hkv, d = heads["num_q_heads"], heads["num_kv_heads"], heads["head_dim"]
-    kv_lens = torch.full((n,), kv, dtype=torch.int32, device=device)
-    nbytes = 2 * n * kv * hkv * d * x["k_pool"].element_size()
-    out = torch.empty_like(x["q"])
-    splits = case.get("num_kv_splits")
-    ms = timer(lambda: ops.decode_attention(x["q"], x["k_pool"], x["v_pool"], x["block_tables"], kv_lens,
-                                            out=out, num_kv_splits=splits))
-    row = dict(case, ms=ms, gbps=nbytes / ms / 1e6)
-    if "gbps" in roofs.get("copy", {}):
-        row["ratio_copy"] = row["gbps"] / roofs["copy"]["gbps"]
-    if not baselines:
-        return row
-    q4 = x["q"].unsqueeze(2)  # [N, Hq, 1, D]
-    slots = torch.cat(x["prefix_slots"])
-    k4 = x["k_pool"].flatten(0, 1)[slots].view(n, kv, hkv, d).transpose(1, 2).contiguous()  # [N, Hkv, S, D]
-    v4 = x["v_pool"].flatten(0, 1)[slots].view(n, kv, hkv, d).transpose(1, 2).contiguous()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    F = torch.nn.functional
-    for backend, kind in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        def call(kind=kind):
-            with sdpa_kernel([kind]):
-                return F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)
-        try:
-            diff = _max_err(torch, call()[:, :, 0], out)
-            base_ms = timer(call)
-            row[f"sdpa_{backend}_gbps"] = nbytes / base_ms / 1e6
-            row[f"ratio_{backend}"] = row["gbps"] / row[f"sdpa_{backend}_gbps"]
-            row[f"max_abs_diff_{backend}"] = diff
-        except Exception as exc:  # noqa: BLE001
-            row[f"sdpa_{backend}_gbps"] = None
-            row[f"ratio_{backend}"] = None
-            row[f"sdpa_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    return row
-
-
-def time_kv_write(torch, ops, case, heads, dtype, device, timer, roofs) -> dict:
-    t, b = case["T"], case["block_size"]
-    hkv, d = heads["num_kv_heads"], heads["head_dim"]
-    num_blocks = -(-t // b) + 1
-    k_pool = torch.empty(num_blocks, b, hkv, d, dtype=dtype, device=device)
-    v_pool = torch.empty_like(k_pool)
-    slots = torch.randperm(num_blocks * b, device=device)[:t]
-    k = torch.randn(t, hkv, d, dtype=dtype, device=device)
-    v = torch.randn_like(k)
-    nbytes = 2 * 2 * k.numel() * k.element_size()  # K and V, each read once and written once
-    ms = timer(lambda: ops.paged_kv_write(k, v, k_pool, v_pool, slots))
-    row = dict(case, ms=ms, gbps=nbytes / ms / 1e6)
-    if "gbps" in roofs.get("copy", {}):
-        row["ratio_copy"] = row["gbps"] / roofs["copy"]["gbps"]
-    return row
-
-
-def build_cases(quick: bool, smoke: bool) -> list[dict]:
-    if smoke:
-        return [{"kind": "extend", "P": 0, "L": 20, "block_size": 16, "N": 1},
-                {"kind": "extend", "P": 24, "L": 9, "block_size": 4, "N": 2},
-                {"kind": "decode", "N": 2, "kv": 40, "block_size": 16},
-                {"kind": "kv_write", "T": 33, "block_size": 16}]
-    k = 1024
-    cases = []
-    no_prefix = [4 * k] if quick else [k, 4 * k, 8 * k, 16 * k]
-    prefix = [(4 * k, 512)] if quick else [(p, l) for p in (k, 4 * k, 16 * k) for l in (128, 512, 2 * k)]
-    for l in no_prefix:
-        cases.append({"kind": "extend", "P": 0, "L": l, "block_size": 16, "N": max(1, 4 * k // l)})
-    for p, l in prefix:
-        cases.append({"kind": "extend", "P": p, "L": l, "block_size": 16, "N": max(1, 4 * k // l)})
-    if not quick:
-        for b in (1, 64):
-            cases.append({"kind": "extend", "P": 4 * k, "L": 512, "block_size": b, "N": 8})
-    decode = [(32, 32 * k)] if quick else [(n, kv) for n in (1, 32, 128) for kv in (k, 8 * k, 32 * k)]
-    for n, kv in decode:
-        cases.append({"kind": "decode", "N": n, "kv": kv, "block_size": 16})
-    if not quick:
-        for b in (1, 64):
-            cases.append({"kind": "decode", "N": 32, "kv": 32 * k, "block_size": b})
-    cases.append({"kind": "kv_write", "T": 16 * k, "block_size": 16})
-    return cases
-
-
-def run_sweep(torch, ops, heads, dtype, device, timer, roofs, smoke: bool) -> list[dict]:
-    """Goal cases over launch configs (``LAUNCH_OVERRIDE`` of the kernel modules), no baselines."""
-    extend_mod, decode_mod = sys.modules[f"{_PKG}.extend"], sys.modules[f"{_PKG}.decode"]
-    if smoke:
-        ext_case = {"kind": "extend", "P": 24, "L": 9, "block_size": 4, "N": 2}
-        dec_case = {"kind": "decode", "N": 2, "kv": 40, "block_size": 16}
-        ext_grid = [{"block_m": 16, "block_n": 16}, {"block_m": 32, "block_n": 32}]
-        dec_grid = [{"block_n": 16}, {"num_kv_splits": 1}]
-    else:
-        ext_case = {"kind": "extend", "P": 4096, "L": 512, "block_size": 16, "N": 8}
-        dec_case = {"kind": "decode", "N": 32, "kv": 32768, "block_size": 16}
-        ext_grid = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st}
-                    for m, n, w, st in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 4, 3),
-                                        (64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4))]
-        dec_grid = [{"block_n": n, "num_warps": w, "num_stages": st}
-                    for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-        dec_grid += [{"num_kv_splits": k} for k in (1, 2, 4, 8, 16, 32)]
-    rows = []
-    for module, fn, case, grid in ((extend_mod, time_extend, ext_case, ext_grid),
-                                   (decode_mod, time_decode, dec_case, dec_grid)):
-        for config in grid:
-            launch = {k: v for k, v in config.items() if k != "num_kv_splits"}
-            full = dict(case, **({"num_kv_splits": config["num_kv_splits"]} if "num_kv_splits" in config else {}))
-            module.LAUNCH_OVERRIDE = launch or None
-            try:
-                row = fn(torch, ops, full, heads, dtype, device, timer, roofs, baselines=False)
-            except Exception as exc:  # noqa: BLE001 - e.g. a config that exceeds shared memory
-                row = dict(full, error=f"{type(exc).__name__}: {str(exc)[:200]}")
-            finally:
-                module.LAUNCH_OVERRIDE = None
-            row["config"] = config
-            rows.append(row)
-    return rows
-
-
 # ----------------------------------------------------------------------------- report
 
 
@@ -428,7 +168,8 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_report(result: dict) -> str:
-    lines = [f"device: {result['device']}  torch {result['torch']}  triton {result['triton']}  dtype {result['dtype']}"]
+    lines = [f"device: {result['device']}  torch {result['torch']}  triton {result['triton']}  "
+             f"dtype {result['dtype']}"]
     lines.append("checks (kernel vs torch reference, NaN-poisoned pools):")
     for c in result["checks"]:
         status = "ok  " if c["ok"] else "FAIL"
@@ -452,15 +193,19 @@ def format_report(result: dict) -> str:
         if "error" in row:
             lines.append(f"{name:<34} ERROR {row['error'][:120]}")
             continue
-        lines.append(f"{name:<34}{row['ms']:>9.3f}{row[unit]:>10.1f}{_fmt(row.get(f'sdpa_flash_{unit}'), '10.1f'):>10}"
-                     f"{_fmt(row.get(f'sdpa_cudnn_{unit}'), '10.1f'):>10}{_fmt(row.get('ratio_flash'), '8.2f'):>8}"
+        lines.append(f"{name:<34}{row['ms']:>9.3f}{row[unit]:>10.1f}"
+                     f"{_fmt(row.get(f'sdpa_flash_{unit}'), '10.1f'):>10}"
+                     f"{_fmt(row.get(f'sdpa_cudnn_{unit}'), '10.1f'):>10}"
+                     f"{_fmt(row.get('ratio_flash'), '8.2f'):>8}"
                      f"{_fmt(row.get('ratio_cudnn'), '8.2f'):>8}{_fmt(row.get(roof), '8.2f'):>8}")
-    lines.append("units: extend TFLOP/s (unmasked work only), decode / kv_write GB/s; /roof = over matmul or copy")
+    lines.append("units: extend TFLOP/s (unmasked work only), decode / kv_write GB/s; "
+                 "/roof = over matmul or copy")
     for row in result.get("sweep", []):
         value = row.get("tflops", row.get("gbps"))
         unit = "TFLOP/s" if "tflops" in row else "GB/s"
         lines.append(f"sweep {row['kind']} {row['config']}: "
-                     + (f"ERROR {row['error'][:100]}" if "error" in row else f"{row['ms']:.3f} ms {value:.1f} {unit}"))
+                     + (f"ERROR {row['error'][:100]}" if "error" in row
+                        else f"{row['ms']:.3f} ms {value:.1f} {unit}"))
     for goal in result["goals"]:
         lines.append(f"goal {goal['goal']}: ratio {_fmt(goal['ratio'], '.2f')} -> "
                      f"{'n/a' if goal['met'] is None else ('met' if goal['met'] else 'NOT met')}")

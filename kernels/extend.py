@@ -180,7 +180,8 @@ def extend_launch_config(head_dim: int, dtype: torch.dtype, device: torch.device
     elif head_dim > 128:
         config = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
     else:
-        config = {"block_m": 128, "block_n": 32 if dtype == torch.float32 else 64, "num_warps": 8, "num_stages": 2}
+        config = {"block_m": 128, "block_n": 32 if dtype == torch.float32 else 64, "num_warps": 8,
+                  "num_stages": 2}
     if LAUNCH_OVERRIDE:
         config.update(LAUNCH_OVERRIDE)
     return config
@@ -259,7 +260,8 @@ def extend_attention(
         raise ValueError(f"q: {num_q_heads} heads not a multiple of {num_kv_heads} kv heads")
     if k_pool.dim() != 4 or k_pool.shape[2:] != k.shape[1:] or v_pool.shape != k_pool.shape:
         raise ValueError(f"k_pool: shape {tuple(k_pool.shape)} does not match k {tuple(k.shape)}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if (q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype
+            or v.dtype != q.dtype):
         raise ValueError(f"q/k/v: dtypes {q.dtype}, {k.dtype}, {v.dtype}; need one of fp32/fp16/bf16")
     num_seqs = prefix_lens.shape[0]
     if prefix_lens.dim() != 1 or qo_indptr.shape != (num_seqs + 1,):

@@ -1,0 +1,81 @@
+"""The import direction of DESIGN.md §1, no import cycles, torch-free cache/eviction, module size.
+
+The checker lives in tests/layering.py; its self-tests feed it a fake upward import and a fake
+cycle (both hidden the way real ones hide: inside a function and under TYPE_CHECKING).
+"""
+
+from __future__ import annotations
+
+from tests.layering import Violation, check, component, imports_of, read_sources
+
+
+def added_violations(extra: dict[str, str]) -> list[Violation]:
+    """Violations that ``extra`` modules add to the real tree (so self-tests stand alone)."""
+    sources = read_sources()
+    before = check(sources)
+    sources.update(extra)
+    return sorted((v for v in check(sources) if v not in before), key=lambda v: v.module)
+
+
+def test_the_source_tree_keeps_the_import_direction_and_has_no_cycles():
+    sources = read_sources()
+    # The packages the layout promises exist (a rename that empties one would pass vacuously).
+    comps = {component(m) for m in sources}
+    assert {"cache", "engine", "model", "server", "tools", "eviction", "kernels", "cli",
+            "bench", "base"} <= comps
+    assert len(sources) > 60
+    assert check(sources) == []
+
+
+def test_function_local_type_only_and_importlib_imports_count():
+    sources = {"radixkv.cache.a": "", "radixkv.cache.b": "", "radixkv.engine.b": "",
+               "radixkv.engine.c": "", "radixkv.kernels.d": ""}
+    text = ("from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from radixkv.cache.a import X\n"
+            "def f():\n    from . import b\n    import importlib\n"
+            "    importlib.import_module('radixkv.kernels.d')\n")
+    assert imports_of("radixkv.engine.c", text, sources) >= {
+        "radixkv.cache.a", "radixkv.engine.b", "radixkv.kernels.d", "typing"}
+    assert "radixkv.cache.b" in imports_of("radixkv.cache.a", "from . import b\n", sources)
+
+
+def test_self_test_an_upward_import_inside_a_function_fails():
+    assert added_violations({"radixkv.cache.fake_upward": (
+        "def admit():\n    from radixkv.engine.scheduler import Scheduler\n    return Scheduler\n")
+    }) == [Violation(
+        "upward", "radixkv.cache.fake_upward",
+        "imports radixkv.engine.scheduler (cache -> engine)")]
+
+
+def test_self_test_a_type_only_cycle_fails():
+    assert added_violations({
+        "radixkv.cache.fake_a": "from radixkv.cache.fake_b import B\n",
+        "radixkv.cache.fake_b": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                 "    from radixkv.cache.fake_a import A\n"),
+    }) == [Violation(
+        "cycle", "radixkv.cache.fake_a", "radixkv.cache.fake_a -> radixkv.cache.fake_b")]
+
+
+def test_self_test_other_rules():
+    assert added_violations({
+        "radixkv.cache.fake_torch": "import torch\n",
+        "radixkv.engine.fake_server": "from radixkv.server import app\n",
+        "radixkv.model.fake_evict": "from radixkv.eviction.lru import LRUPolicy\n",
+        "radixkv.engine.fake_bench": "import bench.tree\n",
+        "radixkv.engine.fake_long": "x = 1\n" * 451,
+    }) == [
+        Violation("torch", "radixkv.cache.fake_torch", "imports torch"),
+        Violation("upward", "radixkv.engine.fake_bench", "imports bench.tree (engine -> bench)"),
+        Violation("size", "radixkv.engine.fake_long", "451 lines > 450"),
+        # `from pkg import sub` imports both the package and its submodule.
+        Violation("upward", "radixkv.engine.fake_server",
+                  "imports radixkv.server (engine -> server)"),
+        Violation("upward", "radixkv.engine.fake_server",
+                  "imports radixkv.server.app (engine -> server)"),
+        Violation("upward", "radixkv.model.fake_evict",
+                  "imports radixkv.eviction.lru (model -> eviction)"),
+    ]
+    # The one allowed exception for model, and a base module everyone may import.
+    assert added_violations({"radixkv.model.fake_cost": (
+        "from radixkv.eviction.cost_model import prefill_flops\n"
+        "from radixkv.config import EngineConfig\n")}) == []
