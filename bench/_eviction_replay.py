@@ -27,6 +27,10 @@ from radixkv.eviction.cost_model import CostShape, prefill_flops
 ORACLES = ("belady", "belady-cost")
 
 
+#: Ghost-list capacity of every replay, in blocks.
+GHOST_BLOCKS = 1 << 16
+
+
 def identity(trace: Trace, salt: str | None) -> CacheIdentity:
     """The cache identity every replayed request of ``salt`` runs under."""
     return CacheIdentity(model_revision="bench-eviction", block_size=trace.block_size,
@@ -121,8 +125,11 @@ def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShap
     start = time.perf_counter()
     clock = [0.0]
     bs = trace.block_size
+    # The ghost list carries the policies' eviction notes besides the miss causes (``cost``
+    # inherits a returning run's reuse history through it): 65,536 blocks, as many runs as
+    # ``cost`` remembered when it kept a ghost of its own, whatever the pool size.
     cache = CacheManager(capacity_blocks, bs, eviction_policy="lru", clock=lambda: clock[0],
-                         ghost_capacity=1)
+                         ghost_capacity=GHOST_BLOCKS)
     if policy_name in ORACLES:
         if oracle is None:
             raise ValueError(f"policies: {policy_name} needs the trace oracle")

@@ -195,7 +195,7 @@ def load_chat(source: str, path: str | None, block_size: int, concurrency: int,
 
     Args:
         source: Transcript source name (``tau-bench``, ``swe-agent``).
-        path: Its data file/folder (default under ``../shared``).
+        path: Its data file/folder (default: the source's sample shipped in the package).
         block_size: Tokens per block.
         concurrency: Sessions in flight (see :func:`interleave`).
         tokenizer: A ``ChatTokenizer`` (default: the embedded SmolLM2's).

@@ -3,10 +3,16 @@ model) for each eviction policy × pool capacity, and compare token and FLOP hit
 
 Usage::
 
-    radixkv bench eviction --trace ../shared/traces/conversation_trace.jsonl --block-size 512 \\
-        --policies lru,lfu,fifo,gdsf,s3fifo,cost,belady --capacity 0.02,0.05,0.1,0.2 \\
-        --out bench/results/eviction-conversation
+    radixkv bench eviction       # the shipped Mooncake sample, every policy, 4 capacities
+    radixkv bench eviction --shared --policies lru,lfu,fifo,gdsf,s3fifo,cost,belady \\
+        --capacity 0.02,0.05,0.1,0.2 --out bench/results/eviction-conversation
     radixkv bench eviction --format chat --source tau-bench --block-size 16 --out DIR
+
+With no ``--trace`` the trace is a sample shipped in the package (``radixkv/tools/data/``): the
+first 400 requests of the Mooncake conversation trace (``mooncake``), or the source's sample
+transcripts (``chat``). ``--shared`` reads the full data from the shared data folder instead
+(``$RADIXKV_SHARED_DIR``, default ``<repo>/../shared``): ``traces/conversation_trace.jsonl``, or
+the source's transcripts. ``tokens`` traces have no default.
 
 Formats: ``mooncake`` (JSONL: ``timestamp`` ms, ``input_length``, ``hash_ids``, one id per
 ``--block-size`` tokens, the last partial), ``tokens`` (JSONL: ``token_ids``, optional
@@ -21,7 +27,8 @@ Writes ``DIR/results.json`` (one record per policy × capacity: ``policy``,
 ``capacity_fraction``, ``capacity_blocks``, ``token_hit_rate``, ``flop_hit_rate`` = saved
 recompute FLOPs ÷ total prompt FLOPs, ``fraction_of_belady`` = flop hit rate ÷ belady's at that
 capacity, ``evicted_blocks``, ``wall_s``, and the raw sums), ``DIR/results.csv`` and
-``DIR/hit_rate.png``.
+``DIR/hit_rate.png``; without ``--out``, DIR is a new folder
+``./radixkv-bench-results/eviction-<timestamp>/`` (named at the end).
 """
 
 # No ``from __future__ import annotations``: the CLI loads this file by path.
@@ -42,6 +49,14 @@ from tqdm import tqdm  # noqa: E402
 
 from radixkv.eviction import available_policies  # noqa: E402
 from radixkv.eviction.cost_model import PRESETS, get_shape  # noqa: E402
+from radixkv.tools.data import (  # noqa: E402
+    SHARED_DIR_ENV,
+    SHARED_TRACE,
+    TRACE_SAMPLE,
+    default_results_dir,
+    sample_path,
+    shared_path,
+)
 
 DEFAULT_POLICIES = "lru,lfu,fifo,gdsf,s3fifo,cost,belady"
 CSV_FIELDS = ("policy", "capacity_fraction", "capacity_blocks", "token_hit_rate", "flop_hit_rate",
@@ -54,8 +69,14 @@ _STATE: dict = {}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the driver's flags on ``parser`` (used by ``radixkv bench eviction``)."""
-    parser.add_argument("--trace", default=None,
-                        help="trace file (chat: transcript file/folder; default: the source's)")
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument("--trace", default=None,
+                      help="trace file (chat: transcript file/folder); default: the sample "
+                           "shipped in the package (mooncake, chat)")
+    data.add_argument("--shared", action="store_true",
+                      help=f"read the full data under the shared data folder (${SHARED_DIR_ENV}, "
+                           "default <repo>/../shared): traces/conversation_trace.jsonl, or the "
+                           "source's transcripts")
     parser.add_argument("--format", default="mooncake", choices=["mooncake", "tokens", "chat"])
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per block (default 512 for mooncake, 16 otherwise)")
@@ -72,7 +93,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost-model shape (default llama3-8b; smollm2-135m for chat)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="replays run in parallel (processes)")
-    parser.add_argument("--out", default=None, metavar="DIR", help="write results here")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="write results here (default: a new folder "
+                             "./radixkv-bench-results/eviction-<timestamp>/)")
+
+
+def _out_dir(out: str | None) -> Path:
+    """``--out`` (created), or a new ``./radixkv-bench-results/eviction-<timestamp>/``."""
+    if out is None:
+        return default_results_dir("eviction")
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"out: cannot create the folder {path}: {exc}") from exc
+    return path
+
+
+def _trace_path(args: argparse.Namespace) -> str:
+    """The trace to read: ``--trace``, else the shipped sample or (``--shared``) the full data."""
+    if args.trace:
+        return args.trace
+    if args.format == "chat":
+        from radixkv.tools.transcripts import default_path
+        return str(default_path(args.source, shared=args.shared))
+    if args.format == "mooncake":
+        return str(shared_path(SHARED_TRACE) if args.shared else sample_path(TRACE_SAMPLE))
+    raise ValueError(f"trace: --trace is required for --format {args.format}")
 
 
 def _floats(text: str, name: str) -> list[float]:
@@ -124,22 +171,23 @@ def run(args: argparse.Namespace) -> dict:
         unknown = [p for p in policies if p not in available_policies()]
         if unknown:
             raise ValueError(f"policies: unknown {unknown} (known: {available_policies()})")
-        if args.format != "chat" and not args.trace:
-            raise ValueError(f"trace: --trace is required for --format {args.format}")
+        trace_path = _trace_path(args)
         block_size = args.block_size or (512 if args.format == "mooncake" else 16)
         default_shape = "smollm2-135m" if args.format == "chat" else "llama3-8b"
         shape = get_shape(args.model_shape or default_shape)
         t0 = time.perf_counter()
-        trace = trace_mod.load_trace(args.format, args.trace, block_size, source=args.source,
+        trace = trace_mod.load_trace(args.format, trace_path, block_size, source=args.source,
                                      concurrency=args.concurrency)
         if not trace.requests:
-            raise ValueError(f"trace: {args.trace} holds no requests")
+            raise ValueError(f"trace: {trace_path} holds no requests")
         distinct = trace.distinct_blocks
         if args.capacity_blocks:
             blocks = [int(b) for b in _floats(args.capacity_blocks, "capacity_blocks")]
             sizes = [(b / distinct, b) for b in blocks]
         else:
             sizes = [(f, max(1, round(f * distinct))) for f in _floats(args.capacity, "capacity")]
+        # Made before the replays, so that a bad --out fails before the run, not after it.
+        out = _out_dir(args.out)
     except (OSError, ValueError) as exc:
         print(f"radixkv bench eviction: {exc}", file=sys.stderr)
         return {"error": str(exc)}
@@ -187,21 +235,18 @@ def run(args: argparse.Namespace) -> dict:
     print(_table(records))
     if any(r["skipped_requests"] for r in records):
         print("skipped: requests larger than the whole pool (served without the cache, no hit)")
-    summary = {"trace": str(args.trace or trace.name), "format": args.format,
+    summary = {"trace": trace_path, "format": args.format,
                "block_size": block_size, "model_shape": shape.name,
                "requests": len(trace.requests), "distinct_blocks": distinct,
                "infinite_cache": infinite, "notes": trace.notes, "records": records}
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
-        with open(out / "results.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-            writer.writeheader()
-            writer.writerows(records)
-        replay_mod.plot(records, infinite, out / "hit_rate.png",
-                        f"{trace.name} ({args.format}, block {block_size}, {shape.name})")
-        print(f"wrote {out}/results.json, results.csv, hit_rate.png", file=sys.stderr)
+    (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(records)
+    replay_mod.plot(records, infinite, out / "hit_rate.png",
+                    f"{trace.name} ({args.format}, block {block_size}, {shape.name})")
+    print(f"wrote {out}/results.json, results.csv, hit_rate.png", file=sys.stderr)
     return summary
 
 

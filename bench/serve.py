@@ -1,11 +1,14 @@
 """``radixkv bench serve``: replay agent transcripts against a running OpenAI-compatible server.
 
-Sessions come from ``--source`` (tau-bench, swe-agent, mini-swe-agent, crewai; formats in
-``../shared/agent-transcripts/SOURCES.md``) read from ``--path`` (default: the source's folder
-there). Each session is replayed turn by turn: a turn is sent after the previous reply ended,
-and carries the transcript's own history (the recorded assistant message is what the agent
-sends back, not the served model's reply). ``--concurrency`` sessions run in a closed loop, or
-``--request-rate`` dispatches ready turns on a Poisson clock (see ``_serve_replay``).
+Sessions come from ``--source`` (tau-bench, swe-agent, mini-swe-agent, crewai; formats in the
+shared data folder's ``agent-transcripts/SOURCES.md``) read from ``--path``; by default from the
+small sample of the source shipped in the package (``radixkv/tools/data/``), or with ``--shared``
+from the source's full data under ``$RADIXKV_SHARED_DIR`` (default ``<repo>/../shared``). The
+server is ``--url`` (default http://127.0.0.1:8000). Each session is replayed turn by turn: a
+turn is sent after the previous reply ended, and carries the transcript's own history (the
+recorded assistant message is what the agent sends back, not the served model's reply).
+``--concurrency`` sessions run in a closed loop, or ``--request-rate`` dispatches ready turns on
+a Poisson clock (see ``_serve_replay``).
 
 Token ids come from the server's ``POST /tokenize`` and the block size from ``GET /stats``;
 requests whose prompt plus ``--max-tokens`` exceed the server's ``max_model_len`` are skipped
@@ -19,12 +22,15 @@ With ``--compare-url`` (e.g. a second server started with ``--no-prefix-cache``)
 requests are replayed there after the first run ends, so the two never share the cores; the
 JSON then holds the second run under ``"compare"`` and ``ttft_ms_p50_ratio`` (compare ÷ this).
 A PNG of the TTFT distributions (histogram and CDF, one curve per server) is written next to
-``--json`` (or to ``--plot``). Missing parent folders of both are created before the run; the
-JSON is written first, and a plot that fails only warns (the JSON is kept).
+``--json`` (or to ``--plot``). Without ``--json`` both go to a new folder
+``./radixkv-bench-results/serve-<timestamp>/`` (``results.json``, ``results.png``), named at the
+end. Missing parent folders are created before the run; the JSON is written first, and a plot
+that fails only warns (the JSON is kept).
 
 Usage::
 
-    radixkv bench serve --url http://127.0.0.1:8000 --source tau-bench --sessions 5 \\
+    radixkv bench serve          # the shipped tau-bench sample against http://127.0.0.1:8000
+    radixkv bench serve --url http://127.0.0.1:8000 --source tau-bench --shared --sessions 5 \\
         --concurrency 1 --json out.json [--compare-url http://127.0.0.1:8001]
 """
 
@@ -43,18 +49,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _serve_replay  # noqa: E402
 import aiohttp  # noqa: E402
 
-from radixkv.tools.transcripts import SOURCES, load_source  # noqa: E402
+from radixkv.tools.data import SHARED_DIR_ENV, default_results_dir  # noqa: E402
+from radixkv.tools.transcripts import SOURCES, default_path, load_source  # noqa: E402
 
 replay = _serve_replay.replay
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the driver's flags on ``parser`` (used by ``radixkv bench serve``)."""
-    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"server base URL (default {DEFAULT_URL})")
     parser.add_argument("--source", default="tau-bench", choices=sorted(SOURCES))
-    parser.add_argument("--path", "--data-path", dest="path", default=None,
-                        help="transcript file or folder in the source's format (default: the "
-                             "source's folder under ../shared/agent-transcripts)")
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument("--path", "--data-path", dest="path", default=None,
+                      help="transcript file or folder in the source's format (default: the "
+                           "source's small sample shipped in the package)")
+    data.add_argument("--shared", action="store_true",
+                      help=f"read the source's full data under the shared data folder "
+                           f"(${SHARED_DIR_ENV}, default <repo>/../shared) instead of the sample")
     parser.add_argument("--sessions", type=int, default=5,
                         help="replay the first N sessions, in file order")
     parser.add_argument("--max-turns", type=int, default=None, help="first K turns per session")
@@ -73,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "earlier run left in the server; 'none' sends none")
     parser.add_argument("--request-timeout", type=float, default=900.0,
                         help="seconds without data before a request fails")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write the results here (default: results.json in a new folder "
+                             "./radixkv-bench-results/serve-<timestamp>/)")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="TTFT distribution PNG (default: the --json path with .png)")
     parser.add_argument("--compare-url", default=None,
@@ -156,26 +170,39 @@ def _replay_or_exit(url: str, sessions: list, args: argparse.Namespace) -> dict[
         raise SystemExit(f"bench serve: cannot use the server at {url}: {exc}") from exc
 
 
-def _output_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
-    """``(json, plot)`` paths (plot default: the JSON path with ``.png``), their parent folders
-    created now, so that a bad path fails before the run rather than after it."""
-    json_path = Path(args.json) if args.json else None
-    plot = Path(args.plot) if args.plot else (json_path.with_suffix(".png") if json_path else None)
-    plot_flag = "--plot" if args.plot else "plot (from --json)"
-    if plot is not None and plot == json_path:
-        raise SystemExit(f"bench serve: the JSON and the plot would both be {plot}; "
-                         "give --json a .json path or a different --plot")
-    for path, flag in ((json_path, "--json"), (plot, plot_flag)):
-        if path is None:
-            continue
-        if path.is_dir():
-            raise SystemExit(f"bench serve: {flag} {path} is a folder; give a file path")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SystemExit(f"bench serve: {flag} {path}: cannot create its folder: "
-                             f"{exc}") from exc
+def _output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
+    """``(json, plot)`` paths (JSON default: ``results.json`` in a new folder
+    ``./radixkv-bench-results/serve-<timestamp>/``; plot default: the JSON path with ``.png``),
+    their parent folders created now, so that a bad path fails before the run rather than
+    after it."""
+    json_path = Path(args.json) if args.json else default_results_dir("serve") / "results.json"
+    try:
+        plot = Path(args.plot) if args.plot else json_path.with_suffix(".png")
+        plot_flag = "--plot" if args.plot else "plot (from --json)"
+        if plot == json_path:
+            raise SystemExit(f"bench serve: the JSON and the plot would both be {plot}; "
+                             "give --json a .json path or a different --plot")
+        for path, flag in ((json_path, "--json"), (plot, plot_flag)):
+            if path.is_dir():
+                raise SystemExit(f"bench serve: {flag} {path} is a folder; give a file path")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise SystemExit(f"bench serve: {flag} {path}: cannot create its folder: "
+                                 f"{exc}") from exc
+    except SystemExit:
+        _remove_default_folder(args, json_path)
+        raise
     return json_path, plot
+
+
+def _remove_default_folder(args: argparse.Namespace, json_path: Path) -> None:
+    """Remove the default results folder made for this run if it is still empty."""
+    if not args.json:
+        try:
+            json_path.parent.rmdir()
+        except OSError:
+            pass
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -188,18 +215,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--request-rate must be > 0")
     if args.warmup_requests < 0:
         raise SystemExit("--warmup-requests must be >= 0")
+    path = default_path(args.source, shared=True) if args.shared else args.path
     try:
-        sessions = load_source(args.source, args.path)[: args.sessions]
+        sessions = load_source(args.source, path)[: args.sessions]
     except (OSError, ValueError) as exc:
         raise SystemExit(f"bench serve: {exc}") from exc
     if args.max_turns is not None:
         sessions = [s[: args.max_turns] for s in sessions]
     json_path, plot = _output_paths(args)
-    results = _replay_or_exit(args.url, sessions, args)
+    try:
+        results = _replay_or_exit(args.url, sessions, args)
+        compare = _replay_or_exit(args.compare_url, sessions, args) if args.compare_url else None
+    except SystemExit:
+        _remove_default_folder(args, json_path)
+        raise
     results["source"] = args.source
+    results["data_path"] = str(path if path is not None else default_path(args.source))
     shown = [results]
-    if args.compare_url:
-        compare = _replay_or_exit(args.compare_url, sessions, args)
+    if compare is not None:
         results["compare"] = compare
         shown.append(compare)
         on, off = results["ttft_ms_p50"], compare["ttft_ms_p50"]
@@ -207,20 +240,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(format_table(shown))
     if results.get("ttft_ms_p50_ratio"):
         print(f"TTFT p50 {label(compare)} / {label(results)}: {results['ttft_ms_p50_ratio']:.2f}x")
-    if json_path is not None:  # first: a failing plot must not lose the results
-        try:
-            json_path.write_text(json.dumps(results, indent=2) + "\n")
-        except OSError as exc:
-            raise SystemExit(f"bench serve: cannot write --json {json_path}: {exc}") from exc
+    try:  # first: a failing plot must not lose the results
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+    except OSError as exc:
+        raise SystemExit(f"bench serve: cannot write --json {json_path}: {exc}") from exc
     if plot is not None:
         turns = f", first {args.max_turns} turns" if args.max_turns else ""
         try:
             plot_ttft(shown, plot, f"{args.source}: {len(sessions)} sessions{turns}, "
                                    f"{results['requests']} requests")
         except Exception as exc:  # noqa: BLE001 - the results are kept; the plot is extra
-            kept = f"; the results are in {json_path}" if json_path is not None else ""
             print(f"bench serve: warning: the TTFT plot {plot} was not written: "
-                  f"{type(exc).__name__}: {exc}{kept}", file=sys.stderr)
+                  f"{type(exc).__name__}: {exc}; the results are in {json_path}", file=sys.stderr)
+            plot = None
+    written = " and ".join(str(x) for x in (json_path, plot) if x is not None)
+    print(f"bench serve: wrote {written}", file=sys.stderr)
     return results
 
 

@@ -17,6 +17,11 @@ can take:
 Registered here: ``lru``, ``lfu``, ``fifo``. Priorities may only read :class:`NodeView`
 fields; the tree appends the node ``uid`` to every key, so ties are broken deterministically.
 
+Ghost hits: the cache keeps the one list of recently evicted blocks (its ghost list). A policy
+that wants history across an eviction returns a *note* from :meth:`EvictionPolicy.on_evict`; the
+cache keeps it with the evicted run and hands it back through
+:meth:`EvictionPolicy.on_ghost_hit` when a request brings that very run back into the tree.
+
 This package must stay importable without torch and without the rest of radixkv: nodes are
 seen only through :class:`NodeView`.
 """
@@ -24,7 +29,7 @@ seen only through :class:`NodeView`.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
@@ -41,6 +46,9 @@ class NodeView(Protocol):
         num_blocks: Blocks currently held by the node.
         num_tokens: Tokens currently held by the node (``num_blocks * block_size``).
         lock_ref: Number of running requests whose held path goes through the node.
+        hashes: Chained hash of each of the node's blocks, in token order (a sequence of
+            ``bytes``; stable identities of block contents, e.g. for S3-FIFO's ghost queue or
+            an oracle's trace index).
     """
 
     @property
@@ -59,9 +67,11 @@ class NodeView(Protocol):
     def num_tokens(self) -> int: ...
     @property
     def lock_ref(self) -> int: ...
+    @property
+    def hashes(self) -> Sequence[bytes]: ...
 
 
-class EvictionPolicy(abc.ABC):
+class EvictionPolicy(abc.ABC):  # noqa: B024 - the abstract methods are in its two kinds
     """Common base of every policy.
 
     Attributes:
@@ -73,13 +83,22 @@ class EvictionPolicy(abc.ABC):
     name: str = ""
     kind: str = ""
 
-    def on_evict(self, node: NodeView, num_blocks: int) -> None:  # noqa: B027 - optional hook
+    def on_evict(self, node: NodeView, num_blocks: int) -> object | None:  # noqa: B027 - optional hook
         """Hook called after ``num_blocks`` blocks were trimmed off ``node``'s tail.
 
         Args:
             node: The leaf that lost blocks (its fields already reflect the trim).
             num_blocks: Blocks removed from it, ≥ 1.
+
+        Returns:
+            A note the cache keeps with the trimmed run in its ghost list and gives back to
+            :meth:`on_ghost_hit` if the run returns; None (the default) keeps nothing.
         """
+
+    def on_ghost_hit(self, node: NodeView, notes: list) -> None:  # noqa: B027 - optional hook
+        """Hook: blocks just inserted into ``node`` (locked, not yet keyed again) are runs the
+        cache evicted recently; ``notes`` are what :meth:`on_evict` returned for them, in token
+        order. Called for both policy kinds, only with notes that are not None."""
 
     def on_hit(self, node: NodeView) -> None:  # noqa: B027 - optional hook
         """Hook (victim-naming policies only): a lookup matched ``node`` (leaf or not).

@@ -16,9 +16,10 @@ block first; the inflation clock ``L`` rises to each victim's ``H``. The credit 
   history: ``P = (h + 1) / (h + 4)`` (a Beta(1, 3) prior updated by ``h`` observed reuses).
   ``h`` is the node's ``hit_count`` (every lookup through the node counts, so a shared prefix
   with a large fan-out has a large ``h``) **plus the history it had before an eviction**: when
-  a leaf's tail is evicted its hash is remembered with its ``h`` in a bounded ghost list (the
-  idea of S3-FIFO's ghost queue); a node later re-inserted with that block (the session came
-  back after its tip was evicted) inherits ``h_old + 1``. The prior and the slope come from the
+  a leaf's tail is evicted, the policy's ``on_evict`` note ``(h, last access)`` is kept with
+  the evicted run in the cache's ghost list (the idea of S3-FIFO's ghost queue); a new node
+  that brings the run back (the session came back after its tip was evicted) gets the note
+  through ``on_ghost_hit`` and inherits ``h_old + 1``. The prior and the slope come from the
   shared Mooncake conversation trace: the tip of a request that continues ``k`` earlier turns
   is reused again with probability 0.33, 0.40, 0.55, 0.60, 0.75 for ``k = 0 … 4``.
 * ``γ`` — how strongly value overrides recency, adapted event by event to the cache's own
@@ -47,13 +48,12 @@ Frequency Caching Policy", HP Labs HPL-98-69, 1998 (frequency in the credit); J.
 N. Beckmann, H. Chen, A. Cidon, "LHD: Improving Cache Hit Rate by Maximizing Hit Density",
 NSDI 2018 (value per space-time, hence the dependence on reuse gaps vs. residency).
 
-The ghost needs the tree's chained block hashes (``node.hashes``, present on
-``radixkv.cache.tree.radix_tree`` nodes); a node view without them simply gets no inherited history.
+The policy keeps no ghost of its own: the history of evicted runs comes back from the cache's
+ghost list (a cache without one, or too small a one, simply gives no inherited history).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 from .base import NodeView, register
@@ -71,7 +71,6 @@ class CostAwarePolicy(GreedyDualPolicy):
         prior_hits, prior_misses: The Beta prior of ``P`` (1, 3).
         gamma_max: Largest ``γ`` (3).
         drift: Clock drift, in mean credits per mean victim idle time (3).
-        ghost_size: Evicted tail hashes remembered (65,536; ~100 bytes each).
 
     Attributes:
         gamma: ``γ`` used for the latest credit.
@@ -83,7 +82,7 @@ class CostAwarePolicy(GreedyDualPolicy):
 
     def __init__(self, model_shape: str | CostShape | Any | None = None, *,
                  prior_hits: float = 1.0, prior_misses: float = 3.0, gamma_max: float = 3.0,
-                 drift: float = 3.0, ghost_size: int = 1 << 16) -> None:
+                 drift: float = 3.0) -> None:
         super().__init__(model_shape)
         if prior_hits <= 0 or prior_misses <= 0:
             raise ValueError("prior_hits, prior_misses: must be positive")
@@ -91,14 +90,13 @@ class CostAwarePolicy(GreedyDualPolicy):
         self.prior_misses = prior_misses
         self.gamma_max = gamma_max
         self.drift = drift
-        self.ghost_size = ghost_size
         self.gamma = 1.0
         self.reuse_gap_s = 0.0
         self._c0: dict[int, float] = {}  # block size -> FLOPs of one block at depth 0
         self._inherited: dict[int, int] = {}  # uid -> reuses before its blocks were evicted
         self._seen: dict[int, tuple[float, int]] = {}  # uid -> (last access, hit_count) seen
-        self._tail: dict[int, bytes] = {}  # uid -> hash of its tail block when keyed
-        self._ghost: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        # uid -> notes (reuses, last access) of evicted runs a new node brought back
+        self._ghost_hits: dict[int, list[tuple[int, float]]] = {}
 
     @property
     def eviction_idle_s(self) -> float:
@@ -112,15 +110,10 @@ class CostAwarePolicy(GreedyDualPolicy):
         inherited = self._inherited.get(uid)
         if inherited is None:  # first sight: a new run, a split head, or a grown-back session
             inherited = 0
-            hashes = getattr(node, "hashes", None)
-            if hashes and self._ghost:
-                ghost = self._ghost
-                for block_hash in hashes:
-                    entry = ghost.pop(block_hash, None)
-                    if entry is not None:
-                        inherited = max(inherited, entry[0] + 1)
-                        if t > entry[1]:
-                            self.reuse_gap_s = self._mean(self.reuse_gap_s, t - entry[1])
+            for old_reuses, old_access_s in self._ghost_hits.pop(uid, ()):
+                inherited = max(inherited, old_reuses + 1)
+                if t > old_access_s:
+                    self.reuse_gap_s = self._mean(self.reuse_gap_s, t - old_access_s)
             self._inherited[uid] = inherited
         seen = self._seen.get(uid)
         if seen is not None and hits > seen[1] and t > seen[0]:
@@ -135,9 +128,6 @@ class CostAwarePolicy(GreedyDualPolicy):
     # ---- credit -------------------------------------------------------------------------
     def value(self, node: NodeView) -> float:
         p = self.reuse_probability(self.reuses(node))
-        hashes = getattr(node, "hashes", None)
-        if hashes:
-            self._tail[node.uid] = hashes[-1]
         blocks = max(1, node.num_blocks)
         bs = max(1, node.num_tokens // blocks)
         c0 = self._c0.get(bs)
@@ -148,15 +138,20 @@ class CostAwarePolicy(GreedyDualPolicy):
             self.gamma = min(self.gamma_max, (self.reuse_gap_s / idle) ** 2)
         return (p * self.node_flops(node) / blocks / c0) ** self.gamma
 
-    def on_evict(self, node: NodeView, num_blocks: int) -> None:
+    def on_evict(self, node: NodeView, num_blocks: int) -> tuple[int, float]:
+        """GreedyDual's inflation; returns the note ``(h, last access)`` for the ghost list."""
         super().on_evict(node, num_blocks)
         uid = node.uid
-        tail = self._tail.pop(uid, None)
-        if tail is not None:
-            ghost = self._ghost
-            ghost[tail] = (node.hit_count + self._inherited.get(uid, 0), node.last_access_s)
-            if len(ghost) > self.ghost_size:
-                ghost.popitem(last=False)
+        note = (node.hit_count + self._inherited.get(uid, 0), node.last_access_s)
         if node.num_blocks == 0:
             self._inherited.pop(uid, None)
             self._seen.pop(uid, None)
+            self._ghost_hits.pop(uid, None)
+        return note
+
+    def on_ghost_hit(self, node: NodeView, notes: list) -> None:
+        """A node not yet keyed brought evicted runs back: its first key inherits their ``h``.
+
+        A node already keyed (grown back in place) keeps its own ``hit_count`` instead."""
+        if node.uid not in self._inherited:
+            self._ghost_hits.setdefault(node.uid, []).extend(notes)

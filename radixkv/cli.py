@@ -19,6 +19,7 @@ from radixkv.config import (
     EngineConfig,
     SchedulerConfig,
     eviction_policy_problem,
+    int_problem,
     online_eviction_policies,
 )
 
@@ -107,12 +108,15 @@ def non_negative_int(text: str) -> int:
 
 
 def _int_at_least(text: str, minimum: int) -> int:
+    """The flag's text as an int, checked by ``radixkv.config.int_problem`` (argparse prefixes
+    the flag's name, as a config prefixes the field's)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+    problem = int_problem(value, minimum=minimum)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 

@@ -1,17 +1,77 @@
-"""Frozen configuration dataclasses, validated at construction (ValueError names the field)."""
+"""Frozen configuration dataclasses, validated at construction, and the shared validators.
+
+Every value is checked by one function here, where it enters: a config, a request
+(``LLMEngine.make_request``, the server's parsing), the constructor of a public class, or a CLI
+flag (``radixkv.cli`` wraps the same checks as argparse types). Inside, values are trusted:
+nothing re-checks them per step, and nothing validates device tensors. Every error is a
+``ValueError`` whose message starts with the field's name (``block_size: must be ...``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixkv.eviction import available_policies, make_policy
 
 GIB = 1 << 30
+MAX_BLOCK_SIZE = 1024  # tokens per KV block (B), the largest accepted
 
 
 def _require(cond: bool, field: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{field}: {msg}")
+
+
+def int_problem(value: object, *, minimum: int = 0, maximum: int | None = None) -> str | None:
+    """Why ``value`` is not an int in ``[minimum, maximum]`` (no field prefix), or None if it is.
+
+    A bool is not an int here. The one wording of every integer check (the CLI's argparse types
+    use it too; argparse adds the flag's name).
+    """
+    if type(value) is int and value >= minimum and (maximum is None or value <= maximum):
+        return None
+    bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    return f"must be an int {bound}, got {value!r}"
+
+
+def check_int(name: str, value: object, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` if it is an int in ``[minimum, maximum]`` (see :func:`int_problem`).
+
+    Raises:
+        ValueError: ``"{name}: must be an int >= {minimum}, got {value!r}"`` (or ``in [lo, hi]``).
+    """
+    problem = int_problem(value, minimum=minimum, maximum=maximum)
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}")
+    return value  # type: ignore[return-value]
+
+
+def check_block_size(block_size: object) -> int:
+    """Tokens per KV block (B): an int in ``[1, MAX_BLOCK_SIZE]``.
+
+    Raises:
+        ValueError: naming ``block_size``.
+    """
+    return check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
+
+
+def check_token_ids(name: str, token_ids: Sequence[object], vocab_size: int) -> list[int]:
+    """A prompt's token ids, as a new list: at least one, each an int in ``[0, vocab_size)``.
+
+    One pass at C speed when the ids are fine; the first bad id is looked for only on failure.
+
+    Raises:
+        ValueError: ``"{name}: must contain at least one token"``, or naming the first bad id
+            ``"{name}[i]: must be an int in [0, vocab_size - 1], got ..."``.
+    """
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError(f"{name}: must contain at least one token")
+    if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):  # type: ignore
+        for i, token in enumerate(ids):  # name the first bad one
+            check_int(f"{name}[{i}]", token, minimum=0, maximum=vocab_size - 1)
+    return ids  # type: ignore[return-value]
 
 
 def online_eviction_policies() -> list[str]:
@@ -50,7 +110,7 @@ class CacheConfig:
     """KV cache and prefix-cache settings.
 
     Attributes:
-        block_size: tokens per KV block (B).
+        block_size: tokens per KV block (B), in ``[1, MAX_BLOCK_SIZE]``.
         num_blocks: pool size in blocks (M); None derives it from ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: bytes for the KV pool (K and V, all layers) when ``num_blocks``
             is None. None means the device default: 4 GiB on CPU, ~90 % of free memory on CUDA.
@@ -76,10 +136,9 @@ class CacheConfig:
     publish_interval_blocks: int = 16
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
-                 "block_size", f"must be an int in [1, 1024], got {self.block_size!r}")
-        _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 1),
-                 "num_blocks", f"must be a positive int or None, got {self.num_blocks!r}")
+        check_block_size(self.block_size)
+        if self.num_blocks is not None:
+            check_int("num_blocks", self.num_blocks, minimum=1)
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  "kv_cache_memory_bytes", f"must be positive, got {self.kv_cache_memory_bytes!r}")
         _require(type(self.enable_prefix_caching) is bool, "enable_prefix_caching",
@@ -88,10 +147,7 @@ class CacheConfig:
         _require(problem is None, "eviction_policy", problem or "")
         _require(self.hash_algo in ("xxh3_128", "sha256"),
                  "hash_algo", f"must be 'xxh3_128' or 'sha256', got {self.hash_algo!r}")
-        _require(isinstance(self.publish_interval_blocks, int)
-                 and not isinstance(self.publish_interval_blocks, bool)
-                 and self.publish_interval_blocks >= 1, "publish_interval_blocks",
-                 f"must be an int >= 1, got {self.publish_interval_blocks!r}")
+        check_int("publish_interval_blocks", self.publish_interval_blocks, minimum=1)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import xxhash
 
+from radixkv.config import check_block_size
+
 HashFn = Callable[[bytes], bytes]
 
 #: Domain-separation prefix of every identity root; bump the version when the derivation changes.
@@ -215,8 +217,8 @@ class CacheIdentity:
 
     Raises:
         ValueError: naming the field: an empty ``model_revision`` or ``kv_dtype``, a
-            ``block_size`` outside ``[1, 2**63)`` (or a bool), a non-string ``rope`` or
-            ``cache_salt``, an ``adapter`` that is not two non-empty strings.
+            ``block_size`` outside ``[1, MAX_BLOCK_SIZE]`` (``radixkv.config``), a non-string
+            ``rope`` or ``cache_salt``, an ``adapter`` that is not two non-empty strings.
     """
 
     model_revision: str
@@ -229,10 +231,7 @@ class CacheIdentity:
     def __post_init__(self) -> None:
         if not isinstance(self.model_revision, str) or not self.model_revision:
             raise ValueError("model_revision: must be a non-empty string")
-        if (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
-                or not 0 < self.block_size <= _I64_MAX):
-            # The encoding stores it as int64: a larger value must fail here, naming the field.
-            raise ValueError(f"block_size: must be an int in [1, 2**63), got {self.block_size!r}")
+        check_block_size(self.block_size)  # well inside the int64 the encoding stores
         if not isinstance(self.kv_dtype, str) or not self.kv_dtype:
             raise ValueError("kv_dtype: must be a non-empty string")
         if not isinstance(self.rope, str):
@@ -400,11 +399,10 @@ class BlockHasher:
             ``len(token_ids) // block_size`` digests.
 
         Raises:
-            ValueError: naming ``block_size`` if not a positive int, ``parent_hash`` if not
-                bytes, ``token_ids`` or ``mm_items`` if malformed.
+            ValueError: naming ``block_size`` outside ``[1, MAX_BLOCK_SIZE]``, ``parent_hash``
+                if not bytes, ``token_ids`` or ``mm_items`` if malformed.
         """
-        if type(block_size) is not int or block_size <= 0:
-            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        check_block_size(block_size)
         _check_bytes("parent_hash", parent_hash)
         num_blocks = len(token_ids) // block_size
         items = validate_mm_items(mm_items, len(token_ids))

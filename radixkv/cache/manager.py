@@ -19,35 +19,27 @@ A request's life (all calls from the engine thread)::
     release(rid)                                unlock, free private blocks; published blocks
                                                 stay cached-evictable (matchable until evicted)
 
-Block states (DESIGN.md §4): free, cached-evictable, cached-locked, private. The pool knows
-free vs owned (and owner counts); the tree knows which owned blocks are cached and which of
-those are locked.
-``in_use = private + cached-locked`` and ``free + cached-evictable + in_use = num_blocks``.
+Block states, lifetimes and the package's layers: ``radixkv/cache/README.md``.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from collections import OrderedDict
 from typing import Callable, Sequence
 
-from radixkv.cache.check import RequestState, check_manager
-from radixkv.cache.fork import CacheFork
-from radixkv.cache.gauges import CacheGauges
-from radixkv.cache.hashing import (
-    BlockHasher,
-    CacheIdentity,
-    HashFn,
-    as_packed_tokens,
-    block_extras,
-    validate_mm_items,
-)
+from radixkv.cache.check import block_states, check_manager
+from radixkv.cache.fork import fork
+from radixkv.cache.hashing import BlockHasher, CacheIdentity, HashFn
+from radixkv.cache.identity_memo import IdentityMemo
+from radixkv.cache.lookup import lookup_inputs
 from radixkv.cache.miss_causes import GhostList, classify_miss, empty_breakdown
 from radixkv.cache.pool import BlockPool
-from radixkv.cache.publish import CachePublish, count_arg
+from radixkv.cache.publish import publish
+from radixkv.cache.request_state import RequestState
 from radixkv.cache.tree.node import BLOCK_ID_TYPECODE
 from radixkv.cache.tree.radix_tree import RadixTree
+from radixkv.config import check_block_size, check_int
 from radixkv.eviction import make_policy
 
 #: Identities whose root hash is memoised (least recently used dropped first): a client may
@@ -55,7 +47,7 @@ from radixkv.eviction import make_policy
 IDENTITY_MEMO_SIZE = 4096
 
 
-class CacheManager(CacheGauges, CacheFork, CachePublish):
+class CacheManager:
     """Radix-tree prefix cache over a paged KV block pool.
 
     Args:
@@ -80,9 +72,7 @@ class CacheManager(CacheGauges, CacheFork, CachePublish):
                  enable_prefix_caching: bool = True, hash_algo: str = "xxh3_128",
                  hash_fn: HashFn | None = None, clock: Callable[[], float] = time.monotonic,
                  ghost_capacity: int | None = None, model_shape: object | None = None) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = check_block_size(block_size)
         self.num_blocks = num_blocks
         self.eviction_policy = eviction_policy
         if type(enable_prefix_caching) is not bool:
@@ -102,59 +92,21 @@ class CacheManager(CacheGauges, CacheFork, CachePublish):
                                else min(max(1024, num_blocks), 1 << 17))
         self._evicted_blocks_total = 0
         self._miss_tokens = empty_breakdown()
-        # identity -> root hash, and root hash -> cache salt (the tenant a new tree root is
-        # labelled with), both bounded by IDENTITY_MEMO_SIZE.
-        self._roots: OrderedDict[CacheIdentity, bytes] = OrderedDict()
-        self._tenants: dict[bytes, str | None] = {}
+        self.identities = IdentityMemo(self.hasher, block_size, IDENTITY_MEMO_SIZE)
         self._root_bytes = len(self.hasher.hash_fn(b""))  # a root is one digest
         self._requests: dict[str, RequestState] = {}
 
     # ---- identity -----------------------------------------------------------------------
     def identity_root(self, identity: CacheIdentity) -> bytes:
-        """Return the root hash of ``identity`` (memoised for the last ``IDENTITY_MEMO_SIZE``).
+        """Return the root hash of ``identity`` through the one identity memo (LRU-bounded by
+        ``IDENTITY_MEMO_SIZE``: see :mod:`radixkv.cache.identity_memo`).
 
         Raises:
             ValueError: naming ``block_size`` if the identity's block size is not this cache's.
         """
-        roots = self._roots
-        root = roots.get(identity)
-        if root is not None:
-            roots.move_to_end(identity)
-            return root
-        if identity.block_size != self.block_size:
-            raise ValueError(f"block_size: identity has {identity.block_size}, "
-                             f"cache uses {self.block_size}")
-        root = self.hasher.identity_root(identity)
-        roots[identity] = root
-        self._tenants[root] = identity.cache_salt
-        if len(roots) > IDENTITY_MEMO_SIZE:
-            self._tenants.pop(roots.popitem(last=False)[1], None)
-        return root
+        return self.identities.root(identity)
 
     # ---- lookup -------------------------------------------------------------------------
-    def _lookup_inputs(self, root: bytes, prompt_token_ids: Sequence[int] | bytes,
-                       mm_items: Sequence[Sequence] | None):
-        if type(root) is not bytes or len(root) != self._root_bytes:
-            raise ValueError(f"root: must be the {self._root_bytes} bytes identity_root() "
-                             f"returns, got {type(root).__name__} of length "
-                             f"{len(root) if isinstance(root, (bytes, bytearray)) else '-'}")
-        if type(prompt_token_ids) is bytes and not mm_items and not len(prompt_token_ids) & 3:
-            # Fast path: tokens already packed, text only.
-            num_prompt_tokens = len(prompt_token_ids) >> 2
-            if num_prompt_tokens == 0:
-                raise ValueError("prompt_token_ids: must hold at least one token")
-            return (prompt_token_ids, num_prompt_tokens, (),
-                    (num_prompt_tokens - 1) // self.block_size, None)
-        pb = as_packed_tokens(prompt_token_ids)
-        num_prompt_tokens = len(pb) >> 2
-        if num_prompt_tokens == 0:
-            raise ValueError("prompt_token_ids: must hold at least one token")
-        items = validate_mm_items(mm_items, num_prompt_tokens)
-        # Hit cap: at least the last prompt token is computed; a block boundary ends the hit.
-        cap_blocks = (num_prompt_tokens - 1) // self.block_size
-        extras = block_extras(items, cap_blocks, self.block_size) if items else None
-        return pb, num_prompt_tokens, items, cap_blocks, extras
-
     def begin(self, request_id: str, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
               mm_items: Sequence[Sequence] | None = None) -> int:
         """Match, cap and lock the cached prefix of a prompt; seed the request's block table.
@@ -184,30 +136,31 @@ class CacheManager(CacheGauges, CacheFork, CachePublish):
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already active")
-        pb, num_prompt_tokens, items, cap_blocks, extras = self._lookup_inputs(
-            root, prompt_token_ids, mm_items)
+        pb, num_prompt_tokens, items, cap_blocks, extras = lookup_inputs(
+            root, prompt_token_ids, mm_items, self.block_size, self._root_bytes)
         if not self.enable_prefix_caching:
             self._requests[request_id] = RequestState(None, None, root, array(BLOCK_ID_TYPECODE),
                                                       0, 0, items)
             return 0
-        root_node = self.tree.root(root, self._tenants.get(root))
+        root_node = self.tree.root(root, self.identities.tenant(root))
         result = self.tree.match(root_node, pb, cap_blocks, extras=extras, touch=False)
         self.tree.lock(result.node)
         num_blocks = len(result.block_ids)
-        miss, known = classify_miss(self.tree, root_node, pb, extras, num_prompt_tokens,
-                                    num_blocks, result.last_hash, self.ghost)
+        miss, known, notes = classify_miss(self.tree, root_node, pb, extras, num_prompt_tokens,
+                                           num_blocks, result.last_hash, self.ghost)
         self._requests[request_id] = RequestState(
             root_node, result.node, result.last_hash, result.block_ids,
             num_blocks * self.block_size, num_blocks, items, miss=miss, known_hashes=known,
             known_start=num_blocks, known_tokens=pb if known else b"",
             num_computed_tokens=num_blocks * self.block_size,
-            match_node=result.node if num_blocks else None)
+            match_node=result.node if num_blocks else None, ghost_notes=notes)
         return num_blocks * self.block_size
 
     def peek(self, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
              mm_items: Sequence[Sequence] | None = None) -> int:
         """Return what :meth:`begin` would return, changing nothing (no split, touch or lock)."""
-        pb, _, _, cap_blocks, extras = self._lookup_inputs(root, prompt_token_ids, mm_items)
+        pb, _, _, cap_blocks, extras = lookup_inputs(root, prompt_token_ids, mm_items,
+                                                   self.block_size, self._root_bytes)
         root_node = self.tree.roots.get(root)
         if not self.enable_prefix_caching or root_node is None:
             return 0
@@ -251,11 +204,7 @@ class CacheManager(CacheGauges, CacheFork, CachePublish):
         if short > 0:
             if short > self.tree.num_evictable_blocks:
                 return None
-            evicted: list = []
-            freed = self.tree.evict(short, evicted)
-            self.pool.free_cached(freed)
-            self.ghost.add(evicted)
-            self._evicted_blocks_total += len(freed)
+            self._evict(short)
         ids = self.pool.allocate(num)
         if ids is None:  # pragma: no cover - guarded by the evictable count above
             raise RuntimeError(f"allocate: {num} blocks not free after evicting {short}")
@@ -273,7 +222,7 @@ class CacheManager(CacheGauges, CacheFork, CachePublish):
             ValueError: naming ``num_tokens`` if not an int ≥ 0.
         """
         req = self._requests[request_id]
-        count_arg("num_tokens", num_tokens)
+        check_int("num_tokens", num_tokens)
         need = -(-num_tokens // self.block_size) - len(req.block_table)
         if need > 0:
             ids = self._take_blocks(need)
@@ -292,13 +241,80 @@ class CacheManager(CacheGauges, CacheFork, CachePublish):
         Raises:
             ValueError: naming ``num_blocks`` if not an int ≥ 0.
         """
-        count_arg("num_blocks", num_blocks)
+        check_int("num_blocks", num_blocks)
+        return self._evict(num_blocks)
+
+    def _evict(self, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` blocks through the policy: the tree drops them, the pool
+        frees them, the ghost list remembers them. Returns the number evicted."""
         evicted: list = []
         freed = self.tree.evict(num_blocks, evicted)
         self.pool.free_cached(freed)
         self.ghost.add(evicted)
         self._evicted_blocks_total += len(freed)
         return len(freed)
+
+    def publish(self, request_id: str, token_ids: Sequence[int] | bytes, num_computed_tokens: int, *,
+                mm_items: Sequence[Sequence] | None = None) -> None:
+        """Insert every full, computed block not yet published into the tree.
+
+        Args:
+            request_id: An active request.
+            token_ids: The sequence so far (prompt + generated), at least
+                ``num_computed_tokens`` long; ids, or packed uint32-LE ``bytes``.
+            num_computed_tokens: Tokens whose K/V sit in the pool; blocks fully inside
+                ``[0, num_computed_tokens)`` are published, each hashed exactly once.
+            mm_items: Multimodal items of ``token_ids``; None keeps those given to ``begin``.
+
+        Raises:
+            KeyError: unknown ``request_id``.
+            ValueError: naming ``num_computed_tokens`` if not an int ≥ 0 or it exceeds the
+                tokens given or the allocated block table, ``token_ids`` if packed bytes are
+                not a multiple of 4, ``mm_items`` if malformed; nothing is changed then.
+        """
+        publish(self._requests[request_id], self.tree, self.pool, self.hasher, token_ids,
+                num_computed_tokens, mm_items, self.enable_prefix_caching)
+
+    def fork(self, parent_request_id: str, child_request_id: str, *,
+             num_computed_tokens: int | None = None) -> list[tuple[int, int]] | None:
+        """Start ``child_request_id`` as a copy of a running request (``n > 1`` sampling).
+
+        The child shares every full computed block of the parent: published ones through a
+        lock on the parent's tree path, unpublished ones (prefix caching off) through pool
+        reference counts. The partial tail block, which both will write next, is copied: the
+        child gets a fresh private block and the caller must copy the K/V of every returned
+        pair ``(src_block, dst_block)`` in every layer's K and V pools before the child's next
+        forward step. Blocks past the computed tokens are not shared; the child allocates its
+        own. The child's lookup is not counted again (its ``record_admission`` adds nothing).
+
+        Args:
+            parent_request_id: An active request whose full computed blocks are published
+                (call ``publish`` after the step, before forking).
+            child_request_id: A new request id.
+            num_computed_tokens: Tokens of the parent with K/V in the pool (default: the most
+                given to ``publish``, or ``begin``'s m).
+
+        Returns:
+            The copy pairs (empty when the computed tokens end on a block boundary), or None
+            when no block can be found for the tail copy (nothing changed then).
+
+        Raises:
+            KeyError: unknown ``parent_request_id``.
+            ValueError: naming ``child_request_id`` if already active, ``num_computed_tokens``
+                if not an int or outside the parent's table, or ``parent_request_id`` if full
+                computed blocks are not published yet.
+        """
+        parent = self._requests[parent_request_id]
+        if num_computed_tokens is not None:
+            check_int("num_computed_tokens", num_computed_tokens)
+        if child_request_id in self._requests:
+            raise ValueError(f"child_request_id: {child_request_id!r} is already active")
+        forked = fork(parent, self.tree, self.pool, self.block_size, self.enable_prefix_caching,
+                      num_computed_tokens, self._take_blocks)
+        if forked is None:
+            return None
+        self._requests[child_request_id] = forked[0]
+        return forked[1]
 
     def block_table(self, request_id: str) -> list[int]:
         """Return a copy of the request's block table (physical id per block position).
@@ -349,6 +365,59 @@ class CacheManager(CacheGauges, CacheFork, CachePublish):
         """Return whether ``request_id`` began and was not released."""
         return request_id in self._requests
 
+    # ---- gauges (DESIGN.md §7 units; free + cached_evictable + in_use = num_blocks) ------
+    @property
+    def miss_tokens(self) -> dict[str, int]:
+        """Counter: missed prompt tokens by cause (cold, evicted, isolated, unaligned_tail),
+        summed over admitted requests (each lookup counted once, at admission)."""
+        return dict(self._miss_tokens)
+
+    @property
+    def evicted_blocks_total(self) -> int:
+        """Counter: cached blocks evicted (dropped from the tree) since start."""
+        return self._evicted_blocks_total
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no content."""
+        return self.pool.num_free_blocks
+
+    @property
+    def num_deferred_blocks(self) -> int:
+        """Released private blocks waiting for the in-flight step to end (part of in-use)."""
+        return self.pool.num_deferred_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks held by the tree (evictable + locked)."""
+        return self.tree.num_cached_blocks
+
+    @property
+    def num_cached_evictable_blocks(self) -> int:
+        """Cached blocks no running request holds."""
+        return self.tree.num_evictable_blocks
+
+    @property
+    def num_in_use_blocks(self) -> int:
+        """Blocks held by running requests (or an in-flight step): private + cached-locked."""
+        return self.pool.num_private_blocks + self.tree.num_locked_blocks
+
+    @property
+    def num_tree_nodes(self) -> int:
+        """Non-root tree nodes."""
+        return self.tree.num_nodes
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._requests)
+
+    def block_states(self) -> list[str]:
+        """State of every block: "free", "private", "cached_evictable" or "cached_locked".
+
+        O(num_blocks + tree size); for tests and debugging.
+        """
+        return block_states(self.pool, self.tree)
+
     def check_integrity(self, *, verify_hashes: bool = False) -> None:
         """Verify pool, tree, and their agreement with every active request.
 
@@ -358,4 +427,5 @@ class CacheManager(CacheGauges, CacheFork, CachePublish):
         Raises:
             AssertionError: describing the first violated invariant.
         """
-        check_manager(self, self._requests, self.hasher.hash_fn if verify_hashes else None)
+        check_manager(self.pool, self.tree, self._requests, self.block_size,
+                      self.enable_prefix_caching, self.hasher.hash_fn if verify_hashes else None)

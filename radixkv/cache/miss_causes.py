@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, NamedTuple, Sequence
 
-from radixkv.cache.tree.node import Node, child_key, common_blocks, extras_agree
+from radixkv.cache.tree.compare import matching_blocks, walk
+from radixkv.cache.tree.node import Node, child_key
 from radixkv.cache.tree.radix_tree import RadixTree
 
 MISS_CAUSES = ("cold", "evicted", "isolated", "unaligned_tail")
@@ -43,11 +44,14 @@ class GhostRun(NamedTuple):
         tokens: Packed tokens of the run (``len(hashes) * B * 4`` bytes).
         hashes: Chained hash of each block.
         extras: Extras of each block, or None for text.
+        note: What the eviction policy's ``on_evict`` returned for the run (None: nothing),
+            handed back to its ``on_ghost_hit`` when the run is inserted again.
     """
 
     tokens: bytes
     hashes: list[bytes]
     extras: list[bytes] | None
+    note: object = None
 
 
 class _Chain:
@@ -127,13 +131,13 @@ class GhostList:
             del self._by_parent[chain.parent_hash]
 
     def add(self, evicted: Iterable[tuple[bytes, tuple]]) -> None:
-        """Remember evicted runs ``(first block's hash input, (tokens, hashes, extras))``.
+        """Remember evicted runs ``(first block's hash input, (tokens, hashes, extras[, note]))``.
 
         Forgets the oldest entries beyond the capacity.
         """
         runs, by_parent = self._runs, self._by_parent
         for key, raw in evicted:
-            run = GhostRun._make(raw)
+            run = GhostRun(*raw)
             hashes = run.hashes
             parent_hash = key[: len(hashes[0])]
             old = runs.pop(key, None)
@@ -163,7 +167,7 @@ def empty_breakdown() -> dict[str, int]:
 
 def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | None,
                   num_prompt_tokens: int, num_matched_blocks: int, last_hash: bytes,
-                  ghost: GhostList) -> tuple[dict[str, int], list[bytes]]:
+                  ghost: GhostList) -> tuple[dict[str, int], list[bytes], list[tuple[int, object]]]:
     """Split a lookup's missed tokens by cause; hashes nothing.
 
     Args:
@@ -177,18 +181,21 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
         ghost: Recently evicted blocks.
 
     Returns:
-        ``(breakdown, hashes)``: tokens per cause (summing to ``N - m``), and the chained hashes
-        of the evicted blocks ``num_matched_blocks, …`` found in the ghost list (for
-        ``insert(known_hashes=…)``).
+        ``(breakdown, hashes, notes)``: tokens per cause (summing to ``N - m``), the chained
+        hashes of the evicted blocks ``num_matched_blocks, …`` found in the ghost list (for
+        ``insert(known_hashes=…)``), and ``(block position of its last block, note)`` for each
+        evicted run the prompt holds whole whose policy note is not None (for
+        ``insert(ghost_notes=…)``).
     """
     bs = tree.block_size
     bb = tree.block_bytes
     cap_blocks = (num_prompt_tokens - 1) // bs
     missing = cap_blocks - num_matched_blocks
     hashes: list[bytes] = []
+    notes: list[tuple[int, object]] = []
     if missing <= 0:
         return {"cold": 0, "evicted": 0, "isolated": 0,
-                "unaligned_tail": num_prompt_tokens - cap_blocks * bs}, hashes
+                "unaligned_tail": num_prompt_tokens - cap_blocks * bs}, hashes, notes
     i, h, bb_x = num_matched_blocks, last_hash, b""
     while len(ghost) and i < cap_blocks:
         if px is not None:
@@ -197,23 +204,17 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
         if parts is None:
             break
         # Compare part by part (an entry's runs are not joined: see _Chain). The probe's key
-        # proved the first part's first block; later parts' first blocks are compared here.
+        # proved the first part's first block; later parts' first blocks are compared too.
         for n, run in enumerate(parts):
             run_hashes = run.hashes
-            limit = min(len(run_hashes), cap_blocks - i)
-            j = limit
-            stored = run.tokens if limit == len(run_hashes) else memoryview(run.tokens)[: limit * bb]
-            if not pb.startswith(stored, i * bb):
-                if n and not pb.startswith(memoryview(run.tokens)[:bb], i * bb):
-                    j = 0
-                else:
-                    j = common_blocks(pb, i * bb, run.tokens, limit, bb)
-            if px is not None or run.extras is not None:
-                j = extras_agree(run.extras, px, i, j)
+            j = matching_blocks(pb, i * bb, run.tokens, run.extras, px,
+                                min(len(run_hashes), cap_blocks - i), bb, 0 if n else 1)
             hashes += run_hashes if j == len(run_hashes) else run_hashes[:j]
             i += j
             if j < len(run_hashes):
                 break
+            if run.note is not None:
+                notes.append((i - 1, run.note))
         else:
             h = parts[-1].hashes[-1]
             continue
@@ -223,6 +224,7 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
     if evicted == 0 and num_matched_blocks == 0:
         key = child_key(pb[:bb], px[0] if px is not None else b"")
         for other in tree.roots_holding(key, root, MAX_ISOLATION_ROOTS):
-            isolated = max(isolated, tree.walk(other, pb, px, cap_blocks)[1])
+            isolated = max(isolated, walk(other, pb, px, cap_blocks, bb)[1])
     return {"cold": (missing - evicted - isolated) * bs, "evicted": evicted * bs,
-            "isolated": isolated * bs, "unaligned_tail": num_prompt_tokens - cap_blocks * bs}, hashes
+            "isolated": isolated * bs,
+            "unaligned_tail": num_prompt_tokens - cap_blocks * bs}, hashes, notes

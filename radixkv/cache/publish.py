@@ -1,4 +1,4 @@
-"""``CacheManager.publish`` (a mixin): insert a request's full computed blocks into the tree.
+"""Publishing: insert a request's full computed blocks into the tree (``CacheManager.publish``).
 
 The fast path (a request extending the leaf only it holds, text only) appends the blocks to
 that leaf and hands their ownership to the tree without a per-block pool write; otherwise the
@@ -9,110 +9,86 @@ are reused for the very tokens it compared.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from radixkv.cache.hashing import block_extras, pack_tokens, validate_mm_items
-
-if TYPE_CHECKING:
-    from radixkv.cache.check import RequestState
-    from radixkv.cache.hashing import BlockHasher
-    from radixkv.cache.pool import BlockPool
-    from radixkv.cache.tree.radix_tree import RadixTree
+from radixkv.cache.hashing import BlockHasher, block_extras, pack_tokens, validate_mm_items
+from radixkv.cache.pool import BlockPool
+from radixkv.cache.request_state import RequestState
+from radixkv.cache.tree.radix_tree import RadixTree
+from radixkv.config import check_int
 
 
-def count_arg(name: str, value: object) -> int:
-    """``value`` if it is an int ≥ 0 (not a bool), else a ValueError naming ``name``."""
-    if type(value) is not int or value < 0:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
-    return value  # type: ignore[return-value]
+def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHasher,
+        token_ids: Sequence[int] | bytes, num_computed_tokens: int,
+        mm_items: Sequence[Sequence] | None, enable_prefix_caching: bool) -> None:
+    """Insert every full, computed block of ``req`` not yet published into ``tree``.
 
-
-class CachePublish:
-    """``publish`` over the attributes ``CacheManager`` defines (requests, tree, pool, hasher)."""
-
-    _requests: dict[str, RequestState]
-    tree: RadixTree
-    pool: BlockPool
-    hasher: BlockHasher
-    block_size: int
-    enable_prefix_caching: bool
-
-    def publish(self, request_id: str, token_ids: Sequence[int] | bytes, num_computed_tokens: int, *,
-                mm_items: Sequence[Sequence] | None = None) -> None:
-        """Insert every full, computed block not yet published into the tree.
-
-        Args:
-            request_id: An active request.
-            token_ids: The sequence so far (prompt + generated), at least
-                ``num_computed_tokens`` long; ids, or packed uint32-LE ``bytes``.
-            num_computed_tokens: Tokens whose K/V sit in the pool; blocks fully inside
-                ``[0, num_computed_tokens)`` are published, each hashed exactly once.
-            mm_items: Multimodal items of ``token_ids``; None keeps those given to ``begin``.
-
-        Raises:
-            KeyError: unknown ``request_id``.
-            ValueError: naming ``num_computed_tokens`` if not an int ≥ 0 or it exceeds the
-                tokens given or the allocated block table, ``token_ids`` if packed bytes are
-                not a multiple of 4, ``mm_items`` if malformed; nothing is changed then.
-        """
-        req = self._requests[request_id]
-        bs = self.block_size
-        packed = isinstance(token_ids, (bytes, bytearray))
-        if packed and len(token_ids) & 3:
-            raise ValueError(f"token_ids: packed tokens need a multiple of 4 bytes, got "
-                             f"{len(token_ids)}")
-        num_tokens = len(token_ids) >> 2 if packed else len(token_ids)
-        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
-            count_arg("num_computed_tokens", num_computed_tokens)
-        if num_computed_tokens > num_tokens:
-            raise ValueError(f"num_computed_tokens: {num_computed_tokens} exceeds the "
-                             f"{num_tokens} token_ids given")
-        num_full = num_computed_tokens // bs
-        if num_full > len(req.block_table):
-            raise ValueError(f"num_computed_tokens: {num_computed_tokens} exceeds the "
-                             f"{len(req.block_table)} allocated blocks")
-        items = validate_mm_items(mm_items, num_tokens) if mm_items is not None else None
-        if num_computed_tokens > req.num_computed_tokens:
-            req.num_computed_tokens = num_computed_tokens
-        if items is not None and items != req.mm_items:
-            req.mm_items, req.known_hashes = items, []
-        start = req.num_published_blocks
-        if num_full <= start or not self.enable_prefix_caching:
+    Arguments, errors and effects as ``CacheManager.publish``; ``req`` is advanced in place
+    (``num_computed_tokens``, ``num_published_blocks``, ``cursor``, ``last_hash``, duplicates)
+    and the inserted blocks pass from the request to the tree in ``pool``.
+    """
+    bs = tree.block_size
+    packed = isinstance(token_ids, (bytes, bytearray))
+    if packed and len(token_ids) & 3:
+        raise ValueError(f"token_ids: packed tokens need a multiple of 4 bytes, got "
+                         f"{len(token_ids)}")
+    num_tokens = len(token_ids) >> 2 if packed else len(token_ids)
+    if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+        check_int("num_computed_tokens", num_computed_tokens)
+    if num_computed_tokens > num_tokens:
+        raise ValueError(f"num_computed_tokens: {num_computed_tokens} exceeds the "
+                         f"{num_tokens} token_ids given")
+    num_full = num_computed_tokens // bs
+    if num_full > len(req.block_table):
+        raise ValueError(f"num_computed_tokens: {num_computed_tokens} exceeds the "
+                         f"{len(req.block_table)} allocated blocks")
+    items = validate_mm_items(mm_items, num_tokens) if mm_items is not None else None
+    if num_computed_tokens > req.num_computed_tokens:
+        req.num_computed_tokens = num_computed_tokens
+    if items is not None and items != req.mm_items:
+        req.mm_items, req.known_hashes, req.ghost_notes = items, [], []
+    start = req.num_published_blocks
+    if num_full <= start or not enable_prefix_caching:
+        return
+    # (a slice of the engine's bytearray is a bytearray: fine for the fast path, which only
+    # hashes and appends it; the general insert keys children by bytes)
+    tb = (token_ids[start * 4 * bs : num_full * 4 * bs] if packed
+          else pack_tokens(token_ids[start * bs : num_full * bs]))
+    # An array slice (one memcpy): the fast path appends it to the leaf's array as is.
+    ids = req.block_table[start:num_full]
+    if not req.mm_items and not req.known_hashes:
+        last_hash = tree.extend_leaf(req.cursor, tb, ids, hasher)
+        if last_hash is not None:  # the request extended its own leaf
+            pool.to_cached(ids)
+            req.last_hash = last_hash
+            req.num_published_blocks = num_full
             return
-        # (a slice of the engine's bytearray is a bytearray: fine for the fast path, which only
-        # hashes and appends it; the general insert keys children by bytes)
-        tb = (token_ids[start * 4 * bs : num_full * 4 * bs] if packed
-              else pack_tokens(token_ids[start * bs : num_full * bs]))
-        # An array slice (one memcpy): the fast path appends it to the leaf's array as is.
-        ids = req.block_table[start:num_full]
-        if not req.mm_items and not req.known_hashes:
-            last_hash = self.tree.extend_leaf(req.cursor, tb, ids, self.hasher)
-            if last_hash is not None:  # the request extended its own leaf
-                self.pool.to_cached(ids)
-                req.last_hash = last_hash
-                req.num_published_blocks = num_full
-                return
-        if type(tb) is not bytes:
-            tb = bytes(tb)
-        extras = block_extras(req.mm_items, num_full, bs, start) if req.mm_items else None
-        known: Sequence[bytes] = ()
-        if req.known_hashes:
-            offset = start - req.known_start
-            num_known = min(len(req.known_hashes) - offset, num_full - start)
-            n = num_known * 4 * bs
-            # Reuse a recovered hash only for the tokens the lookup compared it with.
-            if offset >= 0 and num_known > 0 and req.known_tokens.startswith(
-                    tb if len(tb) == n else memoryview(tb)[:n], start * 4 * bs):
-                known = req.known_hashes[offset : offset + num_known]
-            elif offset >= 0:
-                req.known_hashes = []
-            if num_full >= req.known_start + len(req.known_hashes):
-                req.known_hashes = []
-        result = self.tree.insert(req.cursor, tb, ids, self.hasher, extras=extras,
-                                  known_hashes=known)
-        self.pool.to_cached(result.inserted_ids)
-        if result.duplicate_ids:
-            req.duplicate_ids += result.duplicate_ids
-        req.cursor = result.node
-        req.last_hash = result.last_hash
-        req.num_published_blocks = num_full
+    if type(tb) is not bytes:
+        tb = bytes(tb)
+    extras = block_extras(req.mm_items, num_full, bs, start) if req.mm_items else None
+    known: Sequence[bytes] = ()
+    notes: list[tuple[int, object]] = []
+    if req.known_hashes:
+        offset = start - req.known_start
+        num_known = min(len(req.known_hashes) - offset, num_full - start)
+        n = num_known * 4 * bs
+        # Reuse a recovered hash only for the tokens the lookup compared it with.
+        if offset >= 0 and num_known > 0 and req.known_tokens.startswith(
+                tb if len(tb) == n else memoryview(tb)[:n], start * 4 * bs):
+            known = req.known_hashes[offset : offset + num_known]
+            notes = [(pos - start, note) for pos, note in req.ghost_notes
+                     if start <= pos < start + num_known]
+        elif offset >= 0:
+            req.known_hashes = []
+        if num_full >= req.known_start + len(req.known_hashes):
+            req.known_hashes = []
+        if not req.known_hashes:
+            req.ghost_notes = []
+    result = tree.insert(req.cursor, tb, ids, hasher, extras=extras, known_hashes=known,
+                         ghost_notes=notes)
+    pool.to_cached(result.inserted_ids)
+    if result.duplicate_ids:
+        req.duplicate_ids += result.duplicate_ids
+    req.cursor = result.node
+    req.last_hash = result.last_hash
+    req.num_published_blocks = num_full

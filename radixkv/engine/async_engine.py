@@ -1,4 +1,6 @@
-"""``AsyncEngine``: runs ``LLMEngine.step()`` in a dedicated thread, bridged to asyncio.
+"""The asynchronous engine: ``AsyncEngine`` runs the synchronous ``LLMEngine``
+(``radixkv.engine.llm_engine``) in a dedicated thread, bridged to asyncio. The server uses
+this engine (and ``SamplingParams``), never ``LLMEngine`` itself.
 
 The event loop never runs model or cache code: requests and aborts go into a thread-safe
 inbox that the engine thread drains before each step, and outputs come back through
@@ -17,17 +19,17 @@ import asyncio
 import queue
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Sequence
 
-from radixkv.config import EngineConfig
-from radixkv.engine.llm_engine import LLMEngine, LoRAInUseError, LoRANotFoundError, RequestOutput
+from radixkv.config import EngineConfig, check_int
+from radixkv.engine.adapters import LoRAError, LoRAInUseError, LoRANotFoundError
+from radixkv.engine.llm_engine import LLMEngine, RequestOutput
 from radixkv.engine.sampling import SamplingParams
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel
-from radixkv.model.lora import LoRAAdapter, LoRAError
+from radixkv.model.lora import LoRAAdapter
 
 log = get_logger(__name__)
 
@@ -68,12 +70,10 @@ class RequestStream:
     must be closed or run to its end: it holds its place in the admission bound until then.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, n: int, out_queue: asyncio.Queue,
-                 lora_name: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, n: int, out_queue: asyncio.Queue) -> None:
         self._engine = engine
         self.request_id = request_id
         self.n = n
-        self.lora_name = lora_name
         self._queue = out_queue
         self._remaining = n
         self._open = True
@@ -130,8 +130,8 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *,
                  check_integrity_when_idle: bool = False, max_queue: int | None = None) -> None:
-        if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 0):
-            raise ValueError(f"max_queue: must be an int >= 0 or None, got {max_queue!r}")
+        if max_queue is not None:
+            check_int("max_queue", max_queue, minimum=0)
         self._engine = LLMEngine(config, model)
         self.tokenizer = self._engine.tokenizer
         self.model_name = self._engine.model_name
@@ -147,7 +147,6 @@ class AsyncEngine:
         self._closed = False
         self._active: set[RequestStream] = set()  # event-loop side: open streams
         self._num_seqs = 0  # choices of the open streams
-        self._lora_streams: Counter[str] = Counter()  # adapter name -> open streams using it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-tok")
@@ -239,13 +238,12 @@ class AsyncEngine:
         live = _Live(asyncio.get_running_loop(), out_queue, params.n, tenant, req.arrival_s)
         with self._streams_lock:
             if self._closed:
+                self._engine.discard_request(req)
                 raise EngineDeadError(f"engine stopped: {self.error!r}")
             self._streams[req.request_id] = live
-        stream = RequestStream(self, req.request_id, params.n, out_queue, lora_name)
+        stream = RequestStream(self, req.request_id, params.n, out_queue)
         self._active.add(stream)
         self._num_seqs += params.n
-        if lora_name is not None:
-            self._lora_streams[lora_name] += 1
         self._inbox.put(("add", req))
         self._wake.set()
         return stream
@@ -254,10 +252,6 @@ class AsyncEngine:
         if stream in self._active:
             self._active.discard(stream)
             self._num_seqs -= stream.n
-            if stream.lora_name is not None:
-                self._lora_streams[stream.lora_name] -= 1
-                if not self._lora_streams[stream.lora_name]:
-                    del self._lora_streams[stream.lora_name]
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to abort a request (any phase); returns immediately."""
@@ -272,8 +266,9 @@ class AsyncEngine:
         return len(streams)
 
     # ------------------------------------------------------------------ LoRA adapters
-    # The registry is read and changed on the event loop only (generate() resolves names
-    # there); the engine thread sees adapters only through the requests that hold them.
+    # One lifecycle, ``radixkv.engine.adapters.LoRAAdapters`` (the engine's ``adapters``): the
+    # registry is read and changed on the event loop only (generate() resolves names there);
+    # the engine thread only releases the holds of requests as they end.
     def lora_adapters(self) -> list[LoRAAdapter]:
         """Loaded adapters, in load order."""
         return self._engine.adapters.list()
@@ -290,31 +285,20 @@ class AsyncEngine:
         Raises:
             LoRAError: a bad name or adapter (the message names the file or tensor).
         """
-        engine = self._engine
-        engine.check_lora_name(name, replace=replace)
-        adapter = await asyncio.get_running_loop().run_in_executor(
-            None, engine.adapters.read, name, path)
-        engine.check_lora_name(name, replace=replace)  # another load may have won meanwhile
-        engine.adapters.add(adapter, replace=replace)
-        log.info("lora_loaded", name=name, path=adapter.path, digest=adapter.digest[:16],
-                 rank=adapter.rank, targets=list(adapter.target_modules))
+        adapters = self._engine.adapters
+        adapters.check_name(name, replace=replace)
+        adapter = await asyncio.get_running_loop().run_in_executor(None, adapters.read, name, path)
+        adapters.add(adapter, replace=replace)  # checks the name again: another load may have won
         return adapter
 
     def unload_lora(self, name: str) -> LoRAAdapter:
-        """Stop serving adapter ``name``.
+        """Stop serving adapter ``name`` (``LLMEngine.unload_lora``).
 
         Raises:
             LoRANotFoundError: no such adapter.
-            LoRAInUseError: an open request stream uses it.
+            LoRAInUseError: a request made with it has not finished (or been aborted).
         """
-        if name not in self._engine.adapters:
-            raise LoRANotFoundError(f"lora_name: no LoRA adapter named '{name}' is loaded")
-        if self._lora_streams.get(name):
-            raise LoRAInUseError(f"lora_name: adapter '{name}' is in use by "
-                                 f"{self._lora_streams[name]} request(s); retry once they finish")
-        adapter = self._engine.adapters.remove(name)
-        log.info("lora_unloaded", name=name, digest=adapter.digest[:16])
-        return adapter
+        return self._engine.unload_lora(name)
 
     def stats(self) -> dict:
         """The latest ``/stats`` snapshot (taken by the engine thread after each step), with
@@ -375,14 +359,14 @@ class AsyncEngine:
             if kind == "add":
                 if payload.request_id in self._streams:
                     engine.add_request(payload)
+                else:
+                    engine.discard_request(payload)
             else:
                 aborted = engine.abort_request(payload)
                 live = self._streams.get(payload)
                 if aborted:
                     outputs += aborted
                     log.info("request_aborted", request_id=payload)
-                    if live is not None and live.tenant is not None:
-                        engine.stats.record_tenant_abort(live.tenant, len(aborted))
                 elif live is not None:  # not in the engine (finished meanwhile): end the stream
                     del self._streams[payload]
         if outputs:
@@ -396,13 +380,13 @@ class AsyncEngine:
             live = self._streams.get(out.request_id)
             if live is None:
                 continue
-            if out.new_token_ids:
-                num = len(out.new_token_ids)
+            if out.new_token_ids:  # counted by the engine as sampled; timed here, as delivered
                 last = live.last_token_s.get(out.index)
                 if last is None:
-                    stats.record_tenant_output(live.tenant, num, ttft_s=now - live.arrival_s)
+                    stats.record_latency(live.tenant, ttft_s=now - live.arrival_s)
                 else:
-                    stats.record_tenant_output(live.tenant, num, itl_s=(now - last) / num)
+                    stats.record_latency(live.tenant,
+                                         itl_s=(now - last) / len(out.new_token_ids))
                 live.last_token_s[out.index] = now
             if out.finished:
                 live.remaining -= 1

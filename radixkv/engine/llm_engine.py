@@ -1,22 +1,25 @@
 """The synchronous engine: one ``step()`` = schedule → forward → sample → publish → finish.
 
-``LLMEngine`` is single-threaded: the ``AsyncEngine`` in ``radixkv.engine.async_engine`` runs it in its own
-thread. Everything here (scheduler, cache manager, pools) is touched only by that thread.
+``LLMEngine`` is single-threaded and has no event loop: offline use and tests step it directly;
+the server uses the asynchronous engine, ``AsyncEngine`` in ``radixkv.engine.async_engine``,
+which runs it in its own thread. Everything here (scheduler, cache manager, pools) is touched
+only by that thread; the LoRA adapter registry (``radixkv.engine.adapters``) is the exception
+that module documents.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from radixkv.cache.hashing import CacheIdentity
-from radixkv.cache.manager import IDENTITY_MEMO_SIZE, CacheManager
-from radixkv.config import GIB, EngineConfig
+from radixkv.cache.manager import CacheManager
+from radixkv.config import GIB, EngineConfig, check_token_ids
+from radixkv.engine.adapters import LoRAAdapters
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.sampling import SamplingParams, make_generator, sample_tokens
@@ -25,7 +28,7 @@ from radixkv.engine.stats import EngineStats
 from radixkv.eviction.cost_model import cost_shape_from_model_shape
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel, load_model
-from radixkv.model.lora import LoRAAdapter, LoRAError, LoRARegistry
+from radixkv.model.lora import LoRAAdapter
 from radixkv.model.runner import ModelRunner
 
 log = get_logger(__name__)
@@ -74,14 +77,6 @@ def _prefix_caching_refusal(config: EngineConfig, shape) -> str | None:
     return None
 
 
-class LoRANotFoundError(LoRAError):
-    """No adapter of that name is loaded (server: 404)."""
-
-
-class LoRAInUseError(LoRAError):
-    """The adapter is used by a waiting or running request (server: 409)."""
-
-
 class LLMEngine:
     """Owns the model runner, cache manager, scheduler and stats.
 
@@ -119,12 +114,10 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self._rope = shape.rope_description()
         self._kv_dtype = str(self.model.dtype).removeprefix("torch.")
-        # (cache salt, adapter identity) -> its CacheIdentity; bounded: salts are client-chosen.
-        self._identities: OrderedDict[tuple[str | None, tuple[str, str] | None],
-                                      CacheIdentity] = OrderedDict()
-        self.adapters = LoRARegistry(shape, device=self.runner.device, dtype=self.model.dtype)
+        self.adapters = LoRAAdapters(shape, base_model_name=self.model_name,
+                                     device=self.runner.device, dtype=self.model.dtype)
         for name, path in config.lora_adapters:
-            self.load_lora(name, path)
+            self.adapters.load(name, path)
         self._groups: dict[str, list[Request]] = {}  # group id -> its choices, while live
         log.info("engine_ready", model=self.model_name, revision=self.model.revision[:16],
                  num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
@@ -133,72 +126,35 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def cache_root(self, cache_salt: str | None, adapter: LoRAAdapter | None = None) -> bytes:
-        """The identity root for this model, KV layout, salt and adapter (memoised, LRU-bounded).
+        """The identity root for this model, KV layout, salt and adapter (memoised by the cache).
 
         The adapter enters as ``(name, weights digest)``: new weights under an old name get a
         new root, so KV computed with the old weights is never matched.
         """
-        key = (cache_salt, adapter.identity if adapter is not None else None)
-        identity = self._identities.get(key)
-        if identity is not None:
-            self._identities.move_to_end(key)
-        else:
-            identity = CacheIdentity(model_revision=self.model.revision,
-                                     block_size=self.block_size, kv_dtype=self._kv_dtype,
-                                     rope=self._rope, cache_salt=cache_salt, adapter=key[1])
-            self._identities[key] = identity
-            if len(self._identities) > IDENTITY_MEMO_SIZE:
-                self._identities.popitem(last=False)
-        # Through the cache's own memo every time, so its LRU order follows real use.
+        identity = CacheIdentity(model_revision=self.model.revision, block_size=self.block_size,
+                                 kv_dtype=self._kv_dtype, rope=self._rope, cache_salt=cache_salt,
+                                 adapter=adapter.identity if adapter is not None else None)
+        # The cache's identity memo (the only one) maps it to its root, LRU-bounded.
         return self.cache.identity_root(identity)
 
     # ------------------------------------------------------------------ LoRA adapters
-    def check_lora_name(self, name: str, *, replace: bool = False) -> None:
-        """Refuse a name that is the base model's, or taken (unless ``replace``).
-
-        Raises:
-            LoRAError: naming ``lora_name``.
-        """
-        if name == self.model_name:
-            raise LoRAError(f"lora_name: '{name}' is the base model's name")
-        if name in self.adapters and not replace:
-            raise LoRAError(f"lora_name: an adapter named '{name}' is already loaded; unload it "
-                            "first")
-
+    # The rules (names, replace, the in-use refusal) live in ``radixkv.engine.adapters``.
     def load_lora(self, name: str, path: str, *, replace: bool = False) -> LoRAAdapter:
         """Read a PEFT adapter from ``path`` and serve it as model ``name`` (blocking I/O).
 
         Raises:
             LoRAError: a bad name or adapter (see ``radixkv.model.lora.read_adapter``).
         """
-        self.check_lora_name(name, replace=replace)
-        adapter = self.adapters.read(name, path)
-        self.adapters.add(adapter, replace=replace)
-        log.info("lora_loaded", name=name, path=adapter.path, digest=adapter.digest[:16],
-                 rank=adapter.rank, targets=list(adapter.target_modules))
-        return adapter
-
-    def lora_in_use(self, name: str) -> bool:
-        """Whether a waiting or running request uses the adapter now called ``name``."""
-        return any(r.adapter is not None and r.adapter.name == name
-                   for r in (*self.scheduler.waiting, *self.scheduler.running))
+        return self.adapters.load(name, path, replace=replace)
 
     def unload_lora(self, name: str) -> LoRAAdapter:
-        """Stop serving adapter ``name``; its cached KV stays until evicted (unmatchable by
-        any other adapter or version).
+        """Stop serving adapter ``name`` (see ``LoRAAdapters.unload``).
 
         Raises:
             LoRANotFoundError: no such adapter.
-            LoRAInUseError: a waiting or running request uses it.
+            LoRAInUseError: a request made with it has not finished.
         """
-        if name not in self.adapters:
-            raise LoRANotFoundError(f"lora_name: no LoRA adapter named '{name}' is loaded")
-        if self.lora_in_use(name):
-            raise LoRAInUseError(f"lora_name: adapter '{name}' is in use by a request; retry "
-                                 "once it finishes")
-        adapter = self.adapters.remove(name)
-        log.info("lora_unloaded", name=name, digest=adapter.digest[:16])
-        return adapter
+        return self.adapters.unload(name)
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """Room left for generation when a client gives no ``max_tokens`` (vLLM's default)."""
@@ -210,24 +166,18 @@ class LLMEngine:
         """Validate a prompt and build its ``Request`` (not yet queued).
 
         ``tenant`` only labels the request for per-tenant stats; isolation is ``cache_salt``.
-        ``lora_name`` selects a loaded LoRA adapter (None: the base model).
+        ``lora_name`` selects a loaded LoRA adapter (None: the base model); the request holds
+        it from now until it finishes or is aborted, so pass the request to ``add_request``
+        (or to ``discard_request`` if it will not run).
 
         Raises:
             LoRANotFoundError: no adapter named ``lora_name`` is loaded.
-            ValueError: empty prompt, a token id outside the vocabulary, prompt + max_tokens
-                beyond the model's context, or a request that could never fit the KV pool.
+            ValueError: empty prompt, a token id outside the vocabulary (naming it,
+                ``prompt[i]: ...``), prompt + max_tokens beyond the model's context, or a
+                request that could never fit the KV pool.
         """
-        adapter = None
-        if lora_name is not None:
-            adapter = self.adapters.get(lora_name)
-            if adapter is None:
-                raise LoRANotFoundError(f"model: no LoRA adapter named '{lora_name}' is loaded")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt: must contain at least one token")
-        vocab = self.model.shape.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        adapter = self.adapters.resolve(lora_name) if lora_name is not None else None
+        prompt = check_token_ids("prompt", prompt_token_ids, self.model.shape.vocab_size)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -239,15 +189,29 @@ class LLMEngine:
             raise ValueError(
                 f"The request needs {num_blocks_needed} KV blocks ({total} tokens) but the pool "
                 f"holds only {self.num_blocks} blocks of {self.block_size} tokens.")
-        return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
-                       params=params, cache_root=self.cache_root(cache_salt, adapter),
-                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-                       generator=make_generator(params, self.config.device), tenant=tenant,
-                       adapter=adapter)
+        req = Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
+                      params=params, cache_root=self.cache_root(cache_salt, adapter),
+                      detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+                      generator=make_generator(params, self.config.device), tenant=tenant,
+                      adapter=adapter)
+        if adapter is not None:
+            self.adapters.hold(adapter)
+        return req
 
     def add_request(self, req: Request) -> None:
         self._groups[req.group_id] = [req]
         self.scheduler.add(req)
+
+    def discard_request(self, req: Request) -> None:
+        """Give back a request from ``make_request`` that will never be added (its adapter hold)."""
+        if req.adapter is not None:
+            self.adapters.release(req.adapter)
+
+    def _end_group(self, group: list[Request]) -> None:
+        """The request (all its choices) is over: its adapter is no longer held."""
+        adapter = group[0].adapter
+        if adapter is not None:
+            self.adapters.release(adapter)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort every unfinished choice of a request, in any phase.
@@ -258,11 +222,15 @@ class LLMEngine:
             One final output (``finish_reason="abort"``) per choice that was still live;
             empty when the request is unknown or already finished.
         """
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return []
         outputs = []
-        for req in self._groups.pop(request_id, []):
+        for req in group:
             if self.scheduler.abort(req.request_id) is not None:
                 req.finish_reason = "abort"
                 outputs.append(self._output(req, [], "", finished=True))
+        self._end_group(group)
         return outputs
 
     @property
@@ -320,11 +288,11 @@ class LLMEngine:
             if req.params.n > 1 and req.index == 0 and len(self._groups.get(req.group_id, ())) == 1:
                 outputs += self._fork_choices(req, logits[i], now)
             outputs.append(self._append_token(req, token, now))
-        self.stats.record_generated(len(tokens))
         return outputs
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
         req.append_token(token)
+        self.stats.record_generated(1, tenant=req.tenant)
         if req.first_token_s is None:
             req.first_token_s = now
         return self._postprocess(req, token)
@@ -362,7 +330,6 @@ class LLMEngine:
             self.scheduler.running.append(child)
             (token,) = sample_tokens(logits_row[None], [params], [child.generator])
             outputs.append(self._append_token(child, token, now))
-            self.stats.record_generated(1)
         return outputs
 
     def _postprocess(self, req: Request, token: int) -> RequestOutput:
@@ -381,6 +348,7 @@ class LLMEngine:
             group = self._groups.get(req.group_id)
             if group is not None and all(r.is_finished for r in group):
                 del self._groups[req.group_id]
+                self._end_group(group)
         return self._output(req, [token], text, finished=reason is not None)
 
     def _output(self, req: Request, new_ids: list[int], text: str, *, finished: bool) -> RequestOutput:

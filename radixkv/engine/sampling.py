@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixkv.config import check_int
+
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
@@ -41,16 +43,13 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
-            raise ValueError(f"n: must be an int in [1, 64], got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
+        check_int("n", self.n, minimum=1, maximum=64)
+        check_int("max_tokens", self.max_tokens, minimum=1)
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature: must be in [0, 2], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k: must be an int >= -1, got {self.top_k!r}")
+        check_int("top_k", self.top_k, minimum=-1)
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an int, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

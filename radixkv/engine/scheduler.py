@@ -9,12 +9,12 @@ Admission order (``admission_policy``): preempted requests resume first; then, u
 the waiting request with the longest cached prefix (a read-only ``peek``), unless some request
 has been overtaken ``max_bypass`` times, in which case the oldest such one goes next; ``fcfs``
 is plain arrival order. Admission matches the prompt against the prefix cache; a request's
-lookup is recorded in the stats exactly once, at its first admission. Blocks are allocated chunk by chunk, so a long
-prompt holds only what it has computed plus the chunk in flight. A waiting request that does
-not fit waits: admitting never preempts a running request. When a running request needs a
-block to grow and none can be freed or evicted, the most recently admitted running request is
-preempted by recompute: its published blocks stay in the tree, so its resume is mostly a prefix
-hit (counted apart from first-admission hits).
+lookup is recorded in the stats exactly once, at its first admission. Blocks are allocated
+chunk by chunk, so a long prompt holds only what it has computed plus the chunk in flight. A
+waiting request that does not fit waits: admitting never preempts a running request. When a
+running request needs a block to grow and none can be freed or evicted, the most recently
+admitted running request is preempted by recompute: its published blocks stay in the tree, so
+its resume is mostly a prefix hit (counted apart from first-admission hits).
 
 The scheduler talks only to the ``CacheManager`` facade, never to the tree or the pool.
 """
@@ -178,5 +178,5 @@ class Scheduler:
                     break
             else:
                 return None
-        self.stats.record_abort()
+        self.stats.record_abort(tenant=req.tenant)
         return req

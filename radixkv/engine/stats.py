@@ -68,8 +68,13 @@ def _percentile_ms(samples: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000.0
 
 
-class TenantCounters:
-    """One tenant's share of the request and token counters, and its latencies."""
+class Counters:
+    """Request and token counters and latencies of one view of the traffic.
+
+    The global view and each tenant's share are both a ``Counters``, written by the same
+    ``EngineStats.record_*`` call (the tenant's only when the request carries one). Not locked
+    itself: ``EngineStats`` holds its lock.
+    """
 
     def __init__(self) -> None:
         self.requests_total = 0
@@ -81,12 +86,29 @@ class TenantCounters:
         self.ttft = LatencyHistogram()
         self.itl = LatencyHistogram()
 
+    def counts(self) -> dict[str, Any]:
+        """The counters and the per-token rates derived from them (DESIGN.md §7 keys)."""
+        prompt, cached, requests = (self.prompt_tokens_total, self.cached_prompt_tokens_total,
+                                    self.requests_total)
+        return {
+            "requests_total": requests,
+            "requests_with_hit_total": self.requests_with_hit_total,
+            "requests_aborted_total": self.requests_aborted_total,
+            "prompt_tokens_total": prompt,
+            "cached_prompt_tokens_total": cached,
+            "computed_prompt_tokens_total": prompt - cached,
+            "generated_tokens_total": self.generated_tokens_total,
+            "token_hit_rate": cached / prompt if prompt else 0.0,
+            "request_hit_rate": self.requests_with_hit_total / requests if requests else 0.0,
+        }
+
 
 class EngineStats:
     """Counters written by the engine thread; ``snapshot`` may be called from any thread.
 
-    Per-tenant counters (``tenant_snapshot``) are recorded for requests that carry a tenant
-    (the server's authenticated tenant); the global counters always include them.
+    ``totals`` counts every request; ``tenants`` holds the share of each tenant seen so far
+    (requests that carry a tenant: the server's authenticated one). Each ``record_*`` call
+    updates both views at once, so a tenant's counters always sum into the global ones.
 
     Args:
         cost_shape: the served model's ``eviction.cost_model`` shape; with it, each hit adds
@@ -95,111 +117,57 @@ class EngineStats:
 
     def __init__(self, cost_shape: Any = None) -> None:
         self._lock = threading.Lock()
-        self.requests_total = 0
-        self.requests_with_hit_total = 0
-        self.prompt_tokens_total = 0
-        self.cached_prompt_tokens_total = 0
-        self.generated_tokens_total = 0
-        self.requests_aborted_total = 0
+        self.totals = Counters()
+        self.tenants: dict[str, Counters] = {}
+        # Global only: engine-internal events, not a tenant's traffic.
         self.preemptions_total = 0
         self.resumed_cached_tokens_total = 0
         self.saved_prefill_flops_total = 0.0  # FLOPs, from eviction.cost_model
         self.cost_shape = cost_shape
-        self.tenants: dict[str, TenantCounters] = {}
-        self.ttft = LatencyHistogram()
-        self.itl = LatencyHistogram()
 
-    def _tenant(self, tenant: str) -> TenantCounters:
+    def _views(self, tenant: str | None) -> tuple[Counters, ...]:
+        """The global counters, and the tenant's (created on first use) when there is one."""
+        if tenant is None:
+            return (self.totals,)
         counters = self.tenants.get(tenant)
         if counters is None:
-            counters = self.tenants[tenant] = TenantCounters()
-        return counters
+            counters = self.tenants[tenant] = Counters()
+        return (self.totals, counters)
 
     def record_admission(self, num_prompt_tokens: int, num_cached_tokens: int, *,
                          tenant: str | None = None) -> None:
+        """A request's one prefix-cache lookup, at its first admission."""
         with self._lock:
-            self.requests_total += 1
-            self.prompt_tokens_total += num_prompt_tokens
-            self.cached_prompt_tokens_total += num_cached_tokens
+            for view in self._views(tenant):
+                view.requests_total += 1
+                view.prompt_tokens_total += num_prompt_tokens
+                view.cached_prompt_tokens_total += num_cached_tokens
+                view.requests_with_hit_total += int(num_cached_tokens > 0)
             if num_cached_tokens > 0 and self.cost_shape is not None:
                 self.saved_prefill_flops_total += saved_prefill_flops(self.cost_shape,
                                                                       num_cached_tokens)
-            if num_cached_tokens > 0:
-                self.requests_with_hit_total += 1
-            if tenant is not None:
-                t = self._tenant(tenant)
-                t.requests_total += 1
-                t.prompt_tokens_total += num_prompt_tokens
-                t.cached_prompt_tokens_total += num_cached_tokens
-                t.requests_with_hit_total += int(num_cached_tokens > 0)
 
-    def record_tenant_output(self, tenant: str | None, num_tokens: int, *,
-                             ttft_s: float | None = None, itl_s: float | None = None) -> None:
-        """Tokens delivered to a request of ``tenant`` and their latency (global too).
-
-        ``generated_tokens_total`` itself is counted by ``record_generated`` (per step); this adds
-        the tenant's share and the time to first token / inter-token latency samples.
-        """
+    def record_generated(self, num_tokens: int, *, tenant: str | None = None) -> None:
+        """Tokens sampled for a request of ``tenant`` (None: no tenant)."""
         with self._lock:
-            t = self._tenant(tenant) if tenant is not None else None
-            if t is not None:
-                t.generated_tokens_total += num_tokens
-            if ttft_s is not None:
-                self.ttft.observe(ttft_s)
-                if t is not None:
-                    t.ttft.observe(ttft_s)
-            if itl_s is not None:
-                self.itl.observe(itl_s)
-                if t is not None:
-                    t.itl.observe(itl_s)
+            for view in self._views(tenant):
+                view.generated_tokens_total += num_tokens
 
-    def record_tenant_abort(self, tenant: str, num_requests: int = 1) -> None:
+    def record_abort(self, *, tenant: str | None = None) -> None:
+        """One sequence (choice) aborted."""
         with self._lock:
-            self._tenant(tenant).requests_aborted_total += num_requests
+            for view in self._views(tenant):
+                view.requests_aborted_total += 1
 
-    def latency_ms(self, tenant: str | None = None) -> dict[str, float | None]:
-        """``{"ttft_p50", "ttft_p99", "itl_p50", "itl_p99"}`` in ms over the recent window
-        (None before the first sample), globally or for one tenant."""
+    def record_latency(self, tenant: str | None, *, ttft_s: float | None = None,
+                       itl_s: float | None = None) -> None:
+        """Time to first token / inter-token latency of a delivery to a request of ``tenant``."""
         with self._lock:
-            source: Any = self if tenant is None else self.tenants.get(tenant)
-            ttft = list(source.ttft.recent) if source is not None else []
-            itl = list(source.itl.recent) if source is not None else []
-        return {"ttft_p50": _percentile_ms(ttft, 0.5), "ttft_p99": _percentile_ms(ttft, 0.99),
-                "itl_p50": _percentile_ms(itl, 0.5), "itl_p99": _percentile_ms(itl, 0.99)}
-
-    def latency_histograms(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
-        """Global ``{"ttft"|"itl": (cumulative buckets, sum in seconds)}`` for Prometheus."""
-        with self._lock:
-            return {"ttft": (self.ttft.cumulative(), self.ttft.sum_s),
-                    "itl": (self.itl.cumulative(), self.itl.sum_s)}
-
-    def tenant_snapshot(self, tenant: str) -> dict[str, Any]:
-        """One tenant's counters and rates (zeros for a tenant never seen), plus latency_ms."""
-        with self._lock:
-            t = self.tenants.get(tenant) or TenantCounters()
-            prompt, cached, requests = (t.prompt_tokens_total, t.cached_prompt_tokens_total,
-                                        t.requests_total)
-            out: dict[str, Any] = {
-                "requests_total": requests,
-                "requests_with_hit_total": t.requests_with_hit_total,
-                "requests_aborted_total": t.requests_aborted_total,
-                "prompt_tokens_total": prompt,
-                "cached_prompt_tokens_total": cached,
-                "computed_prompt_tokens_total": prompt - cached,
-                "generated_tokens_total": t.generated_tokens_total,
-                "token_hit_rate": cached / prompt if prompt else 0.0,
-                "request_hit_rate": t.requests_with_hit_total / requests if requests else 0.0,
-            }
-        out["latency_ms"] = self.latency_ms(tenant)
-        return out
-
-    def tenant_names(self) -> list[str]:
-        with self._lock:
-            return sorted(self.tenants)
-
-    def record_abort(self) -> None:
-        with self._lock:
-            self.requests_aborted_total += 1
+            for view in self._views(tenant):
+                if ttft_s is not None:
+                    view.ttft.observe(ttft_s)
+                if itl_s is not None:
+                    view.itl.observe(itl_s)
 
     def record_preemption(self) -> None:
         with self._lock:
@@ -210,30 +178,40 @@ class EngineStats:
         with self._lock:
             self.resumed_cached_tokens_total += num_cached_tokens
 
-    def record_generated(self, num_tokens: int) -> None:
+    def latency_ms(self, tenant: str | None = None) -> dict[str, float | None]:
+        """``{"ttft_p50", "ttft_p99", "itl_p50", "itl_p99"}`` in ms over the recent window
+        (None before the first sample), globally or for one tenant."""
         with self._lock:
-            self.generated_tokens_total += num_tokens
+            view = self.totals if tenant is None else self.tenants.get(tenant)
+            ttft = list(view.ttft.recent) if view is not None else []
+            itl = list(view.itl.recent) if view is not None else []
+        return {"ttft_p50": _percentile_ms(ttft, 0.5), "ttft_p99": _percentile_ms(ttft, 0.99),
+                "itl_p50": _percentile_ms(itl, 0.5), "itl_p99": _percentile_ms(itl, 0.99)}
+
+    def latency_histograms(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
+        """Global ``{"ttft"|"itl": (cumulative buckets, sum in seconds)}`` for Prometheus."""
+        with self._lock:
+            return {"ttft": (self.totals.ttft.cumulative(), self.totals.ttft.sum_s),
+                    "itl": (self.totals.itl.cumulative(), self.totals.itl.sum_s)}
+
+    def tenant_snapshot(self, tenant: str) -> dict[str, Any]:
+        """One tenant's counters and rates (zeros for a tenant never seen), plus latency_ms."""
+        with self._lock:
+            out = (self.tenants.get(tenant) or Counters()).counts()
+        out["latency_ms"] = self.latency_ms(tenant)
+        return out
+
+    def tenant_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self.tenants)
 
     def snapshot(self, cache: _CacheGauges, bytes_per_block: int) -> dict[str, Any]:
         """The ``/stats`` JSON object: counters plus pool and tree gauges."""
         with self._lock:
-            prompt = self.prompt_tokens_total
-            cached = self.cached_prompt_tokens_total
-            requests = self.requests_total
-            out: dict[str, Any] = {
-                "requests_total": requests,
-                "requests_with_hit_total": self.requests_with_hit_total,
-                "requests_aborted_total": self.requests_aborted_total,
-                "prompt_tokens_total": prompt,
-                "cached_prompt_tokens_total": cached,
-                "computed_prompt_tokens_total": prompt - cached,
-                "generated_tokens_total": self.generated_tokens_total,
-                "token_hit_rate": cached / prompt if prompt else 0.0,
-                "request_hit_rate": self.requests_with_hit_total / requests if requests else 0.0,
-                "preemptions_total": self.preemptions_total,
-                "resumed_cached_tokens_total": self.resumed_cached_tokens_total,
-                "saved_prefill_flops_total": self.saved_prefill_flops_total,
-            }
+            out = self.totals.counts()
+            out["preemptions_total"] = self.preemptions_total
+            out["resumed_cached_tokens_total"] = self.resumed_cached_tokens_total
+            out["saved_prefill_flops_total"] = self.saved_prefill_flops_total
         out["evicted_blocks_total"] = cache.evicted_blocks_total
         out["miss_tokens"] = dict(cache.miss_tokens)
         out["pool"] = {

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixkv.eviction.cost_model import CostShape
+
 __all__ = ["ModelShape", "SUPPORTED_ROPE_TYPES"]
 
 # RoPE variants the forward implements. "default" is plain RoPE (stored as rope_scaling=None).
@@ -87,7 +89,10 @@ class ModelShape:
         return -1 if self.sliding_window is None else self.sliding_window - 1
 
     def rope_description(self) -> str:
-        """Canonical text of the RoPE config, for the cache identity (e.g. ``theta=100000.0;scaling=None``)."""
+        """Canonical text of the RoPE config, for the cache identity.
+
+        E.g. ``theta=100000.0;scaling=None``.
+        """
         if self.rope_scaling is None:
             scaling = "None"
         else:
@@ -97,13 +102,10 @@ class ModelShape:
     def num_non_embedding_params(self) -> int:
         """Parameters outside the embedding and lm_head matrices (norms included).
 
-        Used by the cost model: a linear layer costs ``2 * params`` FLOPs per token.
+        The formula is the cost model's (``radixkv.eviction.cost_model.CostShape.params``): a
+        linear layer costs ``2 * params`` FLOPs per token.
         """
-        q_dim = self.num_q_heads * self.head_dim
-        kv_dim = self.num_kv_heads * self.head_dim
-        attn = self.hidden_size * (q_dim + 2 * kv_dim) + q_dim * self.hidden_size
-        if self.attention_bias:
-            attn += q_dim + 2 * kv_dim
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = 2 * self.hidden_size
-        return self.num_layers * (attn + mlp + norms) + self.hidden_size  # + final norm
+        return CostShape(name="", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                         intermediate_size=self.intermediate_size, num_q_heads=self.num_q_heads,
+                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                         attention_bias=self.attention_bias).params

@@ -19,6 +19,7 @@ from types import ModuleType
 import structlog
 import torch
 
+from radixkv.config import check_block_size, check_int
 from radixkv.kernels import reference
 
 from .config import ModelShape
@@ -90,16 +91,15 @@ class ModelRunner:
         bytes_per_block: K+V bytes of one block over all layers.
 
     Raises:
-        ValueError: on a non-positive ``num_blocks`` / ``block_size``, an unknown backend, or
-            ``"triton"`` where it cannot run (triton missing, or CPU without TRITON_INTERPRET=1).
+        ValueError: on a ``num_blocks`` < 1, a ``block_size`` outside ``[1, MAX_BLOCK_SIZE]``
+            (``radixkv.config``), an unknown backend, or ``"triton"`` where it cannot run
+            (triton missing, or CPU without TRITON_INTERPRET=1).
     """
 
     def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int,
                  device: str = "cpu", attention_backend: str = "torch") -> None:
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks: must be a positive int, got {num_blocks!r}")
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        check_int("num_blocks", num_blocks, minimum=1)
+        check_block_size(block_size)
         if attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend: must be one of {_BACKENDS}, got {attention_backend!r}")
         self.device = torch.device(device)

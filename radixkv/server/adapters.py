@@ -88,7 +88,7 @@ async def load_adapter(body: dict[str, Any], engine: AsyncEngine) -> web.Respons
     except LoRAError as exc:
         message = str(exc)
         param = "lora_name" if message.startswith("lora_name:") else "lora_path"
-        raise bad_request(message, param, "invalid_lora_adapter")
+        raise bad_request(message, param, "invalid_lora_adapter") from exc
     return json_response({"lora_name": adapter.name, "digest": adapter.digest,
                           "rank": adapter.rank, "target_modules": list(adapter.target_modules),
                           "message": f"Success: LoRA adapter '{name}' added successfully."})
@@ -101,8 +101,8 @@ async def unload_adapter(body: dict[str, Any], engine: AsyncEngine) -> web.Respo
     try:
         engine.unload_lora(name)
     except LoRANotFoundError as exc:
-        raise APIError(404, str(exc), param="lora_name", code="lora_not_found")
+        raise APIError(404, str(exc), param="lora_name", code="lora_not_found") from exc
     except LoRAInUseError as exc:
-        raise APIError(409, str(exc), param="lora_name", code="lora_in_use")
+        raise APIError(409, str(exc), param="lora_name", code="lora_in_use") from exc
     return json_response({"lora_name": name,
                           "message": f"Success: LoRA adapter '{name}' removed successfully."})

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
+from radixkv.config import check_int
 from radixkv.server import adapters
 from radixkv.server.auth import REQUEST_TENANT, KeyStore, Tenant, auth_middleware, cache_salt_for
 from radixkv.server.completions import DEFAULT_MAX_TOKENS, parse_completion_request
@@ -96,10 +97,10 @@ async def _tokenize_chat(engine: AsyncEngine, messages: list[dict], tools: list 
     try:
         return await engine.tokenize_chat(messages, tools, known_outputs=known_outputs)
     except ValueError as exc:  # the chat template rejected these messages
-        raise bad_request(f"could not apply the chat template: {exc}", "messages")
+        raise bad_request(f"could not apply the chat template: {exc}", "messages") from exc
     except RecursionError:
         raise bad_request("could not apply the chat template: the input is nested too deeply",
-                          "messages")
+                          "messages") from None
 
 
 def completion_route(handler: Callable[[web.Request, ServerState, Tenant | None],
@@ -241,11 +242,9 @@ def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
         The aiohttp application. Serve it with ``handler_cancellation=True`` so that client
         disconnects abort requests (``serve`` and ``aiohttp.test_utils`` both do).
     """
-    if max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    if max_concurrency_per_tenant is not None and max_concurrency_per_tenant < 1:
-        raise ValueError("max_concurrency_per_tenant must be >= 1, got "
-                         f"{max_concurrency_per_tenant}")
+    check_int("max_body_bytes", max_body_bytes, minimum=1)
+    if max_concurrency_per_tenant is not None:
+        check_int("max_concurrency_per_tenant", max_concurrency_per_tenant, minimum=1)
     keys = KeyStore(api_keys) if api_keys else None
     state = ServerState(engine, keys=keys, max_concurrency_per_tenant=max_concurrency_per_tenant)
     app = web.Application(client_max_size=max_body_bytes,

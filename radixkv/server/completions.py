@@ -47,11 +47,13 @@ class CompletionRequest(Sampling):
 
 
 def _token_ids(ids: list, param: str) -> list[int]:
+    """The JSON shape of a token-id prompt: a non-empty list of integers. Their range (the
+    vocabulary) is checked once, by the engine (``radixkv.config.check_token_ids``)."""
     if not ids:
         raise bad_request(f"'{param}' must not be empty", param)
     for i, t in enumerate(ids):
-        if not is_int(t) or t < 0:
-            raise bad_request(f"'{param}[{i}]' must be a token id (an integer >= 0), got {t!r}",
+        if not is_int(t):
+            raise bad_request(f"'{param}[{i}]' must be a token id (an integer), got {t!r}",
                               f"{param}[{i}]")
     return ids
 

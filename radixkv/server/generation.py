@@ -11,6 +11,7 @@ blocks.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -162,12 +163,15 @@ def engine_dead() -> APIError:
 
 
 def engine_value_error(exc: ValueError, prompt_param: str) -> APIError:
-    """The engine refused the request (ValueError names the field first, e.g. ``prompt: ...``)."""
+    """The engine refused the request (ValueError names the field first, e.g. ``prompt: ...``,
+    or one prompt token, ``prompt[3]: ...``: under ``/v1/completions`` that is the param)."""
     msg = str(exc)
     head = msg.split(":", 1)[0]
     code = "context_length_exceeded" if "maximum context length" in msg else None
     if head.isidentifier():
         param: str | None = prompt_param if head == "prompt" else head
+    elif re.fullmatch(r"prompt\[\d+\]", head):
+        param = head if prompt_param == "prompt" else prompt_param
     else:
         param = "max_tokens" if code else None
     return bad_request(msg, param, code)
@@ -212,17 +216,17 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
     try:
         params = sampling.sampling_params(max_tokens)
     except ValueError as exc:  # SamplingParams names the field first ("top_k: ...")
-        raise bad_request(str(exc), str(exc).split(":", 1)[0])
+        raise bad_request(str(exc), str(exc).split(":", 1)[0]) from exc
     try:
         gen = engine.generate(prompt, params, cache_salt=cache_salt, request_id=shape.id,
                               tenant=tenant.name if tenant is not None else None,
                               lora_name=lora_name)
     except QueueFullError as exc:
-        raise queue_full(str(exc))
+        raise queue_full(str(exc)) from exc
     except ValueError as exc:
-        raise engine_value_error(exc, prompt_param)
-    except EngineDeadError:
-        raise engine_dead()
+        raise engine_value_error(exc, prompt_param) from exc
+    except EngineDeadError as exc:
+        raise engine_dead() from exc
     try:
         if echo_ids is not None:
             shape.echo = await engine.detokenize(echo_ids, skip_special_tokens=False)
@@ -239,11 +243,12 @@ async def _first_output(gen: RequestStream, prompt_param: str) -> RequestOutput:
     try:
         return await gen.__anext__()
     except ValueError as exc:
-        raise engine_value_error(exc, prompt_param)
-    except EngineDeadError:
-        raise engine_dead()
+        raise engine_value_error(exc, prompt_param) from exc
+    except EngineDeadError as exc:
+        raise engine_dead() from exc
     except StopAsyncIteration:
-        raise APIError(500, "the engine ended the request without output", type=SERVER_ERROR)
+        raise APIError(500, "the engine ended the request without output",
+                       type=SERVER_ERROR) from None
 
 
 def _usage(outputs: dict[int, RequestOutput]) -> dict:
@@ -272,8 +277,8 @@ async def _respond_json(request: web.Request, shape: Any, gen: RequestStream,
             out = await gen.__anext__()
         except StopAsyncIteration:
             out = None
-        except EngineDeadError:
-            raise engine_dead()
+        except EngineDeadError as exc:
+            raise engine_dead() from exc
     if len(last) < n or any(o.finish_reason == "abort" for o in last.values()):
         raise APIError(503, "the request was aborted by the server", type=SERVER_ERROR,
                        code="aborted")

@@ -38,7 +38,7 @@ def parse_json_object(raw: bytes, content_type: str) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}")
+        raise bad_request(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
     if b"\\u0000" in raw:  # a NUL can only arrive escaped (raw NUL bytes are invalid JSON)

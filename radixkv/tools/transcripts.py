@@ -1,11 +1,16 @@
 """Agent-transcript loaders and the ideal prefix-reuse reference for `radixkv bench serve`.
 
 The loaders turn recorded agent sessions into the normalised request form described in
-``../shared/agent-transcripts/SOURCES.md``: one request per LLM call, each carrying the whole
-chat history up to that call, so consecutive requests of a session share long prefixes.
+the shared data folder's ``agent-transcripts/SOURCES.md``: one request per LLM call, each
+carrying the whole chat history up to that call, so consecutive requests of a session share long
+prefixes.
 Sources: ``tau-bench`` (airline JSON), ``swe-agent`` (``*.traj``), ``mini-swe-agent``
 (``*.traj.json``, a ``{"messages": [...]}`` record or a bare message list) and ``crewai``
 (VCR.py cassettes: every recorded ``chat/completions`` request as sent, in cassette order).
+
+With no path, a loader reads the small sample of its source shipped in the package
+(:func:`default_path`); ``default_path(source, shared=True)`` is the full data in the shared
+data folder (``$RADIXKV_SHARED_DIR``, default ``<repo>/../shared``; see ``radixkv.tools.data``).
 
 ``ideal_cached_tokens`` gives what a perfect (unbounded, never evicting) prefix cache could
 reuse for a run: per request, the longest common token prefix with any earlier request of the
@@ -22,10 +27,15 @@ from typing import Any
 
 import numpy as np
 
-# The repository root's parent holds the shared data folder (../shared relative to the repo).
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRANSCRIPTS_DIR = _REPO_ROOT.parent / "shared" / "agent-transcripts"
+from radixkv.config import check_block_size
+from radixkv.tools.data import sample_path, shared_path
+
+TRANSCRIPTS = Path("agent-transcripts")
+"""The transcripts' folder, under the shipped samples and under the shared data folder."""
 TAU_BENCH_AIRLINE = Path("tau-bench") / "historical_trajectories" / "gpt-4o-airline.json"
+SOURCE_PATHS = {"tau-bench": TAU_BENCH_AIRLINE, "swe-agent": Path("swe-agent"),
+                "mini-swe-agent": Path("mini-swe-agent"), "crewai": Path("crewai-cassettes")}
+"""Source name → its file or folder, relative to :data:`TRANSCRIPTS`."""
 
 _KEPT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -87,13 +97,30 @@ def requests_from_history(session_id: str, history: Sequence[dict[str, Any]]) ->
     return requests
 
 
-def _existing(path: str | Path | None, default: str | Path) -> Path:
-    """``path`` (default ``DEFAULT_TRANSCRIPTS_DIR / default``) as a Path that exists.
+def default_path(source: str, shared: bool = False) -> Path:
+    """The data a source's loader reads when given no path.
+
+    Args:
+        source: A source name (``tau-bench``, ``swe-agent``, ``mini-swe-agent``, ``crewai``).
+        shared: False: the small sample shipped in the package; True: the full data under the
+            shared data folder (``$RADIXKV_SHARED_DIR/agent-transcripts/...``, which may not exist).
+
+    Raises:
+        ValueError: Unknown source name (the message names ``source``).
+    """
+    if source not in SOURCE_PATHS:
+        raise ValueError(f"source: unknown transcript source {source!r}; known: {sorted(SOURCES)}")
+    relative = TRANSCRIPTS / SOURCE_PATHS[source]
+    return shared_path(relative) if shared else sample_path(relative)
+
+
+def _existing(path: str | Path | None, source: str) -> Path:
+    """``path`` (default: ``source``'s shipped sample) as a Path that exists.
 
     Raises:
         FileNotFoundError: it does not exist (the message names ``path``).
     """
-    base = Path(path) if path is not None else DEFAULT_TRANSCRIPTS_DIR / default
+    base = Path(path) if path is not None else default_path(source)
     if not base.exists():
         raise FileNotFoundError(f"path: {base} does not exist")
     return base
@@ -112,19 +139,19 @@ def load_tau_bench(path: str | Path | None = None) -> list[list[Request]]:
     """Load tau-bench ``gpt-4o-airline.json`` as normalised sessions, in file order.
 
     Args:
-        path: The JSON file; default
-            ``<repo>/../shared/agent-transcripts/tau-bench/historical_trajectories/gpt-4o-airline.json``.
+        path: The JSON file; default the shipped sample (the file's first 3 records: 3 sessions,
+            31 requests). The full file, ``default_path("tau-bench", shared=True)``, holds 200
+            sessions and 2,454 requests.
 
     Returns:
-        One list of requests per record (session ``gpt-4o-airline/task{task_id}/trial{trial}``);
-        200 sessions and 2,454 requests for the shipped file.
+        One list of requests per record (session ``gpt-4o-airline/task{task_id}/trial{trial}``).
 
     Raises:
         FileNotFoundError: The file does not exist.
         IsADirectoryError: ``path`` is a folder (tau-bench reads one JSON file).
         ValueError: The file is not a list of ``{task_id, trial, traj}`` records.
     """
-    file = _existing(path, TAU_BENCH_AIRLINE)
+    file = _existing(path, "tau-bench")
     expected = "a tau-bench trajectories JSON file such as gpt-4o-airline.json"
     if file.is_dir():
         raise IsADirectoryError(f"path: {file} is a folder; the tau-bench source reads one "
@@ -152,8 +179,8 @@ def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
     sorted path order; the session id is the path relative to ``path``.
 
     Args:
-        path: A ``.traj`` file or a folder searched recursively; default
-            ``<repo>/../shared/agent-transcripts/swe-agent`` (22 sessions, 230 requests).
+        path: A ``.traj`` file or a folder searched recursively; default the shipped sample
+            (2 sessions, 9 requests; the shared folder's ``swe-agent``: 22 sessions, 230).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no ``.traj`` file.
@@ -179,10 +206,10 @@ def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
     return sessions
 
 
-def _files(path: str | Path | None, default: str, pattern: str) -> tuple[Path, list[Path]]:
+def _files(path: str | Path | None, source: str, pattern: str) -> tuple[Path, list[Path]]:
     """``(base, files)``: ``path`` itself if it is a file, else every ``pattern`` match under it
-    (default ``DEFAULT_TRANSCRIPTS_DIR / default``), in sorted path order."""
-    base = _existing(path, default)
+    (default: ``source``'s shipped sample), in sorted path order."""
+    base = _existing(path, source)
     if base.is_file():
         return base, [base]
     files = sorted(base.rglob(pattern))
@@ -204,8 +231,8 @@ def load_mini_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
     per rule 3.
 
     Args:
-        path: A file or a folder searched recursively for ``*.traj.json``; default
-            ``<repo>/../shared/agent-transcripts/mini-swe-agent`` (2 sessions, 12 requests).
+        path: A file or a folder searched recursively for ``*.traj.json``; default the shipped
+            sample (both files of the shared folder's ``mini-swe-agent``: 2 sessions, 12 requests).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no ``.traj.json`` file.
@@ -260,14 +287,15 @@ def load_crewai(path: str | Path | None = None) -> list[list[Request]]:
     belong to different agents, so they need not extend each other.
 
     Args:
-        path: A cassette or a folder searched recursively for ``*.yaml``; default
-            ``<repo>/../shared/agent-transcripts/crewai-cassettes`` (204 sessions, 737 requests).
+        path: A cassette or a folder searched recursively for ``*.yaml``; default the shipped
+            sample (3 sessions, 9 requests; the shared folder's ``crewai-cassettes``: 204 sessions,
+            737 requests).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no ``.yaml`` file.
         ValueError: A file is not a cassette.
     """
-    base, files = _files(path, "crewai-cassettes", "*.yaml")
+    base, files = _files(path, "crewai", "*.yaml")
     sessions: list[list[Request]] = []
     for file in files:
         session_id = _session_id(base, file)
@@ -290,7 +318,7 @@ SOURCES = {"tau-bench": load_tau_bench, "swe-agent": load_swe_agent,
 
 
 def load_source(name: str, path: str | Path | None = None) -> list[list[Request]]:
-    """Load a transcript source by name.
+    """Load a transcript source by name, from ``path`` (default: the source's shipped sample).
 
     Raises:
         ValueError: Unknown source name (the message names ``source``).
@@ -298,7 +326,8 @@ def load_source(name: str, path: str | Path | None = None) -> list[list[Request]
     try:
         loader = SOURCES[name]
     except KeyError:
-        raise ValueError(f"source: unknown transcript source {name!r}; known: {sorted(SOURCES)}")
+        raise ValueError(f"source: unknown transcript source {name!r}; known: "
+                         f"{sorted(SOURCES)}") from None
     return loader(path)
 
 
@@ -320,16 +349,15 @@ def ideal_cached_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> li
 
     Args:
         prompts: Token ids of each request's prompt, in the order the requests ran.
-        block_size: B, tokens per KV block (> 0).
+        block_size: B, tokens per KV block.
 
     Returns:
         ``ideal[k]`` in tokens for each request.
 
     Raises:
-        ValueError: ``block_size`` < 1.
+        ValueError: naming ``block_size`` outside ``[1, MAX_BLOCK_SIZE]`` (``radixkv.config``).
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_block_size(block_size)
     # Big-endian uint32 bytes sort exactly like the token sequences (a prefix sorts first).
     keys: list[bytes] = []
     arrays: list[np.ndarray] = []

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from radixkv.config import CacheConfig
 from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.request import RequestStatus
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model.loader import load_model
+from tests.factories import make_engine
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -20,17 +21,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     return load_model(str(tiny_model_dir))
-
-
-def make_engine(model, *, block_size=4, num_blocks=256, prefix_cache=True, max_num_seqs=32,
-                max_num_batched_tokens=8192) -> LLMEngine:
-    config = EngineConfig(
-        model=None,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                          enable_prefix_caching=prefix_cache),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens))
-    return LLMEngine(config, model)
 
 
 def run_one(engine: LLMEngine, prompt, params=GREEDY):
@@ -203,13 +193,12 @@ def test_c06_model_revision_is_part_of_the_cache_identity(tiny, tmp_path):
 
 
 def test_identity_memos_stay_bounded_and_in_step(tiny, monkeypatch):
-    """Client-chosen salts must not grow the engine's or the cache's memos; an identity in use
-    stays in both (a hit in the engine's memo refreshes the cache's)."""
+    """Client-chosen salts must not grow the one identity memo (the cache's: the engine keeps
+    none); an identity in use stays in it."""
     from radixkv.cache import manager as cache_manager
-    from radixkv.engine import llm_engine
     monkeypatch.setattr(cache_manager, "IDENTITY_MEMO_SIZE", 3)
-    monkeypatch.setattr(llm_engine, "IDENTITY_MEMO_SIZE", 3)
     engine = make_engine(tiny)
+    assert not hasattr(engine, "_identities")
     prompt = list(range(100, 121))  # 21 tokens: 5 full blocks, 4 cacheable below the cap
 
     def cached(tokens, salt):
@@ -222,8 +211,11 @@ def test_identity_memos_stay_bounded_and_in_step(tiny, monkeypatch):
     for i in range(10):
         engine.cache_root("keep")  # in use between one-off salts
         cached([7, 8, 9, 10, 11], f"once-{i}")
-    assert len(engine._identities) == 3 and len(engine.cache._roots) == 3
-    assert engine.cache._tenants[keep_root] == "keep"  # still memoised by the cache
+    memo = engine.cache.identities
+    assert (memo.capacity, len(memo)) == (3, 3)
+    assert memo.tenant(keep_root) == "keep"  # still memoised
+    assert memo.tenant(engine.cache_root("once-0")) == "once-0"  # back in, pushing one out
+    assert len(memo) == 3
     assert cached(prompt, "keep") == 20
     # One-off salts' blocks stay cached (evictable) under their roots; nothing else is kept.
     assert len(engine.cache.tree.roots) == 11

@@ -10,26 +10,16 @@ import random
 
 import pytest
 
-from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.request import RequestStatus
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model.loader import load_model
 from tests.conftest import make_tiny_model_dir
+from tests.factories import make_engine
 
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def make_engine(model, *, block_size=4, num_blocks=256, prefix_cache=True, max_num_seqs=32,
-                max_num_batched_tokens=8192, prefill_chunk_tokens=None) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                          enable_prefix_caching=prefix_cache),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens,
-                                  prefill_chunk_tokens=prefill_chunk_tokens)), model)
 
 
 def cold_output(model, prompt, params):
@@ -300,10 +290,7 @@ def test_parallel_sampling_abort_ends_every_choice(tiny_model):
     ("fcfs", 8, ["cold", "long", "medium"]),  # arrival order
 ])
 def test_prefix_aware_admission_with_bounded_wait(tiny_model, policy, max_bypass, expected_order):
-    engine = LLMEngine(EngineConfig(
-        cache=CacheConfig(block_size=4, num_blocks=256),
-        scheduler=SchedulerConfig(max_num_seqs=1, admission_policy=policy, max_bypass=max_bypass)),
-        tiny_model)
+    engine = make_engine(tiny_model, max_num_seqs=1, admission_policy=policy, max_bypass=max_bypass)
     shared = [600 + i for i in range(16)]
     engine.generate([shared + [1]], greedy(1))  # warm 16 tokens
     prompts = {"cold": [700 + i for i in range(17)], "long": shared + [2, 3],

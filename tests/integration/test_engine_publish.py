@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from radixkv.config import CacheConfig
 from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model.loader import load_model
+from tests.factories import make_engine
 
 B = 4
 PROMPT = [100 + 7 * i for i in range(10)]  # 10 tokens: 2 full prompt blocks + 2 in the tail
@@ -20,13 +21,6 @@ PROMPT = [100 + 7 * i for i in range(10)]  # 10 tokens: 2 full prompt blocks + 2
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     return load_model(str(tiny_model_dir))
-
-
-def make_engine(model, interval: int, num_blocks: int = 64) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=None,
-        cache=CacheConfig(block_size=B, num_blocks=num_blocks, publish_interval_blocks=interval),
-        scheduler=SchedulerConfig()), model)
 
 
 def cached_blocks_per_step(engine: LLMEngine, max_tokens: int) -> list[int]:
@@ -51,7 +45,7 @@ def cached_blocks_per_step(engine: LLMEngine, max_tokens: int) -> list[int]:
     (16, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 5]),
 ])
 def test_generated_blocks_published_in_batches_and_at_finish(tiny, interval, expected):
-    engine = make_engine(tiny, interval)
+    engine = make_engine(tiny, block_size=B, num_blocks=64, publish_interval_blocks=interval)
     assert cached_blocks_per_step(engine, max_tokens=13) == expected
     # Whatever the interval, the next turn (prompt + reply + new message) hits every block
     # the first turn computed: 22 computed tokens = 5 full blocks (the hit cap would be 24).
@@ -63,7 +57,7 @@ def test_generated_blocks_published_in_batches_and_at_finish(tiny, interval, exp
 
 
 def test_abort_publishes_computed_generated_blocks(tiny):
-    engine = make_engine(tiny, interval=16)
+    engine = make_engine(tiny, block_size=B, num_blocks=64, publish_interval_blocks=16)
     req = engine.make_request(PROMPT, SamplingParams(max_tokens=50, temperature=0.0,
                                                      ignore_eos=True))
     engine.add_request(req)

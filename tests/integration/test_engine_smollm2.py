@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.config import CacheConfig, EngineConfig
-from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
+from tests.factories import make_engine
 
 pytestmark = pytest.mark.smollm2
 
@@ -23,8 +22,7 @@ def test_greedy_outputs_identical_with_and_without_prefix_cache(smollm2):
     prompts.append(prompts[0])
     outputs = {}
     for prefix_cache in (True, False):
-        engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64, enable_prefix_caching=prefix_cache)),
-                           smollm2)
+        engine = make_engine(smollm2, block_size=16, num_blocks=64, prefix_cache=prefix_cache)
         reqs = [engine.generate([p], params)[0] for p in prompts]
         engine.cache.check_integrity()
         outputs[prefix_cache] = [r.output_token_ids for r in reqs]

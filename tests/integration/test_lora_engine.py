@@ -11,11 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from radixkv.engine.llm_engine import LLMEngine, LoRAInUseError, LoRANotFoundError
+from radixkv.config import EngineConfig
+from radixkv.engine.adapters import LoRAInUseError, LoRANotFoundError
+from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model.lora import LoRAError, read_adapter
 from radixkv.model.runner import ModelRunner
+from tests.factories import make_engine
 from tests.lora_files import ATTN, merged_model, write_adapter
 
 TINY_ATOL = 1e-5
@@ -97,11 +99,9 @@ def test_no_adapter_batch_has_no_lora_work(tiny_model):
         runner.build_batch([([1, 2], 0, [0])], [None, None])
 
 
-def _engine(model, adapters=(), block_size=4) -> LLMEngine:
-    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=128),
-                          scheduler=SchedulerConfig(max_num_seqs=8),
-                          lora_adapters=tuple((k, str(v)) for k, v in adapters))
-    return LLMEngine(config, model)
+def _engine(model, adapters=()) -> LLMEngine:
+    return make_engine(model, num_blocks=128, max_num_seqs=8,
+                       lora_adapters=tuple((k, str(v)) for k, v in adapters))
 
 
 def test_c03_adapter_identity_in_cache_key(tiny_model, adapters, tmp_path):

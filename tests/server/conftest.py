@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
-from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.model.loader import LoadedModel
 from radixkv.server.app import serve
+from tests.factories import make_async_engine
 
 BLOCK_SIZE = 16
+NUM_BLOCKS = 512
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -42,13 +43,6 @@ class RunningServer:
     @property
     def stopped(self) -> bool:
         return self.holder.get("done", False)
-
-
-def make_engine(model: LoadedModel, *, num_blocks: int = 512, block_size: int = BLOCK_SIZE,
-                max_num_seqs: int = 32, max_queue: int | None = None) -> AsyncEngine:
-    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
-    return AsyncEngine(config, model, check_integrity_when_idle=True, max_queue=max_queue)
 
 
 def run_server_in_thread(engine: AsyncEngine, *, max_body_bytes: int = MAX_BODY_BYTES,
@@ -103,4 +97,5 @@ def run_server_in_thread(engine: AsyncEngine, *, max_body_bytes: int = MAX_BODY_
 @pytest.fixture(scope="module")
 def server(tiny_model: LoadedModel) -> Iterator[RunningServer]:
     """One tiny-model server per test module (context 2048 tokens, B = 16, 512 blocks)."""
-    yield from run_server_in_thread(make_engine(tiny_model))
+    yield from run_server_in_thread(make_async_engine(tiny_model, block_size=BLOCK_SIZE,
+                                                      num_blocks=NUM_BLOCKS))

@@ -1,7 +1,12 @@
-"""``bench/serve.py`` end to end against a real tiny-model server, with exact cache numbers."""
+"""``bench/serve.py`` end to end against a real tiny-model server, with exact cache numbers.
+
+The transcripts are the samples shipped in the package (the benchmark's default data), so these
+tests run in a clone with no shared data folder.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import subprocess
@@ -14,6 +19,8 @@ from radixkv.cli import load_bench
 from radixkv.cli import main as cli_main
 from radixkv.tools.transcripts import ideal_cached_tokens, load_tau_bench
 from tests.server.conftest import BLOCK_SIZE
+
+pytestmark = pytest.mark.shared_data  # reads the shipped samples
 
 KEYS = {"requests", "skipped_requests", "prompt_tokens", "cached_tokens", "ideal_cached_tokens",
         "cached_over_ideal", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50",
@@ -193,3 +200,43 @@ def test_bad_transcript_paths_exit_with_a_clear_message(tmp_path):
         assert proc.returncode == 1, (flags, proc.stderr)
         assert message in proc.stderr, (flags, proc.stderr)
         assert "Traceback" not in proc.stderr and "Errno" not in proc.stderr
+
+
+def test_defaults_sample_data_local_url_and_a_new_results_folder(server, tmp_path, monkeypatch,
+                                                                 capsys):
+    bench = load_bench("serve")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    defaults = parser.parse_args([])
+    assert (defaults.url, defaults.source, defaults.path, defaults.shared, defaults.json) == (
+        "http://127.0.0.1:8000", "tau-bench", None, False, None)
+    # No --json: results.json and results.png in ./radixkv-bench-results/serve-<timestamp>/.
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--url", server.url, "--source", "mini-swe-agent", "--sessions", "1",
+                       "--max-turns", "1", "--max-tokens", "2"]) == 0
+    (folder,) = (tmp_path / "radixkv-bench-results").iterdir()
+    assert folder.name.startswith("serve-")
+    assert sorted(p.name for p in folder.iterdir()) == ["results.json", "results.png"]
+    data = json.loads((folder / "results.json").read_text())
+    assert (data["requests"], data["source"]) == (1, "mini-swe-agent")
+    assert data["data_path"].endswith("radixkv/tools/data/agent-transcripts/mini-swe-agent")
+    err = capsys.readouterr().err
+    assert "bench serve: wrote radixkv-bench-results/serve-" in err and "results.png" in err
+
+
+def test_a_run_that_fails_leaves_no_empty_results_folder(tmp_path, monkeypatch):
+    bench = load_bench("serve")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="cannot use the server at http://127.0.0.1:1"):
+        bench.main(["--url", "http://127.0.0.1:1", "--source", "mini-swe-agent", "--sessions", "1"])
+    assert list((tmp_path / "radixkv-bench-results").iterdir()) == []
+
+
+def test_shared_reads_the_full_data_under_radixkv_shared_dir(tmp_path, monkeypatch):
+    bench = load_bench("serve")
+    monkeypatch.setenv("RADIXKV_SHARED_DIR", str(tmp_path / "nowhere"))
+    missing = tmp_path / "nowhere" / "agent-transcripts" / "crewai-cassettes"
+    with pytest.raises(SystemExit, match=f"bench serve: path: {missing} does not exist"):
+        bench.main(["--url", "http://127.0.0.1:1", "--source", "crewai", "--shared"])
+    with pytest.raises(SystemExit):  # --path and --shared exclude each other
+        bench.main(["--shared", "--path", str(tmp_path)])

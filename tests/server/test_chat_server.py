@@ -317,9 +317,10 @@ async def test_client_disconnect_while_waiting_aborts_the_request(server):
 
 async def test_unhealthy_engine_answers_503(tiny_model, aiohttp_client):
     from radixkv.server.app import create_app
-    from tests.server.conftest import make_engine
+    from tests.factories import make_async_engine
+    from tests.server.conftest import BLOCK_SIZE
 
-    engine = make_engine(tiny_model, num_blocks=64)  # never started: not healthy
+    engine = make_async_engine(tiny_model, block_size=BLOCK_SIZE, num_blocks=64)  # never started: not healthy
     client = await aiohttp_client(create_app(engine))
     resp = await client.get("/health")
     assert (resp.status, await resp.json()) == (503, {"status": "unhealthy"})

@@ -18,7 +18,8 @@ import orjson
 import pytest
 
 from radixkv.server.auth import parse_api_keys
-from tests.server.conftest import RunningServer, make_engine, run_server_in_thread
+from tests.factories import make_async_engine
+from tests.server.conftest import BLOCK_SIZE, NUM_BLOCKS, RunningServer, run_server_in_thread
 from tests.server.helpers import HI, bearer, get, post, post_json, sse_events
 
 T1, T2, ADMIN = "key-tenant-one", "key-tenant-two", "key-the-admin"
@@ -29,7 +30,8 @@ LONG = {"messages": HI, "max_tokens": 1900, "temperature": 0, "ignore_eos": True
 @pytest.fixture(scope="module")
 def limited(tiny_model) -> Iterator[RunningServer]:
     """Two sequences run at once, none may queue; one request in flight per tenant."""
-    engine = make_engine(tiny_model, max_num_seqs=2, max_queue=0)
+    engine = make_async_engine(tiny_model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                               max_num_seqs=2, max_queue=0)
     yield from run_server_in_thread(engine, api_keys=parse_api_keys(KEYS),
                                     max_concurrency_per_tenant=1)
 
@@ -82,7 +84,8 @@ async def test_tenant_limit_429_and_queue_full_503(limited):
 
 
 async def test_shutdown_drains_in_flight_requests(tiny_model):
-    gen = run_server_in_thread(make_engine(tiny_model), shutdown_timeout_s=60.0)
+    engine = make_async_engine(tiny_model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    gen = run_server_in_thread(engine, shutdown_timeout_s=60.0)
     srv = next(gen)
     try:
         async with aiohttp.ClientSession() as http:
@@ -106,7 +109,7 @@ async def test_shutdown_drains_in_flight_requests(tiny_model):
 
 
 async def test_shutdown_timeout_aborts_the_rest(tiny_model):
-    engine = make_engine(tiny_model)
+    engine = make_async_engine(tiny_model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
     gen = run_server_in_thread(engine, shutdown_timeout_s=0.3)
     srv = next(gen)
     try:
@@ -130,7 +133,7 @@ async def test_shutdown_timeout_aborts_the_rest(tiny_model):
 
 
 async def test_health_is_503_once_the_engine_is_dead(tiny_model):
-    engine = make_engine(tiny_model)
+    engine = make_async_engine(tiny_model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
     gen = run_server_in_thread(engine, expect_engine_error=True)
     srv = next(gen)
     try:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from radixkv.cli import build_parser, main
-from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server.auth import load_api_keys
+from tests.factories import make_async_engine
 from tests.lora_files import ATTN, peft_key, write_adapter
 from tests.server.conftest import RunningServer, run_server_in_thread
 from tests.server.helpers import HI, cached_tokens, complete, get, post_json
@@ -32,9 +32,8 @@ def lora_dir(tmp_path_factory):
 
 
 def _engine(model, lora_adapters=()) -> AsyncEngine:
-    config = EngineConfig(cache=CacheConfig(block_size=B, num_blocks=1024),
-                          scheduler=SchedulerConfig(max_num_seqs=8), lora_adapters=lora_adapters)
-    return AsyncEngine(config, model, check_integrity_when_idle=True)
+    return make_async_engine(model, block_size=B, num_blocks=1024, max_num_seqs=8,
+                             lora_adapters=lora_adapters)
 
 
 @pytest.fixture(scope="module")

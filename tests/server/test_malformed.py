@@ -145,7 +145,7 @@ CASES = [
     Case("completion-prompt-object", {"prompt": {"text": "x"}}, 400, "prompt", path=TEXT),
     Case("completion-batch", {"prompt": ["a", "b"]}, 400, "prompt", path=TEXT),
     Case("completion-negative-token", {"prompt": [1, -1]}, 400, "prompt[1]", path=TEXT),
-    Case("completion-token-out-of-vocab", {"prompt": [1 << 40]}, 400, "prompt", path=TEXT),
+    Case("completion-token-out-of-vocab", {"prompt": [1 << 40]}, 400, "prompt[0]", path=TEXT),
     Case("completion-echo-logprobs", {"prompt": "x", "echo": True, "logprobs": 1}, 400,
          "logprobs", path=TEXT),
     Case("tokenize-both", {"prompt": "x", "messages": HI}, 400, "prompt", path=TOKENIZE),

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import pytest
 
 from radixkv.model.loader import LoadedModel
-from tests.server.conftest import BLOCK_SIZE, RunningServer, make_engine, run_server_in_thread
+from tests.factories import make_async_engine
+from tests.server.conftest import BLOCK_SIZE, NUM_BLOCKS, RunningServer, run_server_in_thread
 from tests.server.helpers import post_json, sse_events
 
 SYSTEM = "You are a careful assistant. Answer briefly and precisely. " * 6
@@ -55,7 +56,8 @@ def capture_generated(server: RunningServer) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def reuse_server(tiny_model: LoadedModel) -> Iterator[tuple[RunningServer, dict]]:
-    for server in run_server_in_thread(make_engine(tiny_model)):
+    engine = make_async_engine(tiny_model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    for server in run_server_in_thread(engine):
         yield server, capture_generated(server)
 
 
@@ -171,7 +173,8 @@ async def test_remembered_replies_do_not_cross_cache_salts(reuse_server):
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2: LoadedModel) -> Iterator[tuple[RunningServer, dict]]:
-    for server in run_server_in_thread(make_engine(smollm2, num_blocks=64)):
+    engine = make_async_engine(smollm2, block_size=BLOCK_SIZE, num_blocks=64)
+    for server in run_server_in_thread(engine):
         yield server, capture_generated(server)
 
 

@@ -12,9 +12,10 @@ def test_tenant_counters_are_recorded_once_at_admission_and_sum_to_global():
     stats.record_admission(12, 8, tenant="a")
     stats.record_admission(12, 0, tenant="b")
     stats.record_admission(5, 4)  # no tenant (single-tenant server): global only
-    stats.record_tenant_output("a", 1, ttft_s=0.010)
-    stats.record_tenant_output("a", 1, itl_s=0.002)
-    stats.record_tenant_abort("b")
+    stats.record_generated(2, tenant="a")
+    stats.record_latency("a", ttft_s=0.010)
+    stats.record_latency("a", itl_s=0.002)
+    stats.record_abort(tenant="b")
     a, b = stats.tenant_snapshot("a"), stats.tenant_snapshot("b")
     assert (a["requests_total"], a["prompt_tokens_total"], a["cached_prompt_tokens_total"],
             a["computed_prompt_tokens_total"], a["requests_with_hit_total"],
@@ -26,7 +27,8 @@ def test_tenant_counters_are_recorded_once_at_admission_and_sum_to_global():
     assert math.isclose(a["latency_ms"]["itl_p50"], 2.0)
     assert stats.tenant_snapshot("never-seen")["requests_total"] == 0
     assert stats.tenant_names() == ["a", "b"]
-    assert stats.requests_total == 3 and stats.cached_prompt_tokens_total == 12
+    assert stats.totals.requests_total == 3 and stats.totals.cached_prompt_tokens_total == 12
+    assert (stats.totals.generated_tokens_total, stats.totals.requests_aborted_total) == (2, 1)
     assert math.isclose(stats.latency_ms()["ttft_p99"], 10.0)  # global includes tenants
 
 
@@ -39,6 +41,6 @@ def test_latency_histogram_buckets_and_percentiles():
     assert list(hist.recent) == [0.01, 0.05, 2.0, 0.2]  # the window keeps the newest
     stats = EngineStats()
     for ms in range(1, 101):
-        stats.record_tenant_output(None, 1, ttft_s=ms / 1000)
+        stats.record_latency(None, ttft_s=ms / 1000)
     latency = stats.latency_ms()
     assert math.isclose(latency["ttft_p50"], 50.0) and math.isclose(latency["ttft_p99"], 99.0)

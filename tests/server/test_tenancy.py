@@ -22,7 +22,8 @@ from radixkv.server.auth import (
     parse_api_keys,
 )
 from radixkv.server.errors import APIError
-from tests.server.conftest import RunningServer, make_engine, run_server_in_thread
+from tests.factories import make_async_engine
+from tests.server.conftest import RunningServer, run_server_in_thread
 from tests.server.helpers import HI, cached_tokens, complete, get, post, post_json
 
 B = 4
@@ -42,7 +43,7 @@ def fresh_prompt(length: int) -> list[int]:
 def server(tiny_model, tmp_path_factory) -> Iterator[RunningServer]:
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     path.write_text(json.dumps(KEYS))
-    engine = make_engine(tiny_model, block_size=B, num_blocks=256)
+    engine = make_async_engine(tiny_model, block_size=B, num_blocks=256)
     yield from run_server_in_thread(engine, api_keys=load_api_keys(path))
 
 

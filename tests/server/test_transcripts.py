@@ -1,4 +1,9 @@
-"""Transcript loader (tau-bench normalisation) and the ideal prefix-reuse reference."""
+"""Transcript loaders (normalisation, the shipped samples and the full shared data) and the ideal
+prefix-reuse reference.
+
+Data tests run on the samples shipped in the package (always) and on the full data in the shared
+data folder (skipped, naming the missing path, when it is absent), each with its exact counts.
+"""
 
 from __future__ import annotations
 
@@ -8,51 +13,80 @@ import time
 import pytest
 
 from radixkv.tools.transcripts import (
-    DEFAULT_TRANSCRIPTS_DIR,
+    SOURCE_PATHS,
     TAU_BENCH_AIRLINE,
+    TRANSCRIPTS,
+    default_path,
     ideal_cached_tokens,
     load_source,
     load_tau_bench,
     normalise_message,
     requests_from_history,
 )
+from tests.shared_data import sample_path, shared_path
 
-TAU_FILE = DEFAULT_TRANSCRIPTS_DIR / TAU_BENCH_AIRLINE
+TAU_RELATIVE = str(TRANSCRIPTS / TAU_BENCH_AIRLINE)
+# Sessions, requests, (shortest, longest) session: SOURCES.md for the full file; the sample is
+# its first three records.
+TAU_COUNTS = {"sample": (3, 31, (5, 15)), "shared": (200, 2454, (2, 30))}
+# (sessions, requests) per source; "shared" as in the shared folder's SOURCES.md.
+COUNTS = {"sample": {"tau-bench": (3, 31), "swe-agent": (2, 9), "mini-swe-agent": (2, 12),
+                     "crewai": (3, 9)},
+          "shared": {"tau-bench": (200, 2454), "swe-agent": (22, 230), "mini-swe-agent": (2, 12),
+                     "crewai": (204, 737)}}
+
+
+def _data_path(data: str, relative: str):
+    return sample_path(relative) if data == "sample" else shared_path(relative)
+
+
+@pytest.fixture(scope="module", params=["sample", "shared"])
+def tau(request):
+    """``(data, file, sessions)`` for the shipped sample and the full shared file."""
+    file = _data_path(request.param, TAU_RELATIVE)
+    return request.param, file, load_tau_bench(file)
 
 
 @pytest.fixture(scope="module")
-def tau_sessions():
-    if not TAU_FILE.is_file():
-        pytest.skip(f"{TAU_FILE} not present")
-    return load_tau_bench()
+def tau_sessions(tau):
+    return tau[2]
 
 
-def test_tau_bench_counts_match_sources_md(tau_sessions):
-    assert len(tau_sessions) == 200
-    assert sum(len(s) for s in tau_sessions) == 2454
+@pytest.mark.shared_data
+def test_tau_bench_counts_match_sources_md(tau):
+    data, _, tau_sessions = tau
+    sessions, requests, (shortest, longest) = TAU_COUNTS[data]
+    assert len(tau_sessions) == sessions
+    assert sum(len(s) for s in tau_sessions) == requests
     lengths = sorted(len(s) for s in tau_sessions)
-    assert (lengths[0], lengths[-1]) == (2, 30)
+    assert (lengths[0], lengths[-1]) == (shortest, longest)
     assert tau_sessions[0][0]["session_id"] == "gpt-4o-airline/task0/trial0"
     assert [r["turn"] for r in tau_sessions[0]] == list(range(len(tau_sessions[0])))
 
 
-def test_tau_bench_session_ids_follow_file_order(tau_sessions):
-    records = json.loads(TAU_FILE.read_bytes())
+@pytest.mark.shared_data
+def test_tau_bench_session_ids_follow_file_order(tau):
+    data, file, tau_sessions = tau
+    records = json.loads(file.read_bytes())
     expected = [f"gpt-4o-airline/task{r['task_id']}/trial{r['trial']}" for r in records]
     assert [s[0]["session_id"] for s in tau_sessions] == expected
-    assert len(set(expected)) == 200
+    assert len(set(expected)) == TAU_COUNTS[data][0]
 
 
-def test_consecutive_requests_are_strict_prefix_extensions(tau_sessions):
+@pytest.mark.shared_data
+def test_consecutive_requests_are_strict_prefix_extensions(tau):
+    data, _, tau_sessions = tau
     pairs = 0
     for session in tau_sessions:
         for prev, cur in zip(session, session[1:]):
             assert len(cur["messages"]) > len(prev["messages"])
             assert cur["messages"][: len(prev["messages"])] == prev["messages"]
             pairs += 1
-    assert pairs == 2454 - 200  # SOURCES.md: 2254/2254 strict-prefix pairs
+    sessions, requests, _ = TAU_COUNTS[data]
+    assert pairs == requests - sessions  # SOURCES.md: 2254/2254 strict-prefix pairs (full file)
 
 
+@pytest.mark.shared_data
 def test_messages_are_normalised(tau_sessions):
     allowed = {"system": {"role", "content"}, "user": {"role", "content"},
                "assistant": {"role", "content", "tool_calls"},
@@ -149,8 +183,11 @@ def test_ideal_cached_tokens_is_fast_for_thousands_of_requests():
     assert ideal[0] == 0 and ideal[200] == 0 and ideal[201] == 10 // 16 * 16
 
 
-def test_mini_swe_agent_test_files_bare_lists():
-    sessions = load_source("mini-swe-agent")
+@pytest.mark.shared_data
+@pytest.mark.parametrize("data", ["sample", "shared"])
+def test_mini_swe_agent_test_files_bare_lists(data):
+    # The sample holds both files of the shared folder's mini-swe-agent, unchanged.
+    sessions = load_source("mini-swe-agent", _data_path(data, "agent-transcripts/mini-swe-agent"))
     assert [s[0]["session_id"] for s in sessions] == [
         "tests/test_data/github_issue.traj.json", "tests/test_data/local.traj.json"]
     assert [len(s) for s in sessions] == [10, 2]  # SOURCES.md: 12 requests, 2 sessions
@@ -232,11 +269,53 @@ def test_crewai_cassette_requests_as_recorded(tmp_path):
         load_source("crewai", tmp_path)
 
 
-def test_crewai_and_swe_agent_counts_match_sources_md():
+@pytest.mark.shared_data
+@pytest.mark.parametrize("data", ["sample", "shared"])
+@pytest.mark.parametrize("source", sorted(SOURCE_PATHS))
+def test_counts_match_sources_md(source, data):
+    sessions = load_source(source, _data_path(data, str(TRANSCRIPTS / SOURCE_PATHS[source])))
+    assert (len(sessions), sum(len(s) for s in sessions)) == COUNTS[data][source]
+
+
+@pytest.mark.shared_data
+def test_no_path_reads_the_shipped_sample():
+    # A clone or an install alone has data to run on: the loaders' default is in the package.
+    for source in SOURCE_PATHS:
+        assert default_path(source) == sample_path(str(TRANSCRIPTS / SOURCE_PATHS[source]))
+        assert default_path(source).exists()
+        sessions = load_source(source)
+        assert (len(sessions), sum(len(s) for s in sessions)) == COUNTS["sample"][source]
+    assert [s[0]["session_id"] for s in load_source("swe-agent")] == [
+        "trajectories/demonstrations/ctf/misc/networking_1.traj",
+        "trajectories/demonstrations/function_calling_simple.traj"]
     crewai = load_source("crewai")
-    assert (len(crewai), sum(len(s) for s in crewai)) == (204, 737)
-    swe = load_source("swe-agent")
-    assert (len(swe), sum(len(s) for s in swe)) == (22, 230)
+    assert [(s[0]["session_id"].rsplit("/", 1)[1], len(s), sum("tools" in r for r in s))
+            for s in crewai] == [("test_agent_execution_with_tools.yaml", 2, 2),
+                                 ("test_lite_agent_with_tools.yaml", 4, 4),
+                                 ("test_custom_llm_within_crew.yaml", 3, 0)]
+
+
+@pytest.mark.shared_data
+def test_samples_are_cut_from_the_shared_data():
+    """Each sample file is its shared counterpart unchanged, or (tau-bench) its first records."""
+    sample_root = sample_path("agent-transcripts")
+    shared_root = shared_path("agent-transcripts")
+    files = sorted(p for p in sample_root.rglob("*") if p.is_file())
+    assert len(files) == 8
+    for file in files:
+        relative = file.relative_to(sample_root)
+        original = shared_root / relative
+        if relative == TAU_BENCH_AIRLINE:
+            records = json.loads(original.read_bytes())
+            assert file.read_text() == json.dumps(records[:3], indent=2) + "\n"
+        else:
+            assert file.read_bytes() == original.read_bytes(), relative
+
+
+def test_default_path_names_unknown_sources():
+    with pytest.raises(ValueError, match="source"):
+        default_path("nope")
+    assert default_path("crewai", shared=True).parts[-2:] == ("agent-transcripts", "crewai-cassettes")
 
 
 @pytest.mark.parametrize("source", ["tau-bench", "swe-agent", "mini-swe-agent", "crewai"])

@@ -19,6 +19,8 @@ import _eviction_replay as replay_mod  # noqa: E402
 import _eviction_trace as trace_mod  # noqa: E402
 
 from radixkv.eviction.cost_model import PRESETS, prefill_flops  # noqa: E402
+from radixkv.tools.data import SHARED_TRACE, TRACE_SAMPLE, sample_path  # noqa: E402
+from tests.shared_data import shared_path  # noqa: E402
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -113,15 +115,78 @@ def test_driver_reports_bad_input(tmp_path: Path) -> None:
     assert "error" in bench.run(args_for(trace, tmp_path / "o", format="tokens", policies="nope"))
 
 
-def test_swe_agent_loader_counts_and_prefixes() -> None:
-    from radixkv.tools.transcripts import DEFAULT_TRANSCRIPTS_DIR, load_source
+@pytest.mark.shared_data
+@pytest.mark.parametrize("data, counts", [("sample", (2, 9)), ("shared", (22, 230))])
+def test_swe_agent_loader_counts_and_prefixes(data, counts) -> None:
+    from radixkv.tools.transcripts import load_source
 
-    if not (DEFAULT_TRANSCRIPTS_DIR / "swe-agent").is_dir():
-        pytest.skip("../shared/agent-transcripts not present")
-    sessions = load_source("swe-agent")
-    assert len(sessions) == 22 and sum(len(s) for s in sessions) == 230  # SOURCES.md
+    relative = "agent-transcripts/swe-agent"
+    path = sample_path(relative) if data == "sample" else shared_path(relative)
+    sessions = load_source("swe-agent", path)
+    assert (len(sessions), sum(len(s) for s in sessions)) == counts  # SOURCES.md for "shared"
     for session in sessions:
         for prev, cur in zip(session, session[1:]):
             assert cur["messages"][: len(prev["messages"])] == prev["messages"]
     tool = [m for s in sessions for r in s for m in r["messages"] if m["role"] == "tool"]
     assert tool and all(isinstance(m.get("tool_call_id"), str) for m in tool)
+
+
+@pytest.mark.shared_data
+def test_no_trace_runs_the_shipped_mooncake_sample_into_a_new_results_folder(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    bench = load_bench("eviction")
+    bench.add_arguments(parser)
+    result = bench.run(parser.parse_args(["--policies", "lru,belady", "--capacity", "0.1",
+                                          "--jobs", "1"]))
+    assert not result.get("error")
+    assert result["trace"] == str(sample_path(TRACE_SAMPLE))
+    assert (result["format"], result["block_size"], result["model_shape"]) == ("mooncake", 512,
+                                                                                "llama3-8b")
+    # The first 400 requests of the Mooncake conversation trace (radixkv/tools/data/README.md).
+    assert (result["requests"], result["distinct_blocks"]) == (400, 9821)
+    assert result["infinite_cache"]["token_hit_rate"] == pytest.approx(780800 / 5710530, rel=1e-12)
+    rows = {r["policy"]: r for r in result["records"]}
+    assert {p: (r["capacity_blocks"], r["prompt_tokens"], r["cached_tokens"], r["skipped_requests"])
+            for p, r in rows.items()} == {"lru": (982, 5710530, 204288, 0),
+                                          "belady": (982, 5710530, 678912, 0)}
+    (folder,) = (tmp_path / "radixkv-bench-results").iterdir()
+    assert folder.name.startswith("eviction-")
+    assert sorted(p.name for p in folder.iterdir()) == ["hit_rate.png", "results.csv", "results.json"]
+    assert f"wrote radixkv-bench-results/{folder.name}/results.json" in capsys.readouterr().err
+
+
+@pytest.mark.shared_data
+def test_shared_reads_the_trace_under_radixkv_shared_dir(tmp_path: Path, monkeypatch) -> None:
+    bench = load_bench("eviction")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    monkeypatch.setenv("RADIXKV_SHARED_DIR", str(tmp_path / "shared"))
+    (tmp_path / "shared" / "traces").mkdir(parents=True)
+    write_jsonl(tmp_path / "shared" / SHARED_TRACE, [
+        {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [0, 1]},
+        {"timestamp": 1000, "input_length": 1100, "output_length": 1, "hash_ids": [0, 1, 2]}])
+    result = bench.run(parser.parse_args(["--shared", "--policies", "lru", "--capacity-blocks", "8",
+                                          "--jobs", "1", "--out", str(tmp_path / "o")]))
+    assert result["trace"] == str(tmp_path / "shared" / SHARED_TRACE)
+    assert (result["requests"], result["records"][0]["cached_tokens"]) == (2, 1024)
+    # Chat: the source's sample, or its full data under the shared folder.
+    assert bench._trace_path(parser.parse_args(["--format", "chat", "--source", "swe-agent"])) == \
+        str(sample_path("agent-transcripts/swe-agent"))
+    assert bench._trace_path(parser.parse_args(["--format", "chat", "--shared"])) == str(
+        tmp_path / "shared" / "agent-transcripts" / "tau-bench" / "historical_trajectories"
+        / "gpt-4o-airline.json")
+    assert "--trace is required" in bench.run(parser.parse_args(["--format", "tokens"]))["error"]
+    with pytest.raises(SystemExit):  # --trace and --shared exclude each other
+        parser.parse_args(["--shared", "--trace", "t.jsonl"])
+
+
+@pytest.mark.shared_data
+def test_the_mooncake_sample_is_the_head_of_the_shared_trace() -> None:
+    full = shared_path(str(SHARED_TRACE))
+    sample = sample_path(TRACE_SAMPLE).read_bytes()
+    with open(full, "rb") as f:
+        assert sample == b"".join(f.readline() for _ in range(400))
+    t = trace_mod.load_trace("mooncake", str(full), 512)
+    assert (len(t.requests), t.distinct_blocks) == (12031, 182790)  # SOURCES.md

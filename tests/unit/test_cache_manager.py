@@ -295,14 +295,17 @@ def test_bad_input() -> None:
 def test_one_off_identities_keep_no_state() -> None:
     """A client may send a new cache salt per request: nothing may grow per salt."""
     from radixkv.cache.manager import IDENTITY_MEMO_SIZE
+    assert IDENTITY_MEMO_SIZE == 4096
     cm, _ = make(8)
     first = cm.identity_root(CacheIdentity("r1", B, "float32", ROPE, cache_salt="s0"))
     for i in range(IDENTITY_MEMO_SIZE + 50):
         root = cm.identity_root(CacheIdentity("r1", B, "float32", ROPE, cache_salt=f"s{i}"))
         cm.begin(f"q{i}", root, [1, 2, 3])  # a miss: the lookup locks the bare root
         cm.release(f"q{i}")
-    assert (len(cm.tree.roots), len(cm._roots), len(cm._tenants)) == (0, IDENTITY_MEMO_SIZE,
-                                                                      IDENTITY_MEMO_SIZE)
+    # 4146 identities seen: the one memo holds the last 4096 (with their tenants), the tree none.
+    assert (len(cm.tree.roots), len(cm.identities), cm.identities.capacity) == (0, 4096, 4096)
+    assert len(cm.identities._tenants) == 4096
+    assert cm.identities.tenant(first) is None  # s0 was dropped first
     # An identity dropped from the memo still gets the same root hash (and its cached blocks).
     assert cm.identity_root(CacheIdentity("r1", B, "float32", ROPE, cache_salt="s0")) == first
     assert warm(cm, first, "w1", [1, 2, 3, 4, 5]) == 0

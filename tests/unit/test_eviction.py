@@ -30,6 +30,7 @@ class FakeNode:
     num_blocks: int = 1
     num_tokens: int = 4
     lock_ref: int = 0
+    hashes: tuple = ()
 
 
 def test_registry_lru() -> None:

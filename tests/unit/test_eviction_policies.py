@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from radixkv.cache.hashing import BlockHasher
+from radixkv.cache.hashing import BlockHasher, CacheIdentity
+from radixkv.cache.manager import CacheManager
 from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.eviction import available_policies, get_policy, make_policy
 from radixkv.eviction.cost_model import CostShape
@@ -202,17 +203,33 @@ def test_cost_credit_grows_with_reuse_and_depth() -> None:
 
 
 def test_cost_keeps_reuse_history_across_eviction() -> None:
-    """A session whose tip was evicted comes back: its new node inherits the old reuses."""
-    served = Served(make_policy("cost", model_shape=TINY))
-    policy = served.tree.policy
-    served.serve(1.0, [1] * 8, [0, 1])
-    served.serve(2.0, [1] * 8 + [2] * 4, [2])  # grows in place, h = 1
-    assert served.tree.evict(3) == [2, 1, 0]   # the ghost remembers tails 2, 1, 0 with h = 1
-    node = served.serve(9.0, [1] * 8 + [2] * 4 + [3] * 4, [3, 4, 5, 6])
+    """A session whose tip was evicted comes back: its new node inherits the old reuses. The
+    history travels in the cache's ghost list (the policy keeps no ghost): ``on_evict``'s note
+    is kept with the evicted run and handed back by ``on_ghost_hit``."""
+    now = [0.0]
+    cm = CacheManager(16, B, eviction_policy="cost", model_shape=TINY, clock=lambda: now[0])
+    root = cm.identity_root(CacheIdentity("rev", B, "float32", "rope"))
+    policy = cm.tree.policy
+
+    def serve(t: float, tokens: list[int]) -> None:
+        now[0] = t
+        prompt = tokens + [0]
+        cm.begin("r", root, prompt)
+        assert cm.allocate("r", len(prompt))
+        cm.publish("r", prompt, len(prompt))
+        cm.release("r")
+
+    serve(1.0, [1] * 8)
+    serve(2.0, [1] * 8 + [2] * 4)  # grows in place, h = 1
+    assert cm.evict(3) == 3  # the ghost list keeps the run with the note (h = 1, t = 2)
+    assert [run.note for run in cm.ghost.parts(next(iter(cm.ghost._runs)))] == [(1, 2.0)]
+    serve(9.0, [1] * 8 + [2] * 4 + [3] * 4)
+    (node,) = cm.tree.iter_nodes()
     assert node.hit_count == 0 and policy.reuses(node) == 2  # h_old + 1
     # Reuse gaps seen: 1 s (the hit at t=2), then 7 s (the return at t=9), in a running mean.
     assert policy.reuse_gap_s == pytest.approx(1.0 + policy.ewma * (7.0 - 1.0))
-    assert served.tree.policy.priority(node) == served.tree.leaves.sorted[0][0]  # stable key
+    assert policy.priority(node) == cm.tree.leaves.sorted[0][0]  # stable key
+    cm.check_integrity(verify_hashes=True)
 
 
 def test_oracles_refuse_without_the_future() -> None:

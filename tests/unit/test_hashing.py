@@ -22,7 +22,7 @@ from radixkv.cache.hashing import (
 ROPE = "theta=100000.0;scaling=None"
 IDENT = CacheIdentity("r1", 4, "float32", ROPE)
 
-# Golden vectors: computed once from the derivation in radixkv/hashing.py. If these change,
+# Golden vectors: computed once from the derivation in radixkv/cache/hashing.py. If these change,
 # every persisted or exported hash changes meaning: bump ROOT_DOMAIN instead of editing them.
 GOLDEN_ENCODING = (
     "530e0000006d6f64656c5f7265766973696f6e53020000007231530a000000626c6f636b5f73697a6549080000"
@@ -226,10 +226,10 @@ def test_identity_messages_exact() -> None:
                               "non-empty strings, got ('a', '')")
     with pytest.raises(ValueError) as exc:
         CacheIdentity("r1", 2**63, "float32", ROPE)
-    assert str(exc.value) == f"block_size: must be an int in [1, 2**63), got {2**63}"
-    # The largest int64 still encodes (no struct.error anywhere in range).
-    top = CacheIdentity("r1", 2**63 - 1, "float32", ROPE).encode()
-    assert bytes.fromhex("4908000000ffffffffffffff7f") in top
+    assert str(exc.value) == f"block_size: must be an int in [1, 1024], got {2**63}"
+    # The largest block size encodes, as an int64 (tag "I", 8 bytes, little-endian).
+    top = CacheIdentity("r1", 1024, "float32", ROPE).encode()
+    assert bytes.fromhex("49080000000004000000000000") in top
 
 
 def test_media_digest_encodes_by_type_no_coercion() -> None:
@@ -302,7 +302,7 @@ def test_block_hasher_refuses_bad_arguments() -> None:
     h = BlockHasher()
     root = h.identity_root(IDENT)
     for bad in (True, "4", 0, 2.0):
-        with pytest.raises(ValueError, match="block_size: must be a positive int"):
+        with pytest.raises(ValueError, match=r"block_size: must be an int in \[1, 1024\]"):
             h.chain(root, [1, 2, 3, 4], bad)
     for bad in (None, "root", bytearray(16)):
         with pytest.raises(ValueError, match="parent_hash: must be bytes"):

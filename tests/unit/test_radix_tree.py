@@ -262,7 +262,8 @@ def test_insert_with_a_bad_block_id_changes_nothing() -> None:
         with pytest.raises((TypeError, OverflowError)):
             tree.insert(leaf, pack_tokens([5, 6, 7, 8]), bad, hasher)  # the fast path
         with pytest.raises((TypeError, OverflowError)):
-            tree._add_run(leaf, pack_tokens([5, 6, 7, 8]), bad, None, [b"h" * 16], 0.0, [])
+            tree.insert(leaf, pack_tokens([5, 6, 7, 8]), bad, hasher,
+                        known_hashes=[b"h" * 16])  # the general path
         assert (leaf.num_blocks, bytes(leaf.tokens), len(leaf.hashes)) == (
             1, pack_tokens([1, 2, 3, 4]), 1)
     tree.check_integrity([leaf], hasher.hash_fn)
@@ -279,7 +280,7 @@ def test_insert_with_a_bad_block_id_changes_nothing() -> None:
 
 def test_constructor_refuses_bad_arguments() -> None:
     for bad in (True, "4", 0, 2.0):
-        with pytest.raises(ValueError, match="block_size: must be a positive int"):
+        with pytest.raises(ValueError, match=r"block_size: must be an int in \[1, 1024\]"):
             RadixTree(bad, get_policy("lru"))
     with pytest.raises(ValueError, match="policy: must be an EvictionPolicy instance, got str"):
         RadixTree(4, "lru")

@@ -6,15 +6,26 @@ one hash per block when ``hash_fn`` is given) and changes nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
+from radixkv.cache.tree.leaves import LeafIndex
 from radixkv.cache.tree.node import Node, child_key
 
-if TYPE_CHECKING:
-    from radixkv.cache.tree.radix_tree import RadixTree
+
+class CheckedTree(Protocol):
+    """What the check reads of a ``RadixTree`` (which imports this module, not the reverse)."""
+
+    block_bytes: int
+    roots: dict[bytes, Node]
+    root_child_keys: dict[object, dict[Node, None]]
+    leaves: LeafIndex
+    policy: Any
+    num_nodes: int
+    num_cached_blocks: int
+    num_locked_blocks: int
 
 
-def check_tree(tree: RadixTree, cursors: Iterable[Node] | None = None,
+def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
                hash_fn: Callable[[bytes], bytes] | None = None) -> set[int]:
     """Verify structure, lock counts, leaf index, root-key index and counters.
 

@@ -1,86 +1,85 @@
-"""Leaf eviction for the radix tree (a mixin of ``RadixTree``): trim blocks off the tails of the
-evictable leaves in policy order, in O(k log n) for k blocks, keeping the cached set
-prefix-closed, and describe each trimmed run for the ghost list.
+"""The evictable-leaf index: every unlocked, childless, non-root node, in eviction order.
+
+A :class:`LeafIndex` holds the leaves in the order the eviction policy wants: a
+``sortedcontainers.SortedList`` of ``(priority, uid)`` for a priority-key policy (lowest evicted
+first), or the policy's own structure for a victim-naming one (it is told every add / remove and
+asked for victims). ``RadixTree`` owns one and tells it when a node becomes or stops being an
+evictable leaf; the index knows nothing else of the tree.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sortedcontainers import SortedList
+
+from radixkv.eviction import EvictionPolicy
+
 if TYPE_CHECKING:
-    from radixkv.cache.tree.node import LeafIndex
-    from radixkv.eviction import EvictionPolicy
+    from radixkv.cache.tree.node import Node
 
 
-class LeafEviction:
-    """``evict`` over the attributes ``RadixTree`` defines (leaves, policy, counters)."""
+class LeafIndex:
+    """Evictable leaves in eviction order; O(log n) per add / remove / first.
 
-    leaves: LeafIndex
-    policy: EvictionPolicy
-    block_bytes: int
-    num_cached_blocks: int
-    num_nodes: int
-    root_child_keys: dict
-    # Also uses RadixTree._drop_bare_root.
+    Args:
+        policy: A priority-key policy (kept in a ``SortedList`` of ``(priority, uid)``: lowest is
+            evicted first, ``uid`` breaks ties) or a victim-naming policy (told about every
+            add/remove and asked for victims).
+    """
 
-    def evict(self, num_blocks: int, evicted: list | None = None) -> list[int]:
-        """Evict up to ``num_blocks`` blocks, tail-first from the first leaves in policy order.
+    def __init__(self, policy: EvictionPolicy) -> None:
+        if policy.kind not in ("priority", "victims"):
+            raise ValueError(f"eviction_policy: policy kind {policy.kind!r} is not supported")
+        self.policy = policy
+        self.by_priority = policy.kind == "priority"
+        self.sorted: SortedList = SortedList()
+        self.nodes: dict[int, Node] = {}
 
-        Args:
-            num_blocks: Blocks wanted.
-            evicted: If given, one ``(key, (tokens, hashes, extras))`` entry per trimmed run is
-                appended for the ghost list: ``key`` is the hash input of the run's first
-                block (``parent hash || packed tokens || extras``), then the run's packed
-                tokens, chained hashes and extras (None for text), in token order.
+    def __len__(self) -> int:
+        return len(self.nodes)
 
-        Returns:
-            Freed block ids in eviction order (fewer than asked when nothing is evictable).
+    def add(self, node: Node) -> None:
+        """Insert ``node`` under its current priority."""
+        if self.by_priority:
+            entry = (self.policy.priority(node), node.uid)
+            self.sorted.add(entry)
+            node.leaf_entry = entry
+        else:
+            self.policy.add_leaf(node)
+            node.leaf_entry = True
+        self.nodes[node.uid] = node
+
+    def remove(self, node: Node) -> None:
+        """Remove ``node`` (which must be in the index)."""
+        if self.by_priority:
+            self.sorted.remove(node.leaf_entry)
+        else:
+            self.policy.remove_leaf(node)
+        node.leaf_entry = None
+        del self.nodes[node.uid]
+
+    def reposition(self, node: Node) -> None:
+        """Re-key ``node`` (in the index) after its priority inputs changed (a trimmed leaf).
+
+        A priority policy whose key did not change (LRU, LFU, FIFO after a trim) costs one
+        ``priority`` call and no sorted-list update.
         """
-        freed: list[int] = []
-        leaves = self.leaves
-        by_priority = leaves.by_priority
-        bb = self.block_bytes
-        while len(freed) < num_blocks:
-            victim = leaves.first()
-            if victim is None:
-                break
-            ids = victim.block_ids
-            take = min(num_blocks - len(freed), len(ids))
-            # A priority-keyed leaf trimmed only in part stays indexed and is re-keyed below
-            # (one decode allocation under pressure trims one block: usually no re-sort).
-            keep = take < len(ids) and by_priority
-            if not keep:
-                leaves.remove(victim)
-            freed.extend(reversed(ids[-take:]))
-            if evicted is not None:
-                first, hs, x = len(ids) - take, victim.hashes, victim.extras
-                parent_hash = hs[first - 1] if first else victim.parent.end_hash  # type: ignore[union-attr]
-                run_tokens = bytes(victim.tokens[first * bb :])
-                run_x = x[first:] if x is not None else None
-                evicted.append((parent_hash + run_tokens[:bb] + (run_x[0] if run_x else b""),
-                                (run_tokens, hs[first:], run_x)))
-            del victim.tokens[-take * bb :], victim.hashes[-take:], ids[-take:]
-            if victim.extras is not None:
-                del victim.extras[-take:]
-            self.num_cached_blocks -= take
-            self.policy.on_evict(victim, take)
-            if ids:  # partially trimmed: still the same leaf
-                if keep:
-                    leaves.reposition(victim)
-                else:
-                    leaves.add(victim)
-                continue
-            parent = victim.parent
-            del parent.children[victim.key]  # type: ignore[union-attr]
-            if parent.parent is None:  # type: ignore[union-attr]
-                holders = self.root_child_keys[victim.key]
-                del holders[parent]
-                if not holders:
-                    del self.root_child_keys[victim.key]
-                if not parent.children and not parent.lock_ref:  # type: ignore[union-attr]
-                    self._drop_bare_root(parent)  # type: ignore[arg-type]
-            victim.parent = None
-            self.num_nodes -= 1
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                leaves.add(parent)  # type: ignore[arg-type]
-        return freed
+        if self.by_priority:
+            entry = (self.policy.priority(node), node.uid)
+            if entry != node.leaf_entry:
+                self.sorted.remove(node.leaf_entry)
+                self.sorted.add(entry)
+                node.leaf_entry = entry
+        else:
+            self.remove(node)
+            self.add(node)
+
+    def first(self) -> Node | None:
+        """The next victim, or None when no leaf is evictable."""
+        if self.by_priority:
+            return self.nodes[self.sorted[0][1]] if self.sorted else None
+        victim = self.policy.choose_victim()
+        if victim is not None and victim.uid not in self.nodes:
+            raise RuntimeError(f"eviction policy named {victim!r}, which is not an evictable leaf")
+        return victim  # type: ignore[return-value]

@@ -1,4 +1,4 @@
-"""Radix-tree nodes and the evictable-leaf index.
+"""Radix-tree nodes, their child keys, and the results of a match and an insert.
 
 A :class:`Node` holds a run of full KV blocks of one cache identity: their tokens packed as
 little-endian uint32 (one ``bytearray``, ``num_blocks * B * 4`` bytes, so a run is compared with
@@ -6,20 +6,16 @@ one ``memcmp``), their extras (multimodal keys, None for an all-text run), chain
 physical block ids. A node is keyed in its parent by its first block's exact token bytes (plus
 its extras when non-empty), so a lookup never needs a hash.
 
-The :class:`LeafIndex` holds every *evictable leaf* (unlocked, childless, non-root node) in the
-order the eviction policy wants: a ``sortedcontainers.SortedList`` of ``(priority, uid)`` for a
-priority-key policy, or the policy's own structure for a victim-naming one.
+Node-level edits (split, grow, trim) are in :mod:`radixkv.cache.tree.edit`, run comparison in
+:mod:`radixkv.cache.tree.compare`, the evictable-leaf index in :mod:`radixkv.cache.tree.leaves`.
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import NamedTuple, Sequence
-
-from sortedcontainers import SortedList
+from typing import NamedTuple, Protocol, Sequence
 
 from radixkv.cache.hashing import unpack_tokens
-from radixkv.eviction import EvictionPolicy
 
 #: ``array`` typecode of block-id runs (8-byte signed): a match concatenates runs in C, without
 #: touching one Python int per block.
@@ -33,50 +29,6 @@ def child_key(first_block: bytes, extras: bytes = b"") -> object:
     pair never equals a ``bytes``, so a text prompt cannot match a multimodal block by key.
     """
     return (first_block, extras) if extras else first_block
-
-
-def extras_agree(node_extras: list[bytes] | None, px: Sequence[bytes] | None, first: int,
-                  limit: int) -> int:
-    """Leading blocks (of ``limit``) whose extras agree: node blocks vs prompt blocks ``first…``."""
-    if node_extras is None:
-        if px is None:
-            return limit
-        for j in range(limit):
-            if px[first + j]:
-                return j
-        return limit
-    if px is None:
-        for j in range(limit):
-            if node_extras[j]:
-                return j
-        return limit
-    for j in range(limit):
-        if node_extras[j] != px[first + j]:
-            return j
-    return limit
-
-
-def common_blocks(pb: bytes, pos: int, stored: bytes | bytearray, limit: int, bb: int) -> int:
-    """Leading equal blocks of ``pb[pos:]`` and ``stored`` among the first ``limit``.
-
-    Block 0 is known equal (it matched a key). Binary search over block ranges: O(log limit)
-    ``memcmp`` calls, O(limit) bytes compared in total.
-
-    Args:
-        pb: Packed prompt tokens.
-        pos: Byte offset in ``pb`` of the first block to compare.
-        stored: Packed tokens of a stored run.
-        limit: Blocks to compare at most (≥ 1).
-        bb: Bytes per block (4 * B).
-    """
-    lo, hi = 1, limit  # blocks [0, lo) are equal; the answer lies in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if pb.startswith(stored[lo * bb : mid * bb], pos + lo * bb):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class Node:
@@ -193,67 +145,8 @@ class InsertResult(NamedTuple):
     duplicate_ids: list[int]
 
 
-class LeafIndex:
-    """Evictable leaves in eviction order; O(log n) per add / remove / first.
+class RunHasher(Protocol):
+    """What ``RadixTree.insert`` needs to hash new blocks (``hashing.BlockHasher`` is one)."""
 
-    Args:
-        policy: A priority-key policy (kept in a ``SortedList`` of ``(priority, uid)``: lowest is
-            evicted first, ``uid`` breaks ties) or a victim-naming policy (told about every
-            add/remove and asked for victims).
-    """
-
-    def __init__(self, policy: EvictionPolicy) -> None:
-        if policy.kind not in ("priority", "victims"):
-            raise ValueError(f"eviction_policy: policy kind {policy.kind!r} is not supported")
-        self.policy = policy
-        self.by_priority = policy.kind == "priority"
-        self.sorted: SortedList = SortedList()
-        self.nodes: dict[int, Node] = {}
-
-    def __len__(self) -> int:
-        return len(self.nodes)
-
-    def add(self, node: Node) -> None:
-        """Insert ``node`` under its current priority."""
-        if self.by_priority:
-            entry = (self.policy.priority(node), node.uid)
-            self.sorted.add(entry)
-            node.leaf_entry = entry
-        else:
-            self.policy.add_leaf(node)
-            node.leaf_entry = True
-        self.nodes[node.uid] = node
-
-    def remove(self, node: Node) -> None:
-        """Remove ``node`` (which must be in the index)."""
-        if self.by_priority:
-            self.sorted.remove(node.leaf_entry)
-        else:
-            self.policy.remove_leaf(node)
-        node.leaf_entry = None
-        del self.nodes[node.uid]
-
-    def reposition(self, node: Node) -> None:
-        """Re-key ``node`` (in the index) after its priority inputs changed (a trimmed leaf).
-
-        A priority policy whose key did not change (LRU, LFU, FIFO after a trim) costs one
-        ``priority`` call and no sorted-list update.
-        """
-        if self.by_priority:
-            entry = (self.policy.priority(node), node.uid)
-            if entry != node.leaf_entry:
-                self.sorted.remove(node.leaf_entry)
-                self.sorted.add(entry)
-                node.leaf_entry = entry
-        else:
-            self.remove(node)
-            self.add(node)
-
-    def first(self) -> Node | None:
-        """The next victim, or None when no leaf is evictable."""
-        if self.by_priority:
-            return self.nodes[self.sorted[0][1]] if self.sorted else None
-        victim = self.policy.choose_victim()
-        if victim is not None and victim.uid not in self.nodes:
-            raise RuntimeError(f"eviction policy named {victim!r}, which is not an evictable leaf")
-        return victim  # type: ignore[return-value]
+    def hash_blocks(self, parent_hash: bytes, token_bytes: bytes, block_size: int,
+                    extras: Sequence[bytes] | None = None) -> list[bytes]: ...

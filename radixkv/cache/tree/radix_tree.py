@@ -1,27 +1,15 @@
-"""Radix tree of published KV blocks: match, insert, split, lock, evict.
+"""Radix tree of published KV blocks: the tree's bookkeeping over match, insert, lock, evict.
 
-One root per cache identity (keyed by its root hash). A node holds a run of full blocks (see
-:mod:`radixkv.cache.tree.node`); children are keyed by their first block's exact token bytes plus its
-extras, so the key is exact and the path from the root *is* the hash chain.
-
-* ``match`` walks the tree comparing the prompt's packed tokens with each node's packed run in
-  one ``memcmp`` per node (a binary search over block ranges finds a mismatch inside a run):
-  O(matched blocks) bytes compared, O(matched nodes) Python steps, and nothing hashed (blocks
-  are hashed once, when inserted).
-* ``lock_ref`` of a node = number of request cursors at the node or anywhere below it, so a
-  lock on a cursor node propagates to the root and every block on a held path is protected.
-* A request cursor always sits at the *end* of a node: a match ending inside a node splits it,
-  and a split keeps the deeper half in the original node object, so cursors stay valid.
-* ``insert`` / ``extend_leaf`` live in :mod:`radixkv.cache.tree.insert`, ``evict`` in
-  :mod:`radixkv.cache.tree.leaves` (mixins).
-* Evictable leaves (``lock_ref == 0``, no children) live in a :class:`LeafIndex` keyed by the
-  eviction policy; keys change only on events (insert, hit, unlock, split, trim, becoming a
-  leaf). ``evict(k)`` trims blocks off the tail of the first leaf, so the cached set stays
-  prefix-closed, in O(k log n).
-* An identity root lives while it has children or locks: the last unlock or eviction that
-  leaves it bare drops it, so a stream of one-off identities (cache salts) keeps no state.
-  ``root()`` makes it again on the next use; ``lock`` re-attaches a dropped root object a
-  caller still holds.
+One root per cache identity; a node holds a run of full blocks (:mod:`.node`) keyed in its parent
+by its first block's exact tokens plus extras, so the path from the root *is* the hash chain.
+This class keeps the counters, the identity roots and their child-key index, the evictable-leaf
+index (:mod:`.leaves`) and the policy's hooks; node edits are in :mod:`.edit`, run comparison and
+the read-only walk in :mod:`.compare`. ``lock_ref`` of a node = request cursors at or below it
+(a held path is locked to the root); a cursor sits at the *end* of a node (a match ending inside
+a node splits it, keeping the deeper half in the original object). Leaf keys change only on
+events; ``evict(k)`` trims the tails of the first leaves in O(k log n). A root left bare (no
+children, no locks) is dropped; ``lock`` re-attaches one a caller still holds. See
+``radixkv/cache/README.md`` for the lifetimes.
 """
 
 from __future__ import annotations
@@ -32,21 +20,16 @@ from array import array
 from typing import Callable, Iterable, Sequence
 
 from radixkv.cache.hashing import as_packed_tokens as as_token_bytes
-from radixkv.cache.tree.insert import TreeInsert
-from radixkv.cache.tree.leaves import LeafEviction
-from radixkv.cache.tree.node import (
-    BLOCK_ID_TYPECODE,
-    LeafIndex,
-    MatchResult,
-    Node,
-    child_key,
-    common_blocks,
-    extras_agree,
-)
+from radixkv.cache.tree.check import check_tree
+from radixkv.cache.tree.compare import walk
+from radixkv.cache.tree.edit import add_child, as_block_ids, grow_node, split_node, trim_tail
+from radixkv.cache.tree.leaves import LeafIndex
+from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, InsertResult, MatchResult, Node, RunHasher
+from radixkv.config import check_block_size
 from radixkv.eviction import EvictionPolicy
 
 
-class RadixTree(LeafEviction, TreeInsert):
+class RadixTree:
     """Prefix tree over cached blocks with policy-ordered evictable leaves.
 
     Args:
@@ -63,8 +46,7 @@ class RadixTree(LeafEviction, TreeInsert):
 
     def __init__(self, block_size: int, policy: EvictionPolicy,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if type(block_size) is not int or block_size <= 0:
-            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        check_block_size(block_size)
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy: must be an EvictionPolicy instance, got "
                              f"{type(policy).__name__} (use radixkv.eviction.get_policy)")
@@ -124,51 +106,6 @@ class RadixTree(LeafEviction, TreeInsert):
             del self.roots[root.root_hash]
 
     # ---- walking and matching -----------------------------------------------------------
-    def walk(self, start: Node, pb: bytes, px: Sequence[bytes] | None,
-             max_blocks: int) -> tuple[list[tuple[Node, int]], int]:
-        """Follow the cached prefix of packed tokens ``pb`` below ``start``; change nothing.
-
-        Args:
-            start: Node whose end the tokens continue (an identity root for a lookup).
-            pb: Packed tokens (at least ``max_blocks`` full blocks).
-            px: Extras per block of ``pb`` or None for text.
-            max_blocks: Most blocks to match.
-
-        Returns:
-            ``(path, num_blocks)``: each visited child with the number of its leading blocks
-            that matched (only the last entry can be short of the node), and the total.
-        """
-        bb = self.block_bytes
-        end = max_blocks * bb
-        node, pos = start, 0
-        path: list[tuple[Node, int]] = []
-        while pos < end:
-            key = pb[pos : pos + bb]
-            if px is not None and px[pos // bb]:
-                key = (key, px[pos // bb])
-            child = node.children.get(key)
-            if child is None:
-                break
-            ct = child.tokens
-            n = len(ct)
-            room = end - pos
-            if n <= room:  # the whole run may match: one memcmp, no copy
-                j = n // bb
-                if not pb.startswith(ct, pos):
-                    j = common_blocks(pb, pos, ct, j, bb)
-            else:
-                j = room // bb
-                if not pb.startswith(ct[:room], pos):
-                    j = common_blocks(pb, pos, ct, j, bb)
-            if px is not None or child.extras is not None:
-                j = extras_agree(child.extras, px, pos // bb, j)
-            path.append((child, j))
-            pos += j * bb
-            if j * bb < n:
-                break
-            node = child
-        return path, pos // bb
-
     def match(self, root: Node, token_ids: Sequence[int] | bytes, max_blocks: int, *,
               extras: Sequence[bytes] | None = None, touch: bool = True) -> MatchResult:
         """Longest cached prefix of ``token_ids`` under ``root``, at most ``max_blocks`` blocks.
@@ -190,7 +127,7 @@ class RadixTree(LeafEviction, TreeInsert):
         pb = token_ids if type(token_ids) is bytes else as_token_bytes(token_ids)
         if max_blocks * self.block_bytes > len(pb):
             max_blocks = len(pb) // self.block_bytes
-        path, _ = self.walk(root, pb, extras, max_blocks)
+        path, _ = walk(root, pb, extras, max_blocks, self.block_bytes)
         if not path:
             return MatchResult(root, array(BLOCK_ID_TYPECODE), root.root_hash)
         last, j = path[-1]
@@ -210,7 +147,8 @@ class RadixTree(LeafEviction, TreeInsert):
                      extras: Sequence[bytes] | None = None) -> int:
         """Blocks :meth:`match` would return, without splitting, touching or locking anything."""
         pb = as_token_bytes(token_ids)
-        return self.walk(root, pb, extras, min(max_blocks, len(pb) // self.block_bytes))[1]
+        return walk(root, pb, extras, min(max_blocks, len(pb) // self.block_bytes),
+                    self.block_bytes)[1]
 
     def _touch(self, node: Node, now: float) -> None:
         """Record a hit on ``node``; re-key it if it sits in the leaf index."""
@@ -240,38 +178,194 @@ class RadixTree(LeafEviction, TreeInsert):
             node = node.parent
 
     def _split(self, node: Node, j: int) -> Node:
-        """Split ``node`` before its block ``j``; return the new head (blocks ``[0, j)``).
-
-        The original object keeps the tail so cursors at its end stay valid; the head inherits
-        the lock count (every cursor at or below the node is below the head too).
-        """
-        bb = self.block_bytes
-        head = Node(next(self._uids), node.parent, self.block_size, node.created_s)
-        head.key = node.key
-        head.tokens = node.tokens[: j * bb]
-        head.hashes = node.hashes[:j]
-        head.block_ids = node.block_ids[:j]
-        if node.extras is not None:
-            head.extras = node.extras[:j]
-            del node.extras[:j]
-        head.lock_ref = node.lock_ref
-        head.last_access_s = node.last_access_s
-        head.hit_count = node.hit_count
-        head.depth_tokens = node.depth_tokens
-        head.tenant = node.tenant
-        node.parent.children[head.key] = head  # type: ignore[union-attr]
+        """Split ``node`` before its block ``j`` (:func:`~radixkv.cache.tree.edit.split_node`);
+        return the new head. A leaf stays a leaf: it is re-indexed under its new key."""
         in_leaves = node.leaf_entry is not None
         if in_leaves:
             self.leaves.remove(node)
-        del node.tokens[: j * bb], node.hashes[:j], node.block_ids[:j]
-        node.key = child_key(bytes(node.tokens[:bb]), node.block_extras(0))
-        node.parent = head
-        node.depth_tokens += j * self.block_size
-        head.children[node.key] = node
+        head = split_node(node, j, next(self._uids))
         if in_leaves:
             self.leaves.add(node)
         self.num_nodes += 1
         return head
+
+    # ---- publishing ---------------------------------------------------------------------
+    def insert(self, cursor: Node, tokens: Sequence[int] | bytes, block_ids: list[int],
+               hasher: RunHasher, *, extras: Sequence[bytes] | None = None,
+               known_hashes: Sequence[bytes] = (),
+               ghost_notes: Sequence[tuple[int, object]] = ()) -> InsertResult:
+        """Publish full blocks continuing the chain at the end of ``cursor``.
+
+        The caller's lock at ``cursor`` (its request cursor) moves to the returned node. Blocks
+        the tree already holds (a concurrent request published them first) are followed, not
+        inserted, and the caller's copies reported as duplicates. New blocks are hashed once.
+
+        Args:
+            cursor: Node at whose end the blocks continue (locked by the caller).
+            tokens: The blocks' tokens, ``len(block_ids) * B`` ids or their packed bytes.
+            block_ids: The caller's physical block of each block (ints, or an ``array('q')``).
+            hasher: Hashes new blocks (``hash_blocks``).
+            extras: Per-block extras, None for text.
+            known_hashes: Chained hashes of the leading blocks already known (a lookup's ghost
+                check), used instead of hashing them again.
+            ghost_notes: ``(index in this run of an evicted run's last block, note)`` for runs
+                this insert brings back from the ghost list (``note``: what the policy's
+                ``on_evict`` returned); those inserted, not followed, go to the policy's
+                ``on_ghost_hit`` with the node receiving them.
+
+        Raises:
+            RuntimeError: if the caller does not lock ``cursor``.
+            ValueError: naming ``block_ids`` if the sizes disagree.
+            TypeError, OverflowError: if a block id is not an int64; nothing is changed then.
+        """
+        if cursor.lock_ref <= 0:
+            raise RuntimeError(f"insert at {cursor!r} which the caller does not lock")
+        tb = tokens if type(tokens) is bytes else as_token_bytes(tokens)
+        block_ids = as_block_ids(block_ids)  # a bad id raises before any change
+        count = len(block_ids)
+        if len(tb) != count * self.block_bytes or (extras is not None and len(extras) != count):
+            raise ValueError(f"block_ids: {count} ids for {len(tb) // 4} tokens "
+                             f"(block size {self.block_size})")
+        if extras is None and not known_hashes:
+            last_hash = self.extend_leaf(cursor, tb, block_ids, hasher)
+            if last_hash is not None:
+                return InsertResult(cursor, last_hash, block_ids.tolist(), [])
+        now = self._clock()
+        node = cursor
+        k = 0
+        if cursor.children:
+            path, k = walk(cursor, tb, extras, count, self.block_bytes)
+            for child, j in path:
+                if j < len(child.block_ids):
+                    child = self._split(child, j)
+                # Move the caller's cursor one level down: it still counts in ``node`` and above.
+                self._lock_one(child)
+                child.last_access_s = now
+                node = child
+        if k == count:
+            return InsertResult(node, node.end_hash, [], block_ids.tolist())
+        bb = self.block_bytes
+        rest_tb = tb[k * bb :] if k else tb
+        rest_ids = block_ids[k:] if k else block_ids
+        rest_x = extras[k:] if extras is not None and k else extras
+        known = list(known_hashes[k:count])
+        hashes = known + hasher.hash_blocks(known[-1] if known else node.end_hash,
+                                            rest_tb[len(known) * bb :], self.block_size,
+                                            rest_x[len(known) :] if rest_x is not None else None)
+        result = self._add_run(node, rest_tb, rest_ids, rest_x, hashes, now, block_ids[:k].tolist())
+        notes = [note for i, note in ghost_notes if i >= k]
+        if notes:
+            self.policy.on_ghost_hit(result.node, notes)
+        return result
+
+    def extend_leaf(self, cursor: Node, tb: bytes, block_ids: Sequence[int],
+                    hasher: RunHasher) -> bytes | None:
+        """Fast path of :meth:`insert`: text blocks appended to the leaf only the caller holds.
+
+        The common case (a request publishing its prompt's suffix or generated blocks at the
+        end of its own leaf): hash and append, nothing to walk, split or create. The caller's
+        lock stays at ``cursor``. ``tb``: packed tokens of ``len(block_ids)`` full blocks.
+
+        Returns:
+            The chained hash of the last block, or None (nothing changed) when the fast path
+            does not apply (``cursor`` has children, other locks, extras, is a root, or the
+            sizes disagree): use :meth:`insert` then.
+        """
+        count = len(block_ids)
+        if (cursor.lock_ref != 1 or cursor.children or not cursor.hashes or not count
+                or cursor.extras is not None or len(tb) != count * self.block_bytes):
+            return None
+        if type(block_ids) is not array or block_ids.typecode != BLOCK_ID_TYPECODE:
+            block_ids = array(BLOCK_ID_TYPECODE, block_ids)  # a bad id raises before any change
+        hashes = hasher.hash_blocks(cursor.hashes[-1], tb, self.block_size)
+        cursor.block_ids += block_ids  # one memcpy
+        cursor.tokens += tb
+        cursor.hashes += hashes
+        # last_access_s: the caller's lock is released with touch=True (unlock), which sets it.
+        self.num_cached_blocks += count
+        self.num_locked_blocks += count
+        if self._notify_policy:
+            self.policy.on_insert(cursor, count)
+        return hashes[-1]
+
+    def _add_run(self, node: Node, tb: bytes, block_ids: Sequence[int],
+                 extras: Sequence[bytes] | None, hashes: list[bytes], now: float,
+                 duplicates: list[int]) -> InsertResult:
+        """Add new blocks at the end of ``node`` (locked by the caller's cursor, which moves to
+        the node holding them): grown in place when only the caller holds that childless node
+        (keeps runs compressed), else a new child."""
+        count = len(block_ids)
+        ids = array(BLOCK_ID_TYPECODE, block_ids)
+        if extras is not None and not any(extras):
+            extras = None
+        if node.parent is not None and not node.children and node.lock_ref == 1:
+            grow_node(node, tb, ids, hashes, extras)
+            node.last_access_s = now
+            new = node
+        else:
+            new = add_child(node, next(self._uids), tb, ids, hashes, extras, now)
+            if node.parent is None:
+                self.root_child_keys.setdefault(new.key, {})[node] = None
+            self.num_nodes += 1
+        self.num_cached_blocks += count
+        self.num_locked_blocks += count
+        if self._notify_policy:
+            self.policy.on_insert(new, count)
+        return InsertResult(new, hashes[-1], ids.tolist(), duplicates)
+
+    # ---- eviction -----------------------------------------------------------------------
+    def evict(self, num_blocks: int, evicted: list | None = None) -> list[int]:
+        """Evict up to ``num_blocks`` blocks, tail-first from the first leaves in policy order.
+
+        Args:
+            num_blocks: Blocks wanted.
+            evicted: If given, one ``(key, (tokens, hashes, extras, note))`` entry per trimmed
+                run is appended for the ghost list (see :func:`~radixkv.cache.tree.edit.trim_tail`;
+                ``note`` is what the policy's ``on_evict`` returned, usually None).
+
+        Returns:
+            Freed block ids in eviction order (fewer than asked when nothing is evictable).
+        """
+        freed: list[int] = []
+        leaves = self.leaves
+        by_priority = leaves.by_priority
+        record = evicted is not None
+        while len(freed) < num_blocks:
+            victim = leaves.first()
+            if victim is None:
+                break
+            ids = victim.block_ids
+            take = min(num_blocks - len(freed), len(ids))
+            # A priority-keyed leaf trimmed only in part stays indexed and is re-keyed below
+            # (one decode allocation under pressure trims one block: usually no re-sort).
+            keep = take < len(ids) and by_priority
+            if not keep:
+                leaves.remove(victim)
+            run = trim_tail(victim, take, freed, record)
+            self.num_cached_blocks -= take
+            note = self.policy.on_evict(victim, take)
+            if run is not None:
+                evicted.append((run[0], (run[1], run[2], run[3], note)))  # type: ignore[union-attr]
+            if ids:  # partially trimmed: still the same leaf
+                if keep:
+                    leaves.reposition(victim)
+                else:
+                    leaves.add(victim)
+                continue
+            parent = victim.parent
+            del parent.children[victim.key]  # type: ignore[union-attr]
+            if parent.parent is None:  # type: ignore[union-attr]
+                holders = self.root_child_keys[victim.key]
+                del holders[parent]
+                if not holders:
+                    del self.root_child_keys[victim.key]
+                if not parent.children and not parent.lock_ref:  # type: ignore[union-attr]
+                    self._drop_bare_root(parent)  # type: ignore[arg-type]
+            victim.parent = None
+            self.num_nodes -= 1
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+                leaves.add(parent)  # type: ignore[arg-type]
+        return freed
 
     # ---- locks --------------------------------------------------------------------------
     def _lock_one(self, node: Node) -> None:
@@ -344,11 +438,8 @@ class RadixTree(LeafEviction, TreeInsert):
 
     def check_integrity(self, cursors: Iterable[Node] | None = None,
                         hash_fn: Callable[[bytes], bytes] | None = None) -> set[int]:
-        """Verify structure, locks, leaf index and counters; see ``radixkv.cache.tree.check``.
+        """Verify structure, locks, leaf index and counters; return the block ids held.
 
-        Returns:
-            The set of block ids the tree holds.
+        See :func:`radixkv.cache.tree.check.check_tree`.
         """
-        from radixkv.cache.tree.check import check_tree
-
         return check_tree(self, cursors, hash_fn)

@@ -1,0 +1,71 @@
+"""Where radixkv's benchmarks and tests find their data, and where the benchmarks write results.
+
+Two places hold data:
+
+- the **samples** shipped in this package (``radixkv/tools/data/``, declared as package data):
+  a few sessions of each agent-transcript source and the first 400 requests of the Mooncake
+  conversation trace, cut from public data (sources, licences and cuts in ``README.md`` here).
+  ``radixkv bench serve`` and ``radixkv bench eviction`` read them when no path is given, so the
+  benchmarks run from a clone or an install alone;
+- the **shared data folder** with the full public data (``agent-transcripts/``, ``traces/``):
+  ``$RADIXKV_SHARED_DIR``, default the ``shared`` folder beside the repository root
+  (``<repo>/../shared``). :func:`shared_dir` is the one place that resolves it; the benchmarks
+  read it with ``--shared`` and the tests that need the full data skip without it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+SHARED_DIR_ENV = "RADIXKV_SHARED_DIR"
+"""Environment variable naming the shared data folder."""
+
+SAMPLES_DIR = Path(__file__).resolve().parent
+"""This package's folder: the shipped samples."""
+
+REPO_ROOT = SAMPLES_DIR.parents[2]
+"""The repository root (in a source checkout; the install prefix otherwise)."""
+
+RESULTS_DIR = Path("radixkv-bench-results")
+"""Benchmark results go under this folder (relative to the working directory) by default."""
+
+TRACE_SAMPLE = Path("request-traces") / "conversation_trace.first400.jsonl"
+"""The shipped Mooncake sample, relative to :data:`SAMPLES_DIR`."""
+
+SHARED_TRACE = Path("traces") / "conversation_trace.jsonl"
+"""The full Mooncake conversation trace, relative to :func:`shared_dir`."""
+
+
+def shared_dir() -> Path:
+    """The shared data folder: ``$RADIXKV_SHARED_DIR`` if set (and not empty), else
+    ``<repo>/../shared``. It need not exist; callers check the paths they need."""
+    value = os.environ.get(SHARED_DIR_ENV, "").strip()
+    return Path(value).expanduser() if value else REPO_ROOT.parent / "shared"
+
+
+def shared_path(relative: str | os.PathLike[str]) -> Path:
+    """``relative`` (e.g. ``"agent-transcripts/swe-agent"``) under :func:`shared_dir`."""
+    return shared_dir() / relative
+
+
+def sample_path(relative: str | os.PathLike[str]) -> Path:
+    """``relative`` (e.g. ``"agent-transcripts/swe-agent"``) under the shipped samples."""
+    return SAMPLES_DIR / relative
+
+
+def default_results_dir(bench: str) -> Path:
+    """A new folder ``./radixkv-bench-results/<bench>-<YYYYmmdd-HHMMSS>[-k]/``, created now.
+
+    Used when a benchmark is given no output path; ``-k`` is added when the name is taken.
+    """
+    stem = RESULTS_DIR / f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, k = stem, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            k += 1
+            path = stem.with_name(f"{stem.name}-{k}")
