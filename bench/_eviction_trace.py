@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
+from radixkv.config import check_block_size
+
 _U32 = struct.Struct("<I")
 
 
@@ -220,8 +222,7 @@ def load_chat(source: str, path: str | None, block_size: int, concurrency: int,
 def load_trace(fmt: str, path: str | None, block_size: int, *, source: str = "tau-bench",
                concurrency: int = 8) -> Trace:
     """Load a trace in ``fmt`` (``mooncake`` / ``tokens`` / ``chat``)."""
-    if block_size <= 0:
-        raise ValueError(f"block_size: must be positive, got {block_size}")
+    check_block_size(block_size)
     if fmt == "mooncake":
         return load_mooncake(path, block_size)
     if fmt == "tokens":
