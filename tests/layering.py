@@ -74,34 +74,69 @@ def _is_package(module: str, sources: dict[str, str]) -> bool:
     return any(name.startswith(module + ".") for name in sources)
 
 
+def _relative(package: str, level: int, name: str) -> str:
+    base = package.split(".")
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def _dynamic_import(node: ast.Call, package: str) -> str | None:
+    """The module a call ``importlib.import_module("m"[, "pkg"])`` / ``import_module(...)`` (any
+    alias of it) / ``__import__("m")`` names with a literal, or None for any other call."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    first = node.args[0]
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+        return None
+    target = first.value
+    if target.startswith("."):  # import_module("..x", "pkg"): relative to the given package
+        anchor = node.args[1] if len(node.args) > 1 else None
+        anchor_name = anchor.value if isinstance(anchor, ast.Constant) else package
+        level = len(target) - len(target.lstrip("."))
+        return _relative(str(anchor_name), level, target.lstrip("."))
+    return target
+
+
 def imports_of(module: str, source: str, sources: dict[str, str]) -> set[str]:
-    """Return every module name ``source`` imports (first-party resolved to known modules)."""
+    """Return every module name ``source`` imports (first-party resolved to known modules).
+
+    Counts ``import``, ``from … import`` (relative too) and literal dynamic imports:
+    ``importlib.import_module``, a bare or aliased ``import_module`` and ``__import__``.
+    """
     found: set[str] = set()
     package = module if _is_package(module, sources) else module.rpartition(".")[0]
+    aliases: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
+                target = _relative(package, node.level, node.module or "")
             else:
                 target = node.module or ""
             found.add(target)
             # `from pkg import sub` imports the submodule `pkg.sub` when there is one.
             found.update(f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in sources)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "import_module" and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            found.add(node.args[0].value)
+            if target == "importlib":
+                aliases.update(a.asname for a in node.names if a.name == "import_module" and a.asname)
+        elif isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Name) and node.func.id in aliases:
+                node = ast.Call(func=ast.Name(id="import_module"), args=node.args, keywords=[])
+            target = _dynamic_import(node, package)
+            if target is not None:
+                found.add(target)
     return found
 
 
 def _first_party(name: str, sources: dict[str, str]) -> str | None:
-    """The longest known module that ``name`` is or lies in (None for third-party names)."""
+    """The longest known module that ``name`` is or lies in (None for third-party names).
+
+    A source root without an ``__init__`` (``bench``) still counts as first-party.
+    """
     while name:
-        if name in sources:
+        if name in sources or name in SOURCE_ROOTS.values():
             return name
         name = name.rpartition(".")[0]
     return None

@@ -377,8 +377,15 @@ class LLMEngine:
             The requests, in prompt order; with ``params.n > 1``, each prompt's n choices in
             index order.
         """
-        parents = [self.make_request(p, params, cache_salt=cache_salt, lora_name=lora_name)
-                   for p in prompts]
+        parents: list[Request] = []
+        try:
+            for p in prompts:
+                parents.append(self.make_request(p, params, cache_salt=cache_salt,
+                                                 lora_name=lora_name))
+        except Exception:
+            for req in parents:  # made, never added: give their adapter holds back
+                self.discard_request(req)
+            raise
         groups = []
         for req in parents:
             self.add_request(req)

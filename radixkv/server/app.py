@@ -159,7 +159,8 @@ async def completions(request: web.Request, state: ServerState, tenant: Tenant |
     return await generate_response(request, state, shape, prompt=prompt, sampling=req,
                                    max_tokens=max_tokens, tenant=tenant,
                                    cache_salt=cache_salt_for(tenant, req.cache_salt),
-                                   prompt_param="prompt", echo_ids=echo_ids, lora_name=lora)
+                                   prompt_param=req.prompt_param, echo_ids=echo_ids,
+                                   lora_name=lora)
 
 
 async def tokenize(request: web.Request) -> web.Response:

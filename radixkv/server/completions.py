@@ -39,11 +39,14 @@ class CompletionRequest(Sampling):
 
     Attributes:
         echo: Return the prompt text in front of each choice.
+        prompt_param: Where the prompt sits in the body, for errors: ``prompt``, or
+            ``prompt[0]`` for the one-prompt list form (``[[ids]]`` / ``["text"]``).
     """
 
     prompt_text: str | None
     prompt_ids: list[int] | None
     echo: bool
+    prompt_param: str = "prompt"
 
 
 def _token_ids(ids: list, param: str) -> list[int]:
@@ -111,4 +114,7 @@ def parse_completion_request(body: dict[str, Any], served_model: str) -> Complet
         if best_of != sampling.n:
             raise bad_request("'best_of' other than 'n' is not supported (no server-side "
                               "ranking of choices)", "best_of")
-    return CompletionRequest(prompt_text=text, prompt_ids=ids, echo=echo, **sampling.fields())
+    nested = isinstance(body.get("prompt"), list) and len(body["prompt"]) == 1 \
+        and isinstance(body["prompt"][0], (str, list))
+    return CompletionRequest(prompt_text=text, prompt_ids=ids, echo=echo,
+                             prompt_param="prompt[0]" if nested else "prompt", **sampling.fields())

@@ -171,7 +171,11 @@ def engine_value_error(exc: ValueError, prompt_param: str) -> APIError:
     if head.isidentifier():
         param: str | None = prompt_param if head == "prompt" else head
     elif re.fullmatch(r"prompt\[\d+\]", head):
-        param = head if prompt_param == "prompt" else prompt_param
+        if prompt_param.startswith("prompt"):  # the ids sit at prompt[i] or prompt[0][i]
+            param = prompt_param + head[len("prompt"):]
+            msg = param + msg[len(head):]
+        else:
+            param = prompt_param
     else:
         param = "max_tokens" if code else None
     return bad_request(msg, param, code)

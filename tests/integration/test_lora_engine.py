@@ -178,6 +178,17 @@ def test_unload_refused_while_in_use_and_unknown_names(tiny_model, adapters):
         EngineConfig(lora_adapters=(("x", "p"), ("x", "q")))
 
 
+def test_a_failed_generate_gives_back_every_adapter_hold(tiny_model, adapters):
+    """The first prompt's request was made (holding A) when the second one failed validation:
+    it never runs, so A must not stay in use."""
+    engine = _engine(tiny_model, adapters.items())
+    vocab = tiny_model.shape.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt\[0\]: must be an int in \[0, {vocab - 1}\]"):
+        engine.generate([[1, 2, 3], [vocab]], GREEDY, lora_name="A")
+    assert engine.adapters.num_holders("A") == 0
+    assert engine.unload_lora("A").name == "A"
+
+
 @pytest.mark.smollm2
 def test_smollm2_adapter_alone_and_mixed_equal_merged(smollm2, tmp_path):
     shape = smollm2.shape

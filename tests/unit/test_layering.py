@@ -39,6 +39,24 @@ def test_function_local_type_only_and_importlib_imports_count():
     assert "radixkv.cache.b" in imports_of("radixkv.cache.a", "from . import b\n", sources)
 
 
+def test_dynamic_and_aliased_imports_count():
+    sources = {"radixkv.cache.a": "", "radixkv.engine.b": "", "radixkv.engine.c": ""}
+    text = ("from importlib import import_module as im\n"
+            "def f():\n    __import__('radixkv.engine.b')\n    im('torch')\n"
+            "    import_module('..engine.c', 'radixkv.cache')\n    import bench\n")
+    assert imports_of("radixkv.cache.a", text, sources) >= {
+        "radixkv.engine.b", "torch", "radixkv.engine.c", "bench"}
+    assert added_violations({"radixkv.cache.fake_dynamic": text.replace(
+        "radixkv.engine.b", "radixkv.engine.scheduler").replace("..engine.c", "..engine.request")}) == [
+        Violation("upward", "radixkv.cache.fake_dynamic", "imports bench (cache -> bench)"),
+        Violation("upward", "radixkv.cache.fake_dynamic",
+                  "imports radixkv.engine.request (cache -> engine)"),
+        Violation("upward", "radixkv.cache.fake_dynamic",
+                  "imports radixkv.engine.scheduler (cache -> engine)"),
+        Violation("torch", "radixkv.cache.fake_dynamic", "imports torch"),
+    ]
+
+
 def test_self_test_an_upward_import_inside_a_function_fails():
     assert added_violations({"radixkv.cache.fake_upward": (
         "def admit():\n    from radixkv.engine.scheduler import Scheduler\n    return Scheduler\n")

@@ -26,7 +26,8 @@ SAMPLES_DIR = Path(__file__).resolve().parent
 """This package's folder: the shipped samples."""
 
 REPO_ROOT = SAMPLES_DIR.parents[2]
-"""The repository root (in a source checkout; the install prefix otherwise)."""
+"""The repository root in a source checkout (in an installed copy: the folder that holds the
+``radixkv`` package, e.g. site-packages, so set ``RADIXKV_SHARED_DIR`` there)."""
 
 RESULTS_DIR = Path("radixkv-bench-results")
 """Benchmark results go under this folder (relative to the working directory) by default."""
