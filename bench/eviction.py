@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> dict:
         if unknown:
             raise ValueError(f"policies: unknown {unknown} (known: {available_policies()})")
         trace_path = _trace_path(args)
-        block_size = args.block_size or (512 if args.format == "mooncake" else 16)
+        block_size = (args.block_size if args.block_size is not None
+                      else 512 if args.format == "mooncake" else 16)
         default_shape = "smollm2-135m" if args.format == "chat" else "llama3-8b"
         shape = get_shape(args.model_shape or default_shape)
         t0 = time.perf_counter()
