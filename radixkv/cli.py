@@ -2,6 +2,10 @@
 
 Benchmark drivers live in the repository's top-level ``bench/`` folder (not an installed
 package, so ``python bench/<name>.py`` runs from a source tree); the CLI loads them by path.
+
+Start-up stays fast: building the parser imports no torch, transformers or aiohttp (``--device
+auto`` is resolved when ``serve`` runs), and each subcommand imports what it needs when it
+runs. ``serve`` binds its address before loading the model, so a busy port is reported at once.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="most suffix tokens of one request per step (default: the step budget)")
     p.add_argument("--admission-policy", default="lpm", choices=["lpm", "fcfs"],
                    help="waiting order: longest cached prefix first (bounded wait) or arrival")
-    p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N; auto (default): cuda when available, else cpu")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--log-level", default="info")
     p.add_argument("--api-keys", default=None, metavar="FILE",
@@ -69,6 +74,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "aborted")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20,
                    help="largest request body; larger ones get 413")
+    p.add_argument("--tokenizer-workers", type=positive_int, default=None,
+                   help="threads that template and tokenize prompts, fairly across tenants "
+                        "(default: one per CPU, at most 8)")
+    p.add_argument("--max-tokenize-queue", type=positive_int, default=256,
+                   help="most prompts waiting for a tokenizer worker; more get 503 with "
+                        "Retry-After")
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -128,10 +139,19 @@ def _cuda_available() -> bool:
         return False
 
 
+def resolve_device(device: str) -> str:
+    """``--device`` as the engine takes it: ``auto`` becomes cuda or cpu (imports torch)."""
+    if device == "auto":
+        return "cuda" if _cuda_available() else "cpu"
+    return device
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config the ``serve`` flags describe (``--device auto`` resolved here)."""
     kv_bytes = None if args.kv_cache_memory is None else int(args.kv_cache_memory * GIB)
     return EngineConfig(
-        model=args.model, device=args.device, attention_backend=args.attention_backend,
+        model=args.model, device=resolve_device(args.device),
+        attention_backend=args.attention_backend,
         served_model_name=args.served_model_name,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=kv_bytes, eviction_policy=args.eviction_policy,
@@ -146,27 +166,45 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from radixkv.engine.async_engine import AsyncEngine
-    from radixkv.server.app import run_server
+    """Check the flags, bind the address, then load the model and serve.
+
+    Returns 0 after a graceful shutdown, 130 when a second signal forced the exit, 2 for bad
+    flags, an address that cannot be bound (e.g. a busy port: reported before the model
+    loads) or a model that cannot be loaded."""
     from radixkv.server.auth import load_api_keys
+    from radixkv.server.listen import bind_listeners
 
     try:
         api_keys = load_api_keys(args.api_keys) if args.api_keys else None
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-        config = engine_config_from_args(args)
-        engine = AsyncEngine(config, max_queue=args.max_queue)
-    except (ValueError, OSError) as exc:  # bad flag values, key file, missing model files
+    except ValueError as exc:  # bad flag values, key file
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
     try:
-        run_server(engine, host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
-                   shutdown_timeout_s=args.shutdown_timeout, api_keys=api_keys,
-                   max_concurrency_per_tenant=args.max_concurrency_per_tenant)
+        sockets = bind_listeners(args.host, args.port)
     except OSError as exc:  # e.g. the port is taken
-        print(f"radixkv serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"radixkv serve: cannot listen on {args.host}:{args.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
         return 2
-    return 0
+    try:
+        from radixkv.engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine(engine_config_from_args(args), max_queue=args.max_queue,
+                             tokenizer_workers=args.tokenizer_workers,
+                             max_tokenize_queue=args.max_tokenize_queue)
+    except (ValueError, OSError) as exc:  # bad flag values, missing model files
+        for sock in sockets:
+            sock.close()
+        print(f"radixkv serve: {exc}", file=sys.stderr)
+        return 2
+    from radixkv.server.app import run_server
+
+    forced = run_server(engine, host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
+                        shutdown_timeout_s=args.shutdown_timeout, api_keys=api_keys,
+                        max_concurrency_per_tenant=args.max_concurrency_per_tenant,
+                        sockets=sockets)
+    return 130 if forced else 0
 
 
 def load_bench(name: str) -> ModuleType:
@@ -194,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible server"))
-    from radixkv.tools.chat import add_arguments as add_chat_args
+    from radixkv.tools.chat_args import add_arguments as add_chat_args
     add_chat_args(sub.add_parser("chat", help="interactive terminal chat against a server, "
                                               "showing each turn's cached tokens"))
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -207,7 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     # Bench drivers own their flags: load the driver before parsing the rest.
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
         module = load_bench(argv[1])
@@ -220,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         # A driver reports failed checks in its result (bench kernels: all_checks_ok / error).
         failed = isinstance(result, dict) and (result.get("error") or result.get("all_checks_ok") is False)
         return 1 if failed else 0
+    parser = build_parser()
     args = parser.parse_args(argv)
     from radixkv.log import configure_logging
     configure_logging(getattr(args, "log_level", "info"))

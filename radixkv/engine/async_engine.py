@@ -5,8 +5,13 @@ this engine (and ``SamplingParams``), never ``LLMEngine`` itself.
 The event loop never runs model or cache code: requests and aborts go into a thread-safe
 inbox that the engine thread drains before each step, and outputs come back through
 ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request. Tokenizing (chat
-template rendering) runs in a worker thread, so a long prompt never blocks the loop; the
-``ChatTokenizer`` serialises calls into the HF tokenizer, which is not re-entrant.
+template rendering) and detokenizing run on a fair, bounded pool of worker threads, each with
+its own tokenizer copy (``radixkv.engine.tokenize_pool``), so a long prompt never blocks the
+loop, the engine thread's detokenizer, or other tenants' prompts.
+
+A fault that belongs to one request (``radixkv.engine.faults``) ends that request with a
+final ``finish_reason == "error"`` output and the thread goes on; anything ``LLMEngine.step``
+raises stops the thread, and every open stream then ends with ``EngineDeadError``.
 
 Admission control lives here too: ``max_queue`` bounds the sequences waiting beyond the
 scheduler's ``max_num_seqs`` (``QueueFullError`` past it, the server's 503), and every request's
@@ -19,14 +24,20 @@ import asyncio
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 from radixkv.config import EngineConfig, check_int
 from radixkv.engine.adapters import LoRAError, LoRAInUseError, LoRANotFoundError
+from radixkv.engine.faults import FAILED
 from radixkv.engine.llm_engine import LLMEngine, RequestOutput
 from radixkv.engine.sampling import SamplingParams
+from radixkv.engine.tokenize_pool import (
+    CONTEXT_KEY,
+    DEFAULT_MAX_TOKENIZE_QUEUE,
+    TokenizePool,
+    TokenizeQueueFullError,
+    pool_key,
+)
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel
 from radixkv.model.lora import LoRAAdapter
@@ -34,7 +45,11 @@ from radixkv.model.lora import LoRAAdapter
 log = get_logger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "LoRAError", "LoRAInUseError", "LoRANotFoundError",
-           "QueueFullError", "RequestOutput", "RequestStream", "SamplingParams"]
+           "QueueFullError", "RequestOutput", "RequestStream", "SamplingParams",
+           "TokenizeQueueFullError"]
+
+
+_ENDS_REQUEST = ("abort", FAILED)  # finish reasons after which no choice produces more
 
 
 class EngineDeadError(RuntimeError):
@@ -64,8 +79,9 @@ class RequestStream:
     """The outputs of one request, as an async iterator (``AsyncEngine.generate``).
 
     With ``n > 1`` the choices' outputs arrive interleaved (``RequestOutput.index``); the
-    iteration ends after every choice finished, or at the first ``finish_reason == "abort"``
-    (the request was aborted: by ``close``, ``AsyncEngine.abort`` or ``abort_all``). Closing it
+    iteration ends after every choice finished, or at the first ``finish_reason`` of
+    ``"abort"`` (the request was aborted: by ``close``, ``AsyncEngine.abort`` or ``abort_all``)
+    or ``"error"`` (a fault of the request's own ended it in the engine). Closing it
     earlier aborts the request; its blocks are released within one engine step. Every stream
     must be closed or run to its end: it holds its place in the admission bound until then.
     """
@@ -90,7 +106,7 @@ class RequestStream:
             self._release()
             raise item
         self._remaining -= item.finished
-        if item.finish_reason == "abort":
+        if item.finish_reason in _ENDS_REQUEST:
             self._remaining = 0
         if not self._remaining:
             self._release()
@@ -126,10 +142,16 @@ class AsyncEngine:
         max_queue: most sequences (choices) in flight beyond ``max_num_seqs``; one more is
             refused with ``QueueFullError``. None: unbounded. A request arriving when nothing is
             in flight is always accepted, whatever its ``n``.
+        tokenizer_workers: threads templating and tokenizing (``TokenizePool``; None: one per
+            CPU, at most 8).
+        max_tokenize_queue: most tokenization jobs waiting for a worker; one more raises
+            ``TokenizeQueueFullError``.
     """
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *,
-                 check_integrity_when_idle: bool = False, max_queue: int | None = None) -> None:
+                 check_integrity_when_idle: bool = False, max_queue: int | None = None,
+                 tokenizer_workers: int | None = None,
+                 max_tokenize_queue: int = DEFAULT_MAX_TOKENIZE_QUEUE) -> None:
         if max_queue is not None:
             check_int("max_queue", max_queue, minimum=0)
         self._engine = LLMEngine(config, model)
@@ -149,7 +171,9 @@ class AsyncEngine:
         self._num_seqs = 0  # choices of the open streams
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-tok")
+        # Public for /metrics (its queue-time histogram) and tests (its hold/allow hooks).
+        self.tokenize_pool = self._tokenize_pool = TokenizePool(
+            self.tokenizer, workers=tokenizer_workers, max_queue=max_tokenize_queue)
         self._stats = self._engine.stats_snapshot()
         self.error: BaseException | None = None
 
@@ -173,30 +197,34 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
     async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None, *,
-                            known_outputs: Any = None) -> list[int]:
-        """Render the chat template and tokenize, in a worker thread.
+                            known_outputs: Any = None, tenant: Hashable = CONTEXT_KEY
+                            ) -> list[int]:
+        """Render the chat template and tokenize, on the tokenizer pool (``TokenizePool``).
 
         ``known_outputs``: ``text → ids | None`` for recent replies (see
-        ``ChatTokenizer.apply_chat_template``); None tokenizes plainly.
+        ``ChatTokenizer.apply_chat_template``); None tokenizes plainly. ``tenant``: the queue
+        the job waits in (jobs are taken round-robin across tenants); by default the calling
+        context's ``TOKENIZE_KEY`` (the server sets it per request).
 
         Raises:
             ValueError: the template cannot render these messages.
+            TokenizeQueueFullError: too many jobs wait for a worker already.
         """
-        fn = partial(self.tokenizer.apply_chat_template, messages, tools)
-        if known_outputs is not None:
-            fn = partial(fn, known_outputs=known_outputs)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
+        extra = {} if known_outputs is None else {"known_outputs": known_outputs}
+        return await self._tokenize_pool.run(
+            lambda tok: tok.apply_chat_template(messages, tools, **extra), key=pool_key(tenant))
 
-    async def tokenize_text(self, text: str) -> list[int]:
-        """Tokenize plain text (no special tokens), in a worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, self.tokenizer.encode, text)
+    async def tokenize_text(self, text: str, *, tenant: Hashable = CONTEXT_KEY) -> list[int]:
+        """Tokenize plain text (no special tokens) on the pool (see ``tokenize_chat``)."""
+        return await self._tokenize_pool.run(lambda tok: tok.encode(text), key=pool_key(tenant))
 
-    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of token ids, in a worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, partial(self.tokenizer.decode, list(token_ids),
-                                         skip_special_tokens=skip_special_tokens))
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
+                         tenant: Hashable = CONTEXT_KEY) -> str:
+        """Text of token ids, on the tokenizer pool (see ``tokenize_chat``)."""
+        ids = list(token_ids)
+        return await self._tokenize_pool.run(
+            lambda tok: tok.decode(ids, skip_special_tokens=skip_special_tokens),
+            key=pool_key(tenant))
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return self._engine.default_max_tokens(num_prompt_tokens)
@@ -301,11 +329,17 @@ class AsyncEngine:
         return self._engine.unload_lora(name)
 
     def stats(self) -> dict:
-        """The latest ``/stats`` snapshot (taken by the engine thread after each step), with
-        ``latency_ms`` over the recent window."""
+        """The latest ``/stats`` snapshot (gauges taken by the engine thread after each step;
+        counters and rates as of now), with ``latency_ms`` over the recent window."""
         out = dict(self._stats)
+        out.update(self._engine.stats.counts())
         out["latency_ms"] = self._engine.stats.latency_ms()
         return out
+
+    def record_server_error(self, tenant: str | None = None) -> None:
+        """Count a request the server answered 500 for a fault in its own code
+        (``server_errors_total``; any thread)."""
+        self._engine.stats.record_server_error(tenant=tenant)
 
     def tenant_stats(self, tenant: str) -> dict:
         """One tenant's counters, rates and latency (DESIGN.md §7 tenant view)."""
@@ -357,10 +391,13 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if kind == "add":
-                if payload.request_id in self._streams:
-                    engine.add_request(payload)
-                else:
-                    engine.discard_request(payload)
+                try:
+                    if payload.request_id in self._streams:
+                        engine.add_request(payload)
+                    else:
+                        engine.discard_request(payload)
+                except Exception as exc:  # noqa: BLE001 - this request's fault (fatal ones re-raise)
+                    outputs += engine.fail_request(payload, exc)
             else:
                 aborted = engine.abort_request(payload)
                 live = self._streams.get(payload)
@@ -390,7 +427,7 @@ class AsyncEngine:
                 live.last_token_s[out.index] = now
             if out.finished:
                 live.remaining -= 1
-                if live.remaining <= 0 or out.finish_reason == "abort":
+                if live.remaining <= 0 or out.finish_reason in _ENDS_REQUEST:
                     del self._streams[out.request_id]
             self._put(live.loop, live.queue, out)
 

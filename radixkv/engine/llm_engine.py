@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -21,8 +20,15 @@ from radixkv.cache.manager import CacheManager
 from radixkv.config import GIB, EngineConfig, check_token_ids
 from radixkv.engine.adapters import LoRAAdapters
 from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.faults import (
+    FAILED,
+    RequestFaults,
+    RequestOutput,
+    make_output,
+    num_unfinished,
+)
 from radixkv.engine.request import Request, RequestStatus
-from radixkv.engine.sampling import SamplingParams, make_generator, sample_tokens
+from radixkv.engine.sampling import SamplingParams, make_generator, sample_each
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.stats import EngineStats
 from radixkv.eviction.cost_model import cost_shape_from_model_shape
@@ -33,20 +39,7 @@ from radixkv.model.runner import ModelRunner
 
 log = get_logger(__name__)
 
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (see the server's use of each field)."""
-
-    request_id: str                # the client-visible (group) id
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_generated_tokens: int      # of this choice
-    index: int = 0                 # choice index (n > 1)
+__all__ = ["LLMEngine", "RequestOutput"]
 
 
 def _num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
@@ -77,8 +70,11 @@ def _prefix_caching_refusal(config: EngineConfig, shape) -> str | None:
     return None
 
 
-class LLMEngine:
+class LLMEngine(RequestFaults):
     """Owns the model runner, cache manager, scheduler and stats.
+
+    A fault of one request's own ends that request only (``fail_request``, from
+    ``radixkv.engine.faults``); ``step`` raises only what must stop the engine.
 
     Args:
         config: engine configuration.
@@ -229,7 +225,9 @@ class LLMEngine:
         for req in group:
             if self.scheduler.abort(req.request_id) is not None:
                 req.finish_reason = "abort"
-                outputs.append(self._output(req, [], "", finished=True))
+                outputs.append(make_output(req, [], "", finished=True))
+        if outputs:
+            self.stats.record_abort(num_sequences=num_unfinished(group), tenant=group[0].tenant)
         self._end_group(group)
         return outputs
 
@@ -243,51 +241,80 @@ class LLMEngine:
 
         A chunk that ends before the newest token (a partial suffix prefill) only advances
         ``num_computed_tokens`` and publishes the blocks it completed; a chunk that reaches the
-        newest token samples the next one.
+        newest token samples the next one. A fault of one request's own ends that request
+        (``fail_request``); a fault building or running the batched forward ends every request
+        of the step the same way. The step's other requests go on; the cache's integrity is
+        checked after any fault.
+
+        Raises:
+            BaseException: a fatal fault (``faults.is_fatal``) or a failed integrity check; the
+                engine must stop.
         """
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        batch = self.runner.build_batch(
-            [(c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
-              self.cache.block_table(c.request.request_id)) for c in chunks],
-            adapters=[c.request.adapter for c in chunks])
-        # Blocks released while the forward may still write (none in this synchronous loop,
-        # but the contract holds for an asynchronous device) are freed only at end_step.
-        self.cache.begin_step()
         try:
-            logits = self.runner.forward(batch)
-        finally:
-            self.cache.end_step()
+            batch = self.runner.build_batch(
+                [(c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
+                  self.cache.block_table(c.request.request_id)) for c in chunks],
+                adapters=[c.request.adapter for c in chunks])
+            # Blocks released while the forward may still write (none in this synchronous
+            # loop, but the contract holds for an asynchronous device) are freed only at
+            # end_step.
+            self.cache.begin_step()
+            try:
+                logits = self.runner.forward(batch)
+            finally:
+                self.cache.end_step()
+        except Exception as exc:  # noqa: BLE001 - fail_request re-raises fatal faults
+            return self._fail_step(chunks, exc)
         sampling_rows = [i for i, c in enumerate(chunks) if c.completes_prompt]
-        tokens: dict[int, int] = {}
+        tokens: dict[int, int | Exception] = {}
         if sampling_rows:
-            sampled = sample_tokens(logits[sampling_rows],
-                                    [chunks[i].request.params for i in sampling_rows],
-                                    [chunks[i].request.generator for i in sampling_rows])
+            sampled = sample_each(logits[sampling_rows],
+                                  [chunks[i].request.params for i in sampling_rows],
+                                  [chunks[i].request.generator for i in sampling_rows])
             tokens = dict(zip(sampling_rows, sampled))
         now = time.monotonic()
-        outputs = []
+        outputs: list[RequestOutput] = []
+        faulted = False
         for i, chunk in enumerate(chunks):
             req = chunk.request
-            start = chunk.start
-            req.num_computed_tokens = start + chunk.num_tokens
-            token = tokens.get(i)
-            # Prompt (and recompute) chunks publish their full blocks at once, so a request
-            # admitted next step can match them. Generated blocks are published in batches of
-            # publish_interval_blocks and when the request ends (Scheduler.finish and
-            # preemption publish the rest): one insert per batch instead of per block.
-            decode = chunk.num_tokens == 1 and start >= req.num_prompt_tokens
-            if not decode or req.num_computed_tokens >= req.publish_at_tokens:
-                self.cache.publish(req.request_id, req.token_bytes, req.num_computed_tokens)
-                req.publish_at_tokens = (req.num_computed_tokens // self.block_size
-                                         + self.config.cache.publish_interval_blocks
-                                         ) * self.block_size
-            if token is None:
+            if req.is_finished:  # another choice of its request faulted earlier in this step
                 continue
-            if req.params.n > 1 and req.index == 0 and len(self._groups.get(req.group_id, ())) == 1:
-                outputs += self._fork_choices(req, logits[i], now)
-            outputs.append(self._append_token(req, token, now))
+            try:
+                outputs += self._advance(chunk, tokens.get(i), logits[i], now)
+            except Exception as exc:  # noqa: BLE001 - fail_request re-raises fatal faults
+                outputs += self.fail_request(req, exc, check=False)
+                faulted = True
+        if faulted:
+            self.cache.check_integrity()
+        return outputs
+
+    def _advance(self, chunk, token: int | Exception | None, logits_row: torch.Tensor,
+                 now: float) -> list[RequestOutput]:
+        """Account for one chunk's computed tokens and, when it sampled, its new token."""
+        req = chunk.request
+        start = chunk.start
+        req.num_computed_tokens = start + chunk.num_tokens
+        # Prompt (and recompute) chunks publish their full blocks at once, so a request
+        # admitted next step can match them. Generated blocks are published in batches of
+        # publish_interval_blocks and when the request ends (Scheduler.finish and
+        # preemption publish the rest): one insert per batch instead of per block.
+        decode = chunk.num_tokens == 1 and start >= req.num_prompt_tokens
+        if not decode or req.num_computed_tokens >= req.publish_at_tokens:
+            self.cache.publish(req.request_id, req.token_bytes, req.num_computed_tokens)
+            req.publish_at_tokens = (req.num_computed_tokens // self.block_size
+                                     + self.config.cache.publish_interval_blocks
+                                     ) * self.block_size
+        if token is None:
+            return []
+        if isinstance(token, Exception):
+            raise token  # sampling this row failed
+        outputs = []
+        if req.params.n > 1 and req.index == 0 and len(self._groups.get(req.group_id, ())) == 1:
+            outputs += self._fork_choices(req, logits_row, now)
+        outputs.append(self._append_token(req, token, now))
         return outputs
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
@@ -302,8 +329,9 @@ class LLMEngine:
 
         Each child shares the prompt's full blocks and gets a copy of the partial tail block
         (copy-on-write), then samples its first token from the same logits with its own
-        generator (seed + index). If no block is left for a tail copy, the child waits in the
-        queue instead and recomputes its tail on admission (the logits are identical).
+        generator (``sampling.choice_seed(seed, index)``). If no block is left for a tail copy,
+        the child waits in the queue instead and recomputes its tail on admission (the logits
+        are identical). A fault here ends the whole request (``fail_request``).
         """
         outputs = []
         params = parent.params
@@ -328,7 +356,9 @@ class LLMEngine:
             child.num_computed_tokens = prompt_len
             child.status = RequestStatus.RUNNING
             self.scheduler.running.append(child)
-            (token,) = sample_tokens(logits_row[None], [params], [child.generator])
+            (token,) = sample_each(logits_row[None], [params], [child.generator])
+            if isinstance(token, Exception):
+                raise token  # sampling this choice failed: the whole request ends
             outputs.append(self._append_token(child, token, now))
         return outputs
 
@@ -349,15 +379,7 @@ class LLMEngine:
             if group is not None and all(r.is_finished for r in group):
                 del self._groups[req.group_id]
                 self._end_group(group)
-        return self._output(req, [token], text, finished=reason is not None)
-
-    def _output(self, req: Request, new_ids: list[int], text: str, *, finished: bool) -> RequestOutput:
-        return RequestOutput(request_id=req.group_id, index=req.index, new_token_ids=new_ids,
-                             new_text=text,
-                             finished=finished, finish_reason=req.finish_reason if finished else None,
-                             num_prompt_tokens=req.num_prompt_tokens,
-                             num_cached_tokens=req.num_cached_tokens,
-                             num_generated_tokens=req.num_output_tokens)
+        return make_output(req, [token], text, finished=reason is not None)
 
     def stats_snapshot(self) -> dict:
         out = self.stats.snapshot(self.cache, self.runner.bytes_per_block)
@@ -375,7 +397,8 @@ class LLMEngine:
 
         Returns:
             The requests, in prompt order; with ``params.n > 1``, each prompt's n choices in
-            index order.
+            index order (fewer when a fault ended the request before it forked: its requests
+            have ``finish_reason == "error"``).
         """
         parents: list[Request] = []
         try:
@@ -391,7 +414,9 @@ class LLMEngine:
             self.add_request(req)
             groups.append(self._groups[req.group_id])
         for _ in range(max_steps):
-            if all(len(g) == params.n and all(r.is_finished for r in g) for g in groups):
+            if all(all(r.is_finished for r in g)
+                   and (len(g) == params.n or any(r.finish_reason == FAILED for r in g))
+                   for g in groups):
                 return [r for g in groups for r in sorted(g, key=lambda r: r.index)]
             self.step()
         raise RuntimeError(f"requests did not finish within {max_steps} steps")

@@ -56,7 +56,8 @@ class Scheduler:
     Args:
         config: batching limits.
         cache: the cache-manager facade.
-        stats: counters updated at admission, preemption and abort.
+        stats: counters updated at admission and preemption (the engine counts aborts: it
+            knows a request's choices).
     """
 
     def __init__(self, config: SchedulerConfig, cache: CacheManager, stats: EngineStats) -> None:
@@ -136,7 +137,8 @@ class Scheduler:
             else:
                 req.admitted = True
                 req.num_cached_tokens = num_cached
-                self.stats.record_admission(req.num_prompt_tokens, num_cached, tenant=req.tenant)
+                self.stats.record_admission(req.num_prompt_tokens, num_cached,
+                                            num_sequences=req.params.n, tenant=req.tenant)
                 self.cache.record_admission(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -178,5 +180,4 @@ class Scheduler:
                     break
             else:
                 return None
-        self.stats.record_abort(tenant=req.tenant)
         return req

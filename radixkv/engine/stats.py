@@ -3,6 +3,10 @@
 Rates are derived per token from counters, never averaged per request: a token hit rate is
 ``cached_prompt_tokens_total / prompt_tokens_total``. Each request's lookup is recorded once,
 at its first admission; a preempted request's resume is not a second lookup.
+
+``requests_*`` count requests and ``sequences_*`` their choices: an ``n = 3`` request admitted
+and then aborted adds 1 to ``requests_total`` and ``requests_aborted_total`` and 3 to
+``sequences_total`` and ``sequences_aborted_total``.
 """
 
 from __future__ import annotations
@@ -71,6 +75,14 @@ def _percentile_ms(samples: list[float], q: float) -> float | None:
 class Counters:
     """Request and token counters and latencies of one view of the traffic.
 
+    ``requests_total`` / ``sequences_total``: requests admitted (one prefix-cache lookup each)
+    and their choices (``n`` each). ``*_aborted_total``: aborted by the client or at shutdown,
+    in any phase (waiting included), counting the choices that had not finished.
+    ``*_failed_total``: ended by a fault of their own in the engine (sampling, detokenizing,
+    forking, a failed forward; the client got a 500 ``internal_error``).
+    ``server_errors_total``: requests the server answered 500 ``internal_error`` for a fault in
+    its own per-request code (templating, tool parsing, output memory), recorded by the server.
+
     The global view and each tenant's share are both a ``Counters``, written by the same
     ``EngineStats.record_*`` call (the tenant's only when the request carries one). Not locked
     itself: ``EngineStats`` holds its lock.
@@ -78,8 +90,13 @@ class Counters:
 
     def __init__(self) -> None:
         self.requests_total = 0
+        self.sequences_total = 0
         self.requests_with_hit_total = 0
         self.requests_aborted_total = 0
+        self.sequences_aborted_total = 0
+        self.requests_failed_total = 0
+        self.sequences_failed_total = 0
+        self.server_errors_total = 0
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         self.generated_tokens_total = 0
@@ -92,8 +109,13 @@ class Counters:
                                     self.requests_total)
         return {
             "requests_total": requests,
+            "sequences_total": self.sequences_total,
             "requests_with_hit_total": self.requests_with_hit_total,
             "requests_aborted_total": self.requests_aborted_total,
+            "sequences_aborted_total": self.sequences_aborted_total,
+            "requests_failed_total": self.requests_failed_total,
+            "sequences_failed_total": self.sequences_failed_total,
+            "server_errors_total": self.server_errors_total,
             "prompt_tokens_total": prompt,
             "cached_prompt_tokens_total": cached,
             "computed_prompt_tokens_total": prompt - cached,
@@ -135,11 +157,13 @@ class EngineStats:
         return (self.totals, counters)
 
     def record_admission(self, num_prompt_tokens: int, num_cached_tokens: int, *,
-                         tenant: str | None = None) -> None:
-        """A request's one prefix-cache lookup, at its first admission."""
+                         num_sequences: int = 1, tenant: str | None = None) -> None:
+        """A request's one prefix-cache lookup, at its first admission (``num_sequences``:
+        its choices, ``n``)."""
         with self._lock:
             for view in self._views(tenant):
                 view.requests_total += 1
+                view.sequences_total += num_sequences
                 view.prompt_tokens_total += num_prompt_tokens
                 view.cached_prompt_tokens_total += num_cached_tokens
                 view.requests_with_hit_total += int(num_cached_tokens > 0)
@@ -153,11 +177,25 @@ class EngineStats:
             for view in self._views(tenant):
                 view.generated_tokens_total += num_tokens
 
-    def record_abort(self, *, tenant: str | None = None) -> None:
-        """One sequence (choice) aborted."""
+    def record_abort(self, *, num_sequences: int = 1, tenant: str | None = None) -> None:
+        """One request aborted, with ``num_sequences`` of its choices still unfinished."""
         with self._lock:
             for view in self._views(tenant):
                 view.requests_aborted_total += 1
+                view.sequences_aborted_total += num_sequences
+
+    def record_failure(self, *, num_sequences: int = 1, tenant: str | None = None) -> None:
+        """One request ended by an engine-side fault, ``num_sequences`` choices unfinished."""
+        with self._lock:
+            for view in self._views(tenant):
+                view.requests_failed_total += 1
+                view.sequences_failed_total += num_sequences
+
+    def record_server_error(self, *, tenant: str | None = None) -> None:
+        """One request the server answered 500 for a fault in its own code (any thread)."""
+        with self._lock:
+            for view in self._views(tenant):
+                view.server_errors_total += 1
 
     def record_latency(self, tenant: str | None, *, ttft_s: float | None = None,
                        itl_s: float | None = None) -> None:
@@ -204,6 +242,11 @@ class EngineStats:
     def tenant_names(self) -> list[str]:
         with self._lock:
             return sorted(self.tenants)
+
+    def counts(self) -> dict[str, Any]:
+        """The global counters and rates now (``Counters.counts``); any thread."""
+        with self._lock:
+            return self.totals.counts()
 
     def snapshot(self, cache: _CacheGauges, bytes_per_block: int) -> dict[str, Any]:
         """The ``/stats`` JSON object: counters plus pool and tree gauges."""

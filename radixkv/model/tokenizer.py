@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import json
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +22,14 @@ log = structlog.get_logger(__name__)
 # a chat whose text already holds one is tokenized plainly instead).
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 _MARKER = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+# Roles whose content chat templates render in full (assistant turns may be trimmed, e.g. of
+# their reasoning; a template may not know 'developer'), so their bytes count towards a
+# prompt's lower bound on tokens.
+_BOUND_ROLES = frozenset({"system", "user", "tool"})
+# Normalizers and how much they can shrink UTF-8 text (bytes out >= bytes in / factor). NFC and
+# the compatibility forms turn up to 3 bytes into 1 (fullwidth 'A' -> 'A', jamo -> syllable);
+# so does lower-casing (KELVIN SIGN -> 'k'). Any other normalizer disables the bound.
+_SHRINK = {"Prepend": 1, "NFD": 3, "NFC": 3, "NFKD": 3, "NFKC": 3, "Lowercase": 3, "Strip": 1}
 
 
 def _normalise_content(index: int, content: Any) -> Any:
@@ -64,6 +75,91 @@ class ChatTokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         # HF fast tokenizers are not safe to call from several threads at once.
         self._lock = threading.Lock()
+
+    def clone(self) -> ChatTokenizer:
+        """An independent copy (its own HF tokenizer and lock) for another worker thread, so
+        that threads tokenize in parallel instead of queueing on one lock (~0.2 s for SmolLM2's
+        tokenizer)."""
+        other = copy.copy(self)
+        other.hf_tokenizer = copy.deepcopy(self.hf_tokenizer)
+        other._lock = threading.Lock()
+        return other
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """Most UTF-8 bytes of text one token can stand for (computed once, ~0.1 s).
+
+        The maximum over the vocabulary of each token's decoded text, special tokens included
+        (a partial UTF-8 sequence decodes to U+FFFD, 3 bytes, never fewer than it covers).
+        Unless the decoder is byte-level, the raw vocabulary string counts too: a decoder may
+        drop what a token covers (Metaspace drops a leading '\u2581', i.e. a space).
+        """
+        hf = self.hf_tokenizer
+        ids = [[i] for i in range(len(hf))]
+        backend = getattr(hf, "_tokenizer", None)
+        if backend is not None and hasattr(backend, "decode_batch"):
+            texts = backend.decode_batch(ids, skip_special_tokens=False)
+        else:
+            texts = [hf.decode(i, skip_special_tokens=False) for i in ids]
+        longest = max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1)
+        if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+            raw = hf.convert_ids_to_tokens(list(range(len(hf))))
+            longest = max([longest, *(len(t.encode("utf-8", "surrogatepass")) for t in raw if t)])
+        return max(1, longest)
+
+    @functools.cached_property
+    def _shrink_factor(self) -> int | None:
+        """How many times the tokenizer's normalizer can shrink text (None: unknown)."""
+        backend = getattr(self.hf_tokenizer, "_tokenizer", None)
+        if backend is None:
+            return None
+        normalizer = json.loads(backend.to_str()).get("normalizer")
+        parts = [] if normalizer is None else (normalizer.get("normalizers")
+                                              if normalizer.get("type") == "Sequence"
+                                              else [normalizer])
+        factor = 1
+        for part in parts:
+            kind = part.get("type")
+            if kind == "Replace":  # safe when the replacement is no shorter (' ' -> '\u2581')
+                pattern = part.get("pattern", {}).get("String")
+                if pattern is None or len(part.get("content", "").encode()) < len(pattern.encode()):
+                    return None
+            elif kind in _SHRINK:
+                factor *= _SHRINK[kind]
+            else:
+                return None
+        return factor
+
+    def min_tokens(self, texts: Iterable[str]) -> int:
+        """A lower bound on the tokens of a prompt holding ``texts``, without tokenizing.
+
+        One token stands for at most ``longest_token_bytes`` bytes of (normalized) text, so
+        ``bytes / longest_token_bytes`` tokens are needed at least; 0 when the tokenizer's
+        normalizer could shrink text by an unknown amount. O(bytes), no tokenizer call.
+        """
+        factor = self._shrink_factor
+        if factor is None:
+            return 0
+        size = sum(len(t.strip().encode("utf-8", "surrogatepass")) for t in texts)
+        return size // (self.longest_token_bytes * factor)
+
+    def min_chat_tokens(self, messages: Any) -> int:
+        """``min_tokens`` over the chat contents every template renders in full (system, user
+        and tool turns; strings and text parts); 0 for malformed messages (the template
+        reports those)."""
+        if not isinstance(messages, list):
+            return 0
+        texts = []
+        for message in messages:
+            if not isinstance(message, dict) or message.get("role") not in _BOUND_ROLES:
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts += [p["text"] for p in content
+                          if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return self.min_tokens(texts)
 
     @property
     def vocab_size(self) -> int:

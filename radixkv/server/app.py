@@ -3,17 +3,22 @@ metrics and the OpenAPI document.
 
 Routes:
     POST /v1/chat/completions  chat completion, one JSON or SSE (``stream: true``)
-    POST /v1/completions       text completion; the prompt is text or token ids
+    POST /v1/completions       text completion; the prompt is text or token ids, or a list of
+                               those (one choice set per prompt)
     GET  /v1/models            the served model and its loaded LoRA adapters
     POST /v1/load_lora_adapter     vLLM's shapes; admin-only with API keys (``adapters``)
     POST /v1/unload_lora_adapter
     POST /tokenize             vLLM's shape: ``{"model", "messages"}`` or ``{"prompt"}`` →
                                ``{"tokens", "count", "max_model_len"}``
+    POST /detokenize           vLLM's shape: ``{"model"?, "tokens"}`` → ``{"prompt"}``
     GET  /health               200 ``{"status": "ok"}``; 503 while draining or when the engine
                                is dead (public)
     GET  /stats                DESIGN.md §7; per tenant with API keys (admin: all + tenants)
     GET  /metrics              Prometheus text (admin key with API keys)
     GET  /openapi.json         the hand-written OpenAPI 3.1 document (public)
+    GET  /version              ``{"version": "<package version>"}``
+
+Every response carries ``X-Request-Id`` (``radixkv.server.request_id``).
 
 Client disconnects: the server must run with ``handler_cancellation=True`` (``serve`` does;
 aiohttp's default is False since 3.7), so a client that goes away cancels the handler task;
@@ -22,12 +27,13 @@ closing the engine stream in the handler's ``finally`` aborts the request and fr
 Shutdown (SIGTERM / SIGINT, or ``stop``): admission stops (503 ``shutting_down``, /health 503),
 in-flight completion requests drain for up to ``shutdown_timeout_s``, the rest are aborted (a
 JSON request gets 503 ``aborted``, a stream an in-band error event), then the server closes.
+A second signal during the drain (or ``force``) aborts everything in flight at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -36,13 +42,14 @@ import structlog
 from aiohttp import web
 
 from radixkv.config import check_int
-from radixkv.server import adapters
+from radixkv.server import adapters, request_id
 from radixkv.server.auth import REQUEST_TENANT, KeyStore, Tenant, auth_middleware, cache_salt_for
-from radixkv.server.completions import DEFAULT_MAX_TOKENS, parse_completion_request
+from radixkv.server.completions import DEFAULT_MAX_TOKENS, PromptInput, parse_completion_request
+from radixkv.server.detokenize import parse_detokenize_request
 from radixkv.server.errors import (
     SERVER_ERROR,
+    SERVER_FAULT_HOOK,
     APIError,
-    bad_request,
     error_middleware,
     json_response,
 )
@@ -53,10 +60,21 @@ from radixkv.server.generation import (
     remember_outputs,
     resolve_max_tokens,
 )
+from radixkv.server.listen import ShutdownSignals, unless_forced
 from radixkv.server.metrics import make_registry, render
 from radixkv.server.openapi import openapi_document
+from radixkv.server.prefix_memory import remember_texts, tokenize_with_memory
 from radixkv.server.protocol import parse_chat_request, parse_json_object, parse_tokenize_request
 from radixkv.server.responses import ChatCompletion, TextCompletion
+from radixkv.server.tokenization import (
+    check_texts_fit,
+    tenant_queue_middleware,
+    tokenize_chat,
+    tokenize_errors,
+    tokenize_text,
+)
+from radixkv.server.tool_calls import options_for
+from radixkv.server.version import version
 
 if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine
@@ -65,6 +83,7 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 ABORT_GRACE_S = 5.0  # after aborting at the shutdown deadline: time for handlers to answer
+FORCE_GRACE_S = 1.0  # after a forced exit's abort: the same, shorter (the user asked twice)
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("radixkv_state", ServerState)
 REGISTRY_KEY: web.AppKey[Any] = web.AppKey("radixkv_metrics_registry")
 STARTED_KEY: web.AppKey[int] = web.AppKey("radixkv_started_s", int)
@@ -92,17 +111,6 @@ def _check_healthy(engine: AsyncEngine) -> None:
         raise APIError(503, "the engine is not healthy", type=SERVER_ERROR, code="unhealthy")
 
 
-async def _tokenize_chat(engine: AsyncEngine, messages: list[dict], tools: list | None,
-                         known_outputs: Any = None) -> list[int]:
-    try:
-        return await engine.tokenize_chat(messages, tools, known_outputs=known_outputs)
-    except ValueError as exc:  # the chat template rejected these messages
-        raise bad_request(f"could not apply the chat template: {exc}", "messages") from exc
-    except RecursionError:
-        raise bad_request("could not apply the chat template: the input is nested too deeply",
-                          "messages") from None
-
-
 def completion_route(handler: Callable[[web.Request, ServerState, Tenant | None],
                                        Awaitable[web.StreamResponse]]):
     """Admission (draining, per-tenant limit) and outcome counting around a completion route."""
@@ -128,15 +136,22 @@ async def chat_completions(request: web.Request, state: ServerState, tenant: Ten
     _check_healthy(engine)
     salt = cache_salt_for(tenant, req.cache_salt)
     # The model's own earlier replies keep their generated ids (radixkv.server.output_memory).
-    prompt = await _tokenize_chat(engine, req.messages, req.tools, state.outputs.lookup_in(salt))
+    # Refused from a size bound before tokenizing when it cannot fit (radixkv.server.tokenization).
+    prompt = await tokenize_chat(engine, req.messages, req.tools, state.outputs.lookup_in(salt))
+    # Replies are read for tool calls; a forced call's start ends the prompt (tool_calls.py).
+    tools = options_for(req, engine.tokenizer.chat_template)
+    forced = await tokenize_text(engine, tools.prefix, fit=False) if tools and tools.prefix else []
     param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
-    max_tokens = resolve_max_tokens(req.max_tokens, None, param, len(prompt), engine, "messages")
-    shape = ChatCompletion(model=lora or engine.model_name, include_usage=req.include_usage)
+    max_tokens = resolve_max_tokens(req.max_tokens, None, param, len(prompt) + len(forced), engine,
+                                    "messages")
+    shape = ChatCompletion(model=lora or engine.model_name, include_usage=req.include_usage,
+                           tools=tools)
     adapters.require_lora(engine, lora)  # may have been unloaded while tokenizing
-    return await generate_response(request, state, shape, prompt=prompt, sampling=req,
+    return await generate_response(request, state, shape, prompt=prompt + forced, sampling=req,
                                    max_tokens=max_tokens, tenant=tenant, cache_salt=salt,
                                    prompt_param="messages",
-                                   remember=remember_outputs(state, salt), lora_name=lora)
+                                   remember=remember_outputs(state, salt, tools, forced),
+                                   lora_name=lora)
 
 
 async def completions(request: web.Request, state: ServerState, tenant: Tenant | None
@@ -146,21 +161,38 @@ async def completions(request: web.Request, state: ServerState, tenant: Tenant |
     req = parse_completion_request(body, adapters.model_names(engine))
     lora = adapters.selected_lora(body, engine)
     _check_healthy(engine)
-    if req.prompt_ids is not None:
-        prompt = req.prompt_ids
-    else:  # encoded in the tokenizer thread, off the event loop
-        prompt = await engine.tokenize_text(req.prompt_text)
-    max_tokens = resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens",
-                                    len(prompt), engine, "prompt")
+    salt = cache_salt_for(tenant, req.cache_salt)
+    prompts = req.prompts or (PromptInput(req.prompt_text, req.prompt_ids, req.prompt_param),)
+    check_texts_fit(engine, prompts)  # a text that cannot fit is refused before tokenizing
+    ids: list[list[int]] = []
+    with tokenize_errors():  # a full tokenizer queue: 503
+        for p in prompts:  # text: a remembered prefix's ids + the rest encoded (prefix_memory)
+            ids.append(p.ids if p.ids is not None
+                       else await tokenize_with_memory(engine, state.prefixes, salt, p.text))
+    max_tokens = min(resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens",
+                                        len(prompt), engine, p.param)
+                     for p, prompt in zip(prompts, ids))
     shape = TextCompletion(model=lora or engine.model_name, include_usage=req.include_usage,
-                           echo=req.prompt_text if req.echo and req.prompt_text else "")
-    echo_ids = prompt if req.echo and req.prompt_ids is not None else None
+                           n=req.n, return_token_ids=req.return_token_ids, prompt_token_ids=ids)
+    if req.echo:
+        shape.echoes.update((i, p.text) for i, p in enumerate(prompts) if p.text is not None)
+    remember = remember_texts(engine, state.prefixes, salt,
+                              [(p.text, prompt) for p, prompt in zip(prompts, ids)], req.n)
     adapters.require_lora(engine, lora)  # may have been unloaded while tokenizing
-    return await generate_response(request, state, shape, prompt=prompt, sampling=req,
-                                   max_tokens=max_tokens, tenant=tenant,
-                                   cache_salt=cache_salt_for(tenant, req.cache_salt),
-                                   prompt_param=req.prompt_param, echo_ids=echo_ids,
-                                   lora_name=lora)
+    return await generate_response(
+        request, state, shape, prompt=ids[0], sampling=req, max_tokens=max_tokens,
+        tenant=tenant, cache_salt=salt, prompt_param=prompts[0].param, remember=remember,
+        lora_name=lora, batch=list(zip(ids, (p.param for p in prompts))) if len(ids) > 1 else (),
+        echo_prompts=[i for i, p in enumerate(prompts) if req.echo and p.text is None])
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    engine = _state(request).engine
+    tokens = parse_detokenize_request(await _read_json(request), adapters.model_names(engine),
+                                      engine.tokenizer.vocab_size)
+    with tokenize_errors():  # a full tokenizer queue: 503
+        return json_response({"prompt": await engine.detokenize(tokens,
+                                                                skip_special_tokens=False)})
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -170,9 +202,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.messages is not None:
         # Exactly what a chat request with the same salt would send to the engine.
         known = state.outputs.lookup_in(cache_salt_for(_tenant(request), req.cache_salt))
-        tokens = await _tokenize_chat(engine, req.messages, req.tools, known)
-    else:  # the engine encodes in its tokenizer thread, off the event loop
-        tokens = await engine.tokenize_text(req.prompt)
+        tokens = await tokenize_chat(engine, req.messages, req.tools, known, fit=False)
+    else:  # the engine encodes on its tokenizer pool, off the event loop
+        tokens = await tokenize_text(engine, req.prompt, fit=False)
     return json_response({"tokens": list(tokens), "count": len(tokens),
                           "max_model_len": engine.max_model_len})
 
@@ -228,6 +260,12 @@ async def openapi(request: web.Request) -> web.Response:
     return json_response(openapi_document(_state(request).engine.model_name))
 
 
+def _count_server_fault(request: web.Request) -> None:
+    """A 500 for a fault in our own per-request code: ``server_errors_total`` (its tenant's too)."""
+    tenant = _tenant(request)
+    _state(request).engine.record_server_error(tenant.name if tenant is not None else None)
+
+
 def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                api_keys: dict[str, Tenant] | None = None,
                max_concurrency_per_tenant: int | None = None) -> web.Application:
@@ -248,21 +286,28 @@ def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
         check_int("max_concurrency_per_tenant", max_concurrency_per_tenant, minimum=1)
     keys = KeyStore(api_keys) if api_keys else None
     state = ServerState(engine, keys=keys, max_concurrency_per_tenant=max_concurrency_per_tenant)
+    # Outermost first: the request id covers errors and their log lines; the tokenizer queue
+    # key needs the tenant that auth found.
     app = web.Application(client_max_size=max_body_bytes,
-                          middlewares=[error_middleware, auth_middleware(keys)])
+                          middlewares=[request_id.request_id_middleware, error_middleware,
+                                       auth_middleware(keys), tenant_queue_middleware])
+    request_id.install(app)
     app[STATE_KEY] = state
     app[REGISTRY_KEY] = make_registry(state)
     app[STARTED_KEY] = int(time.time())
+    app[SERVER_FAULT_HOOK] = _count_server_fault
     app.router.add_post("/v1/chat/completions", completion_route(chat_completions))
     app.router.add_post("/v1/completions", completion_route(completions))
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/version", version)
     return app
 
 
@@ -282,61 +327,85 @@ async def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, 
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_timeout_s: float = 30.0,
                 api_keys: dict[str, Tenant] | None = None,
                 max_concurrency_per_tenant: int | None = None,
-                stop: asyncio.Event | None = None,
-                ready: Callable[[int], None] | None = None) -> None:
+                stop: asyncio.Event | None = None, force: asyncio.Event | None = None,
+                ready: Callable[[int], None] | None = None,
+                sockets: list[socket.socket] | None = None) -> bool:
     """Serve until ``stop`` is set (default: until SIGINT/SIGTERM), then drain and close.
 
     The engine is neither started nor shut down here (see ``run_server``).
 
     Args:
         engine: A started engine.
-        host: Interface to bind.
+        host: Interface to bind (unused with ``sockets``).
         port: TCP port; 0 picks a free one (reported through ``ready``).
         max_body_bytes: Request body limit (413 beyond).
         shutdown_timeout_s: How long in-flight requests may run on after the stop signal
             before they are aborted.
         api_keys: See ``create_app``.
         max_concurrency_per_tenant: See ``create_app``.
-        stop: Event ending the server; None installs SIGINT/SIGTERM handlers that set one.
+        stop: Event ending the server; None installs SIGINT/SIGTERM handlers that set it (and,
+            on a second signal, ``force``).
+        force: Event that, set during the drain, aborts the in-flight requests at once.
         ready: Called with the bound port once the server accepts connections.
+        sockets: Bound sockets to listen on (``listen.bind_listeners``) instead of binding
+            ``host``:``port`` here.
+
+    Returns:
+        True when the drain was cut short by ``force``.
     """
     app = create_app(engine, max_body_bytes=max_body_bytes, api_keys=api_keys,
                      max_concurrency_per_tenant=max_concurrency_per_tenant)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE_S)
     await runner.setup()
+    engine.tokenize_pool.start()  # tokenizer copies made now, not on the first request
+    force = force or asyncio.Event()
+    signals = None
     if stop is None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        signals = ShutdownSignals(stop, force)
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        for site in ([web.SockSite(runner, sock) for sock in sockets] if sockets
+                     else [web.TCPSite(runner, host, port)]):
+            await site.start()
         bound_port = runner.addresses[0][1]
         log.info("server_listening", url=f"http://{host}:{bound_port}", model=engine.model_name,
                  tenants=len(app[STATE_KEY].keys.tenant_names) if api_keys else None)
         if ready is not None:
             ready(bound_port)
         await stop.wait()
-        await drain(app[STATE_KEY], shutdown_timeout_s)
+        state = app[STATE_KEY]
+        if await unless_forced(drain(state, shutdown_timeout_s), force):
+            return False
+        state.draining = True  # forced: abort everything in flight, a short grace to answer
+        aborted = state.engine.abort_all()
+        log.warning("shutdown_forced_aborting", in_flight=state.in_flight, aborted_requests=aborted)
+        await state.wait_idle(FORCE_GRACE_S)
+        return True
     finally:
         log.info("server_stopping")
+        if signals is not None:
+            signals.close()
         await runner.cleanup()
 
 
 def run_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, *,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_timeout_s: float = 30.0,
                api_keys: dict[str, Tenant] | None = None,
-               max_concurrency_per_tenant: int | None = None) -> None:
-    """Blocking entry point for ``radixkv serve``: start the engine, serve, shut down."""
+               max_concurrency_per_tenant: int | None = None,
+               sockets: list[socket.socket] | None = None) -> bool:
+    """Blocking entry point for ``radixkv serve``: start the engine, serve, shut down.
 
-    async def main() -> None:
+    Returns ``serve``'s answer: True when a second signal forced the exit during the drain.
+    """
+
+    async def main() -> bool:
         engine.start()
         try:
-            await serve(engine, host, port, max_body_bytes=max_body_bytes,
-                        shutdown_timeout_s=shutdown_timeout_s, api_keys=api_keys,
-                        max_concurrency_per_tenant=max_concurrency_per_tenant)
+            return await serve(engine, host, port, max_body_bytes=max_body_bytes,
+                               shutdown_timeout_s=shutdown_timeout_s, api_keys=api_keys,
+                               max_concurrency_per_tenant=max_concurrency_per_tenant,
+                               sockets=sockets)
         finally:
             await engine.shutdown()
 
-    asyncio.run(main())
+    return asyncio.run(main())

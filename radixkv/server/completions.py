@@ -1,10 +1,11 @@
 """Validation of ``/v1/completions`` (legacy text completions) requests.
 
-The prompt is text or token ids — one prompt per request (``"abc"``, ``[1, 2, 3]``, or a list
-holding exactly one of those); a batch of several prompts is refused with a 400 that says so.
-``echo: true`` puts the prompt text in front of each choice. Log probabilities (``logprobs``,
-including prompt logprobs via ``echo`` + ``logprobs``), ``suffix`` and ``best_of`` > ``n`` are
-not implemented and are refused with a 400 naming them, never ignored.
+The prompt is text or token ids, or a list of up to ``MAX_PROMPTS`` of those (one choice set
+per prompt; ``n`` x prompts at most ``MAX_CHOICES``). ``echo: true`` puts the prompt text in
+front of each choice; ``return_token_ids`` (vLLM's field) adds the ids. Log probabilities
+(``logprobs``, including prompt logprobs via ``echo`` + ``logprobs``), ``suffix`` and
+``best_of`` > ``n`` are not implemented and are refused with a 400 naming them, never ignored;
+the rest of the policy is ``radixkv.server.param_table.COMPLETION_PARAMS``.
 """
 
 from __future__ import annotations
@@ -12,23 +13,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.server import param_policy
 from radixkv.server.errors import bad_request
+from radixkv.server.param_table import COMPLETION_PARAMS, MAX_CHOICES, MAX_PROMPTS
 from radixkv.server.params import (
     Sampling,
+    as_int,
     check_model,
-    is_int,
     opt_bool,
+    opt_int,
     parse_sampling,
-    refuse_unimplemented_sampling,
-    refuse_unknown_keys,
 )
 
-COMPLETION_KEYS = frozenset({
-    "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
-    "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
-    "best_of", "logit_bias", "user", "seed", "cache_salt", "ignore_eos",
-})
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_PROMPTS", "CompletionRequest", "PromptInput",
+           "parse_completion_request", "parse_prompts"]
+
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt of a ``/v1/completions`` request: text or token ids (exactly one is set).
+
+    Attributes:
+        param: Where it sits in the body, for errors: ``prompt``, ``prompt[0]``, ``prompt[1]``...
+    """
+
+    text: str | None
+    ids: list[int] | None
+    param: str
 
 
 @dataclass(frozen=True)
@@ -47,41 +60,53 @@ class CompletionRequest(Sampling):
     prompt_ids: list[int] | None
     echo: bool
     prompt_param: str = "prompt"
+    prompts: tuple[PromptInput, ...] = ()
+    return_token_ids: bool = False
 
 
 def _token_ids(ids: list, param: str) -> list[int]:
-    """The JSON shape of a token-id prompt: a non-empty list of integers. Their range (the
-    vocabulary) is checked once, by the engine (``radixkv.config.check_token_ids``)."""
+    """The JSON shape of a token-id prompt: a non-empty list of integers (``2.0`` counts as 2).
+    Their range (the vocabulary) is checked once, by the engine
+    (``radixkv.config.check_token_ids``)."""
     if not ids:
         raise bad_request(f"'{param}' must not be empty", param)
-    for i, t in enumerate(ids):
-        if not is_int(t):
-            raise bad_request(f"'{param}[{i}]' must be a token id (an integer), got {t!r}",
+    out = [as_int(t) for t in ids]
+    for i, t in enumerate(out):
+        if t is None:
+            raise bad_request(f"'{param}[{i}]' must be a token id (an integer), got {ids[i]!r}",
                               f"{param}[{i}]")
-    return ids
+    return out
 
 
-def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
-    """``(text, None)`` or ``(None, token ids)`` of the ``prompt`` field."""
+def parse_prompts(prompt: Any) -> tuple[PromptInput, ...]:
+    """The prompts of the ``prompt`` field: a string, a list of token ids, or a list of up to
+    ``MAX_PROMPTS`` of those (one choice set per prompt).
+
+    Raises:
+        APIError: 400 naming ``prompt`` (or ``prompt[i]`` / ``prompt[i][j]``) for another shape.
+    """
+    shape = ("'prompt' must be a string, a list of token ids, or a list of strings / token-id "
+             "lists")
     if prompt is None:
         raise bad_request("'prompt' is required", "prompt")
     if isinstance(prompt, str):
-        return prompt, None
+        return (PromptInput(prompt, None, "prompt"),)
     if not isinstance(prompt, list) or not prompt:
-        raise bad_request("'prompt' must be a string, a list of token ids, or a list holding "
-                          "one of those", "prompt")
-    if all(is_int(t) for t in prompt):
-        return None, _token_ids(prompt, "prompt")
-    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request(f"'prompt' holds {len(prompt)} prompts; batched prompts are not "
-                          "supported, send one request per prompt", "prompt")
-    only = prompt[0] if len(prompt) == 1 else None
-    if isinstance(only, str):
-        return only, None
-    if isinstance(only, list):
-        return None, _token_ids(only, "prompt[0]")
-    raise bad_request("'prompt' must be a string, a list of token ids, or a list holding one "
-                      "of those", "prompt")
+        raise bad_request(shape, "prompt")
+    if as_int(prompt[0]) is not None:  # a token-id list; _token_ids names a bad entry
+        return (PromptInput(None, _token_ids(prompt, "prompt"), "prompt"),)
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS}", "prompt")
+    out = []
+    for i, item in enumerate(prompt):
+        param = f"prompt[{i}]"
+        if isinstance(item, str):
+            out.append(PromptInput(item, None, param))
+        elif isinstance(item, list):
+            out.append(PromptInput(None, _token_ids(item, param), param))
+        else:
+            raise bad_request(f"{shape}; '{param}' is {type(item).__name__}", param)
+    return tuple(out)
 
 
 def parse_completion_request(body: dict[str, Any], served_model: str) -> CompletionRequest:
@@ -91,30 +116,31 @@ def parse_completion_request(body: dict[str, Any], served_model: str) -> Complet
         APIError: 400 naming the parameter for any invalid or unsupported field; 404 for an
             unknown model.
     """
-    refuse_unknown_keys(body, COMPLETION_KEYS)
     check_model(body, served_model)
-    text, ids = parse_prompt(body.get("prompt"))
     logprobs = body.get("logprobs")
     if logprobs is not None:
-        if not is_int(logprobs) or not 0 <= logprobs <= 20:
+        if as_int(logprobs) is None or not 0 <= logprobs <= 20:
             raise bad_request(f"'logprobs' must be an integer in [0, 20], got {logprobs!r}",
                               "logprobs")
         what = "prompt logprobs ('echo' + 'logprobs')" if body.get("echo") else "'logprobs'"
         raise bad_request(f"{what} is not supported: radixkv does not compute log "
                           "probabilities", "logprobs")
-    if body.get("suffix") is not None:
-        raise bad_request("'suffix' (insertion) is not supported", "suffix")
-    refuse_unimplemented_sampling(body)
+    found = param_policy.check(body, COMPLETION_PARAMS)
+    prompts = parse_prompts(body.get("prompt"))
     echo = bool(opt_bool(body, "echo"))
-    sampling = parse_sampling(body)
-    best_of = body.get("best_of")
+    sampling = parse_sampling(body, found)
+    best_of = opt_int(body, "best_of", 1)
     if best_of is not None:
-        if not is_int(best_of) or best_of < 1:
-            raise bad_request(f"'best_of' must be an integer >= 1, got {best_of!r}", "best_of")
         if best_of != sampling.n:
             raise bad_request("'best_of' other than 'n' is not supported (no server-side "
                               "ranking of choices)", "best_of")
-    nested = isinstance(body.get("prompt"), list) and len(body["prompt"]) == 1 \
-        and isinstance(body["prompt"][0], (str, list))
-    return CompletionRequest(prompt_text=text, prompt_ids=ids, echo=echo,
-                             prompt_param="prompt[0]" if nested else "prompt", **sampling.fields())
+    if sampling.n * len(prompts) > MAX_CHOICES:
+        raise bad_request(f"'n' x the number of prompts must be at most {MAX_CHOICES}, got "
+                          f"{sampling.n} x {len(prompts)}", "n")
+    first = prompts[0]
+    req = CompletionRequest(prompt_text=first.text, prompt_ids=first.ids, echo=echo,
+                            prompt_param=first.param, prompts=prompts,
+                            return_token_ids=bool(opt_bool(body, "return_token_ids")),
+                            **sampling.fields())
+    found.record()
+    return req

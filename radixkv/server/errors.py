@@ -2,16 +2,21 @@
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}``. Client mistakes are
 4xx with ``type = "invalid_request_error"``; an unexpected exception is logged with its traceback
-and answered 500 ``server_error`` without leaking internals.
+and the request id, counted (``server_errors_total``, through the application's
+``SERVER_FAULT_HOOK``) and answered 500 ``server_error`` / ``internal_error`` without leaking
+internals.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 import structlog
 from aiohttp import web
+
+from radixkv.server import request_id as request_ids
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +68,37 @@ def error_response(err: APIError) -> web.Response:
 
 
 RETRY_AFTER_S = 1
+INTERNAL_ERROR = "internal_error"
+REQUEST_ID_HEADER = "X-Request-Id"
+# ``app[SERVER_FAULT_HOOK](request)`` is called once per request answered 500 for a fault in
+# the server's own code (the application counts it); absent: not counted.
+SERVER_FAULT_HOOK: web.AppKey[Any] = web.AppKey("radixkv_server_fault_hook")
+
+
+def internal_error(message: str = "internal server error") -> APIError:
+    """500 ``internal_error``: a fault on our side ended this request (nothing leaked)."""
+    return APIError(500, message, type=SERVER_ERROR, code=INTERNAL_ERROR)
+
+
+def request_id_of(request: web.Request) -> str:
+    """The id logs carry for ``request``: the one ``request_id_middleware`` gave it, else its
+    ``X-Request-Id`` header, else its path."""
+    return (request_ids.request_id_of(request) or request.headers.get(REQUEST_ID_HEADER)
+            or request.path)
+
+
+def server_fault(request: web.Request, event: str, **fields: Any) -> APIError:
+    """Log the exception being handled (traceback, request id), count it, and return the 500
+    ``internal_error`` to answer. Call from an ``except`` block."""
+    log.exception(event, request_id=request_id_of(request), path=request.path,
+                  method=request.method, **fields)
+    hook = request.app.get(SERVER_FAULT_HOOK)
+    if hook is not None:
+        try:
+            hook(request)
+        except Exception:  # noqa: BLE001 - counting must never turn a 500 into another fault
+            log.exception("server_fault_hook_failed", request_id=request_id_of(request))
+    return internal_error()
 
 
 def queue_full(message: str) -> APIError:
@@ -108,8 +144,10 @@ async def error_middleware(
     try:
         return await handler(request)
     except APIError as err:
-        log.info("request_rejected", path=request.path, status=err.status, param=err.param,
-                 message=err.message)
+        # A 5xx is ours (an engine fault, a dead engine): worth a warning, not an info line.
+        report = log.warning if err.status >= 500 else log.info
+        report("request_rejected", path=request.path, status=err.status, param=err.param,
+               code=err.code, message=err.message)
         return error_response(err)
     except web.HTTPException as exc:
         if exc.status < 400:  # redirects and the like pass through untouched
@@ -119,5 +157,4 @@ async def error_middleware(
         return error_response(err)
     except Exception:
         # CancelledError (client gone) is a BaseException and is deliberately not caught here.
-        log.exception("unhandled_server_error", path=request.path, method=request.method)
-        return error_response(APIError(500, "internal server error", type=SERVER_ERROR))
+        return error_response(server_fault(request, "unhandled_server_error"))

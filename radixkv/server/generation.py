@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,18 +21,26 @@ import structlog
 from aiohttp import web
 
 from radixkv.engine.async_engine import EngineDeadError, QueueFullError
+from radixkv.engine.faults import FAILED
 from radixkv.server.auth import KeyStore, Tenant
 from radixkv.server.errors import (
+    INTERNAL_ERROR,
     SERVER_ERROR,
     APIError,
     bad_request,
+    internal_error,
     json_response,
     queue_full,
+    server_fault,
     shutting_down,
     tenant_limit,
 )
+from radixkv.server.multi_prompt import PromptAdmissionError, admit_prompts
 from radixkv.server.output_memory import OutputMemory, ids_for_text
+from radixkv.server.prefix_memory import PrefixMemory
 from radixkv.server.responses import SSE_DONE, usage
+from radixkv.server.tokenization import tokenize_errors
+from radixkv.server.tool_calls import ToolCallOptions, memory_key
 
 if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine, RequestOutput, RequestStream
@@ -59,6 +67,8 @@ class ServerState:
         outcomes: Completion requests by outcome (``OUTCOMES``), for /metrics.
         outputs: token ids of recent chat replies per cache salt, so that a reply sent back
             as history is tokenized as it was generated (``radixkv.server.output_memory``).
+        prefixes: recent text prompts + replies of ``/v1/completions`` per cache salt, so that
+            a prompt extending one reuses its ids (``radixkv.server.prefix_memory``).
     """
 
     engine: AsyncEngine
@@ -70,6 +80,7 @@ class ServerState:
     outcomes: Counter = field(default_factory=Counter)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     outputs: OutputMemory = field(default_factory=OutputMemory)
+    prefixes: PrefixMemory = field(default_factory=PrefixMemory)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -107,17 +118,29 @@ Remember = Callable[[dict[int, list[int]], dict[int, str]], Awaitable[None]]
 """``remember(ids, texts)``: per choice index, the generated token ids and the text sent."""
 
 
-def remember_outputs(state: ServerState, scope: str | None) -> Remember:
+def remember_outputs(state: ServerState, scope: str | None, tools: ToolCallOptions | None = None,
+                     prefix_ids: Sequence[int] = ()) -> Remember:
     """A ``remember`` for chat replies: ids that decode to each choice's text go into
     ``state.outputs`` under ``scope`` (the request's cache salt). Decoding runs in a worker
-    thread, off the event loop."""
+    thread, off the event loop.
+
+    With ``tools``, a choice's text starts with the forced prefix (``tools.prefix``, sent to
+    the engine as ``prefix_ids``), and a reply with tool calls is remembered under the
+    content its returned message renders as when sent back (``tool_calls.memory_key``), so
+    the next prompt holds the generated ids, calls and text after them included."""
     tokenizer = state.engine.tokenizer
+    prefix = tools.prefix if tools is not None else ""
 
     def record(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
         for index, text in texts.items():
-            exact = ids_for_text(tokenizer, ids[index], text, tokenizer.eos_token_ids)
+            raw = prefix + text
+            key = memory_key(raw, tools)
+            if key is None:
+                continue
+            exact = ids_for_text(tokenizer, [*prefix_ids, *ids[index]], raw,
+                                 tokenizer.eos_token_ids)
             if exact is not None:
-                state.outputs.record(scope, text, exact)
+                state.outputs.record(scope, key, exact)
 
     async def remember(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
         await asyncio.get_running_loop().run_in_executor(None, record, ids, texts)
@@ -162,6 +185,10 @@ def engine_dead() -> APIError:
     return APIError(503, "the engine is not running", type=SERVER_ERROR, code="engine_dead")
 
 
+# What a client learns of an engine-side fault of its request (details are in the log).
+ENGINE_FAULT_MESSAGE = "the request failed in the engine; other requests are unaffected"
+
+
 def engine_value_error(exc: ValueError, prompt_param: str) -> APIError:
     """The engine refused the request (ValueError names the field first, e.g. ``prompt: ...``,
     or one prompt token, ``prompt[3]: ...``: under ``/v1/completions`` that is the param)."""
@@ -187,7 +214,7 @@ def resolve_max_tokens(requested: int | None, default: int | None, param: str,
     the context; 400 ``context_length_exceeded`` naming the limit otherwise."""
     limit = engine.max_model_len
     if num_prompt_tokens >= limit:
-        verb = "has" if prompt_param == "prompt" else "have"
+        verb = "have" if prompt_param == "messages" else "has"  # or prompt / prompt[i]
         raise bad_request(f"This model's maximum context length is {limit} tokens; the "
                           f"{prompt_param} {verb} {num_prompt_tokens} tokens", prompt_param,
                           "context_length_exceeded")
@@ -205,61 +232,84 @@ def resolve_max_tokens(requested: int | None, default: int | None, param: str,
 async def generate_response(request: web.Request, state: ServerState, shape: Any, *,
                             prompt: list[int], sampling: Any, max_tokens: int,
                             tenant: Tenant | None, cache_salt: str | None, prompt_param: str,
-                            echo_ids: list[int] | None = None,
                             remember: Remember | None = None,
-                            lora_name: str | None = None) -> web.StreamResponse:
+                            lora_name: str | None = None,
+                            batch: Sequence[tuple[list[int], str]] = (),
+                            echo_prompts: Sequence[int] = ()) -> web.StreamResponse:
     """Run and answer one admitted completion request (JSON or SSE per ``sampling.stream``).
 
     ``shape`` is a ``ChatCompletion`` or ``TextCompletion`` (ids, chunk and body builders);
-    ``echo_ids``: token ids whose text becomes ``shape.echo`` once the engine accepted them;
     ``remember``: awaited with each choice's generated ids and text once all choices finished
     (not aborted), before the response ends, so the client's next turn finds them;
-    ``lora_name``: the LoRA adapter to run with (None: the base model).
+    ``lora_name``: the LoRA adapter to run with (None: the base model);
+    ``batch``: several prompts as ``(token ids, body path)``, one engine request each
+    (``radixkv.server.multi_prompt``), in place of ``prompt`` / ``prompt_param``: choice
+    ``p * n + j`` is prompt ``p``'s ``j``-th, and a refused prompt's 400 names its path;
+    ``echo_prompts``: indexes of prompts (into ``batch``, else 0) whose ids' text goes into
+    ``shape.echoes[p]`` once the engine accepted them.
     """
     engine = state.engine
     try:
         params = sampling.sampling_params(max_tokens)
     except ValueError as exc:  # SamplingParams names the field first ("top_k: ...")
         raise bad_request(str(exc), str(exc).split(":", 1)[0]) from exc
+    runs = list(batch) or [(prompt, prompt_param)]
     try:
-        gen = engine.generate(prompt, params, cache_salt=cache_salt, request_id=shape.id,
-                              tenant=tenant.name if tenant is not None else None,
-                              lora_name=lora_name)
-    except QueueFullError as exc:
-        raise queue_full(str(exc)) from exc
-    except ValueError as exc:
-        raise engine_value_error(exc, prompt_param) from exc
-    except EngineDeadError as exc:
-        raise engine_dead() from exc
+        gen = admit_prompts(engine, [ids for ids, _ in runs], params, request_id=shape.id,
+                            param_names=[name for _, name in runs], cache_salt=cache_salt,
+                            tenant=tenant.name if tenant is not None else None,
+                            lora_name=lora_name)
+    except PromptAdmissionError as err:
+        exc, prompt_param = err.cause, err.prompt_param
+        if isinstance(exc, QueueFullError):
+            if len(runs) > 1:
+                raise queue_full(f"{prompt_param}: {exc}") from exc
+            raise queue_full(str(exc)) from exc
+        if isinstance(exc, ValueError):
+            raise engine_value_error(exc, prompt_param) from exc
+        if isinstance(exc, EngineDeadError):
+            raise engine_dead() from exc
+        raise exc from None
     try:
-        if echo_ids is not None:
-            shape.echo = await engine.detokenize(echo_ids, skip_special_tokens=False)
+        with tokenize_errors():  # decoded once the engine has checked the ids
+            for p in echo_prompts:
+                shape.echoes[p] = await engine.detokenize(runs[p][0], skip_special_tokens=False)
         first = await _first_output(gen, prompt_param)
+        n = sampling.n * len(runs)
         if sampling.stream:
-            return await _respond_stream(request, shape, gen, first, sampling.n, remember)
-        return await _respond_json(request, shape, gen, first, sampling.n, remember)
+            return await _respond_stream(request, shape, gen, first, n, remember)
+        return await _respond_json(request, shape, gen, first, n, remember)
     finally:
         gen.close()
 
 
 async def _first_output(gen: RequestStream, prompt_param: str) -> RequestOutput:
-    """Wait for the engine's first output; admission errors (ValueError) become 400."""
+    """Wait for the engine's first output; admission errors (ValueError) become 400, a fault
+    of the request's own in the engine (``finish_reason == "error"``) 500 ``internal_error``
+    (before any stream started: a stream's later faults are in-band, see ``_respond_stream``).
+    """
     try:
-        return await gen.__anext__()
+        out = await gen.__anext__()
     except ValueError as exc:
-        raise engine_value_error(exc, prompt_param) from exc
+        raise engine_value_error(exc, getattr(exc, "prompt_param", prompt_param)) from exc
     except EngineDeadError as exc:
         raise engine_dead() from exc
     except StopAsyncIteration:
-        raise APIError(500, "the engine ended the request without output",
-                       type=SERVER_ERROR) from None
+        raise internal_error("the engine ended the request without output") from None
+    if out.finish_reason == FAILED:
+        raise internal_error(ENGINE_FAULT_MESSAGE)
+    return out
 
 
 def _usage(outputs: dict[int, RequestOutput]) -> dict:
-    """The prompt (and its cached tokens) once, completion tokens summed over choices."""
-    first = next(iter(outputs.values()))
-    return usage(first.num_prompt_tokens, sum(o.num_generated_tokens for o in outputs.values()),
-                 first.num_cached_tokens)
+    """Each prompt (and its cached tokens) once, summed over prompts (one engine request
+    each); completion tokens summed over all choices."""
+    per_request: dict[str, RequestOutput] = {}
+    for o in outputs.values():
+        per_request.setdefault(o.request_id, o)
+    return usage(sum(o.num_prompt_tokens for o in per_request.values()),
+                 sum(o.num_generated_tokens for o in outputs.values()),
+                 sum(o.num_cached_tokens for o in per_request.values()))
 
 
 def _finish_outcome(last: dict[int, RequestOutput]) -> str:
@@ -283,6 +333,8 @@ async def _respond_json(request: web.Request, shape: Any, gen: RequestStream,
             out = None
         except EngineDeadError as exc:
             raise engine_dead() from exc
+    if any(o.finish_reason == FAILED for o in last.values()):
+        raise internal_error(ENGINE_FAULT_MESSAGE)
     if len(last) < n or any(o.finish_reason == "abort" for o in last.values()):
         raise APIError(503, "the request was aborted by the server", type=SERVER_ERROR,
                        code="aborted")
@@ -290,7 +342,8 @@ async def _respond_json(request: web.Request, shape: Any, gen: RequestStream,
     choices = [("".join(texts[i]), last[i].finish_reason) for i in range(n)]
     if remember is not None:
         await remember(ids, {i: text for i, (text, _) in enumerate(choices)})
-    return json_response(shape.response(choices, _usage(last)))
+    extra = {"token_ids": ids} if getattr(shape, "return_token_ids", False) else {}
+    return json_response(shape.response(choices, _usage(last), **extra))
 
 
 async def _respond_stream(request: web.Request, shape: Any, gen: RequestStream,
@@ -302,6 +355,7 @@ async def _respond_stream(request: web.Request, shape: Any, gen: RequestStream,
     last: dict[int, RequestOutput] = {}
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     ids: dict[int, list[int]] = {i: [] for i in range(n)}
+    wants_ids = getattr(shape, "return_token_ids", False)  # vLLM's per-chunk token_ids
     try:
         for index in range(n):
             head = shape.role_chunk(index)
@@ -314,11 +368,17 @@ async def _respond_stream(request: web.Request, shape: Any, gen: RequestStream,
                 await resp.write(shape.error_event("the request was aborted by the server",
                                                    SERVER_ERROR, "aborted"))
                 break
+            if out.finish_reason == FAILED:  # the engine logged and counted it
+                request[OUTCOME] = "error"
+                await resp.write(shape.error_event(ENGINE_FAULT_MESSAGE, SERVER_ERROR,
+                                                   INTERNAL_ERROR))
+                break
             last[out.index] = out
             texts[out.index].append(out.new_text)
             ids[out.index] += out.new_token_ids
-            if out.new_text:
-                await resp.write(shape.content_chunk(out.new_text, out.index))
+            if out.new_text or (wants_ids and out.new_token_ids):
+                extra = {"token_ids": out.new_token_ids} if wants_ids else {}
+                await resp.write(shape.content_chunk(out.new_text, out.index, **extra))
             if out.finished:
                 await resp.write(shape.finish_chunk(out.finish_reason, out.index))
             try:
@@ -338,17 +398,17 @@ async def _respond_stream(request: web.Request, shape: Any, gen: RequestStream,
         request[OUTCOME] = "abort"
         log.info("client_disconnected", request_id=shape.id)
     except Exception as exc:
-        # Headers are sent: report in-band, then end the stream.
+        # Headers are sent: report in-band (error event, then [DONE]), then end the stream.
         request[OUTCOME] = "error"
         if isinstance(exc, EngineDeadError):
             log.warning("engine_dead_mid_stream", request_id=shape.id)
-            message, code = "the engine is not running", "engine_dead"
-        else:
-            log.exception("stream_failed", request_id=shape.id)
-            message, code = "internal server error", None
+            err = engine_dead()
+        else:  # logged with its traceback and counted as a server fault
+            err = server_fault(request, "stream_failed", completion_id=shape.id)
         try:
-            await resp.write(shape.error_event(message, SERVER_ERROR, code))
+            await resp.write(shape.error_event(err.message, err.type, err.code))
+            await resp.write(SSE_DONE)
             await resp.write_eof()
-        except ConnectionResetError:
+        except (ConnectionResetError, RuntimeError):  # the transport is gone already
             pass
     return resp

@@ -1,7 +1,9 @@
 """``GET /metrics``: the engine's numbers in Prometheus text format (prometheus-client).
 
 Every name is ``radixkv_`` prefixed with its unit in the name (``_tokens``, ``_blocks``,
-``_seconds``, ``_flops``, ``_requests``); counters end in ``_total``. Values are read from the
+``_seconds``, ``_flops``, ``_requests``, ``_sequences``); counters end in ``_total``.
+``_requests`` counters count requests, ``_sequences`` ones their choices (``n`` each), as the
+``requests_*`` / ``sequences_*`` keys of ``/stats`` do. Values are read from the
 same counters as ``/stats`` at scrape time by a collector registered in a per-application
 ``CollectorRegistry`` (never the process-global one), so several servers in one process — the
 tests run many — do not collide. With API keys configured the route needs an admin key: hit
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from radixkv.server.generation import OUTCOMES
+from radixkv.server.param_policy import IGNORED_COUNTS
 
 if TYPE_CHECKING:
     from radixkv.server.generation import ServerState
@@ -51,8 +54,19 @@ _COUNTERS = (
     ("radixkv_preemptions_requests", "preemptions_total", "Requests preempted (recompute)."),
     ("radixkv_resumed_cached_tokens", "resumed_cached_tokens_total",
      "Cached tokens matched again when preempted requests resumed (not new lookups)."),
-    ("radixkv_aborted_sequences", "requests_aborted_total",
-     "Sequences (choices) aborted in the engine: client disconnects and shutdown."),
+    ("radixkv_admitted_requests", "requests_total", "Requests admitted (/stats requests_total)."),
+    ("radixkv_admitted_sequences", "sequences_total",
+     "Sequences (choices, n per request) of the admitted requests."),
+    ("radixkv_aborted_requests", "requests_aborted_total",
+     "Requests aborted in the engine: client disconnects and shutdown."),
+    ("radixkv_aborted_sequences", "sequences_aborted_total",
+     "Sequences (choices) unfinished when their request was aborted."),
+    ("radixkv_failed_requests", "requests_failed_total",
+     "Requests ended by a fault of their own in the engine (answered 500 internal_error)."),
+    ("radixkv_failed_sequences", "sequences_failed_total",
+     "Sequences (choices) unfinished when their request failed in the engine."),
+    ("radixkv_server_error_requests", "server_errors_total",
+     "Requests answered 500 internal_error for a fault in the server's own code."),
 )
 _POOL_GAUGES = (
     ("radixkv_kv_total_blocks", "total_blocks", "KV blocks in the pool."),
@@ -65,6 +79,16 @@ _POOL_GAUGES = (
 )
 _TENANT_COUNTERS = (
     ("radixkv_tenant_requests", "requests_total", "Requests admitted, by tenant."),
+    ("radixkv_tenant_sequences", "sequences_total", "Sequences (choices) admitted, by tenant."),
+    ("radixkv_tenant_aborted_requests", "requests_aborted_total", "Requests aborted, by tenant."),
+    ("radixkv_tenant_aborted_sequences", "sequences_aborted_total",
+     "Sequences (choices) aborted, by tenant."),
+    ("radixkv_tenant_failed_requests", "requests_failed_total",
+     "Requests failed in the engine, by tenant."),
+    ("radixkv_tenant_failed_sequences", "sequences_failed_total",
+     "Sequences (choices) failed in the engine, by tenant."),
+    ("radixkv_tenant_server_error_requests", "server_errors_total",
+     "Requests answered 500 for a server fault, by tenant."),
     ("radixkv_tenant_prompt_tokens", "prompt_tokens_total", "Prompt tokens, by tenant."),
     ("radixkv_tenant_cached_prompt_tokens", "cached_prompt_tokens_total",
      "Prompt tokens served from the cache, by tenant."),
@@ -104,6 +128,7 @@ class RadixkvCollector:
         for outcome in OUTCOMES:
             outcomes.add_metric([outcome], self.state.outcomes[outcome])
         yield outcomes
+        yield _ignored_parameters()
         pool = stats["pool"]
         for name, key, doc in _POOL_GAUGES:
             yield GaugeMetricFamily(name, doc, value=pool[key])
@@ -127,6 +152,9 @@ class RadixkvCollector:
                          "Time from submission to the first token of each choice.", *hist["ttft"])
         yield _histogram("radixkv_inter_token_latency_seconds",
                          "Time between consecutive tokens of a choice.", *hist["itl"])
+        yield _histogram("radixkv_tokenize_queue_seconds",
+                         "Time a templating/tokenizing job waited for a tokenizer worker.",
+                         *engine.tokenize_pool.queue_seconds.cumulative())
         tenants = engine.engine_stats.tenant_names()
         views = {tenant: engine.tenant_stats(tenant) for tenant in tenants}
         for name, key, doc in _TENANT_COUNTERS if views else ():
@@ -134,6 +162,17 @@ class RadixkvCollector:
             for tenant, view in views.items():
                 family.add_metric([tenant], view[key])
             yield family
+
+
+def _ignored_parameters() -> Any:
+    # param_policy counts per process; "(unknown)" sums the names in no policy table.
+    family = CounterMetricFamily("radixkv_ignored_parameters",
+                                 "Request fields accepted and ignored (README 'Parameter "
+                                 "policy'), by field; '(unknown)' = names in no table.",
+                                 labels=["param"])
+    for name, value in sorted(IGNORED_COUNTS.snapshot().items()):
+        family.add_metric([name], value)
+    return family
 
 
 def make_registry(state: ServerState) -> Any:

@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixkv.server.param_policy import request_schema
+from radixkv.server.param_table import (
+    CHAT_PARAMS,
+    COMPLETION_PARAMS,
+    TOKENIZE_PARAMS,
+)
+
 
 def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
@@ -62,48 +69,6 @@ def _error_responses(*codes: str) -> dict:
             for code in codes}
 
 
-_SAMPLING = {
-    "model": {"type": "string", "description": "The served model id or a loaded LoRA adapter's "
-                                               "name (selects the adapter); may be omitted."},
-    "max_tokens": _int(1, description="Output cap in tokens."),
-    "temperature": _num(0, 2, description="0 = greedy."),
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": _int(-1, description="0 or -1 disables."),
-    "seed": {"type": "integer", "description": "Choice i of an n > 1 request uses seed + i."},
-    "n": _int(1, 64),
-    "stop": {"anyOf": [{"type": "string", "minLength": 1},
-                       {"type": "array", "maxItems": 64,
-                        "items": {"type": "string", "minLength": 1, "maxLength": 1024}}]},
-    "stream": {"type": "boolean"},
-    "stream_options": _obj({"include_usage": {"type": "boolean"}},
-                           description="Only with stream: true."),
-    "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024,
-                   "description": "Narrows the prefix-cache namespace; with API keys it is "
-                                  "combined with the tenant's server-side salt."},
-    "ignore_eos": {"type": "boolean"},
-    "user": {"type": "string"},
-    "logit_bias": {"description": "Refused (400) unless null or {}."},
-    "presence_penalty": {"description": "Refused (400) unless 0 or null."},
-    "frequency_penalty": {"description": "Refused (400) unless 0 or null."},
-}
-
-_MESSAGE = _obj({
-    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-    "content": {"anyOf": [{"type": "string"}, {"type": "null"},
-                          {"type": "array", "maxItems": 1024, "items": _obj(
-                              {"type": {"const": "text"}, "text": {"type": "string"}},
-                              ["type", "text"])}]},
-    "name": {"type": "string"},
-    "tool_calls": {"type": "array", "items": _obj({
-        "id": {"type": "string"}, "type": {"const": "function"},
-        "function": _obj({"name": {"type": "string"}, "arguments": {"type": "string"}},
-                         ["name"])}, ["id", "function"])},
-    "tool_call_id": {"type": "string"},
-    "refusal": {}, "annotations": {},
-}, ["role"], description="Text only. ``content`` is required except for assistant messages; "
-                         "``tool_call_id`` is required for tool messages. NUL characters are "
-                         "refused.")
-
 _USAGE = _obj({
     "prompt_tokens": _int(0), "completion_tokens": _int(0), "total_tokens": _int(0),
     "prompt_tokens_details": _obj({"cached_tokens": _int(
@@ -111,78 +76,67 @@ _USAGE = _obj({
 }, ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"])
 
 _FINISH = {"enum": ["stop", "length", None]}
+# Chat replies read for tool calls (radixkv.server.tool_calls); arguments is a JSON string.
+_CHAT_FINISH = {"enum": ["stop", "length", "tool_calls", None]}
+_TOOL_CALL = _obj({"id": {"type": "string"}, "type": {"const": "function"},
+                   "function": _obj({"name": {"type": "string"}, "arguments": {"type": "string"}},
+                                    ["name", "arguments"])}, ["id", "type", "function"])
 
 _SCHEMAS = {
     "Error": _obj({"error": _obj({
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": _nullable({"type": "string"}), "code": _nullable({"type": "string"})},
         ["message", "type", "param", "code"])}, ["error"]),
-    "ChatCompletionRequest": _obj({
-        "messages": {"type": "array", "minItems": 1, "maxItems": 8192, "items": _MESSAGE},
-        "max_completion_tokens": _int(1),
-        "tools": {"type": "array", "maxItems": 128, "items": _obj({
-            "type": {"const": "function"},
-            "function": _obj({"name": {"type": "string", "minLength": 1},
-                              "description": {"type": "string"},
-                              "parameters": {"type": "object", "description": "At most 32 "
-                                             "levels deep."}}, ["name"], extra=True)},
-            ["type", "function"])},
-        "tool_choice": {"enum": ["auto", "none"], "description": "Other values: 400."},
-        "parallel_tool_calls": {"type": "boolean"},
-        "response_format": {"description": "Only {\"type\": \"text\"}; anything else: 400."},
-        "logprobs": {"description": "Only false or null; log probabilities are not computed."},
-        "top_logprobs": {"description": "Only null."},
-        **_SAMPLING,
-    }, ["messages"], description="Unknown keys are refused with 400 naming them. Tools are "
-                                 "rendered by the chat template, or as text for templates "
-                                 "without tool support."),
+    "ChatCompletionRequest": request_schema(
+        CHAT_PARAMS, ["messages"],
+        "Tools are rendered by the chat template, or as text for templates without tool "
+        "support."),
     "ChatCompletion": _obj({
         "id": {"type": "string"}, "object": {"const": "chat.completion"},
         "created": {"type": "integer"}, "model": {"type": "string"},
         "choices": {"type": "array", "items": _obj({
-            "index": _int(0), "finish_reason": _FINISH, "logprobs": {"type": "null"},
-            "message": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}})})},
+            "index": _int(0), "finish_reason": _CHAT_FINISH, "logprobs": {"type": "null"},
+            "message": _obj({"role": {"const": "assistant"},
+                             "content": _nullable({"type": "string"}),
+                             "tool_calls": {"type": "array", "items": _TOOL_CALL}})})},
         "usage": _USAGE}),
     "ChatCompletionChunk": _obj({
         "id": {"type": "string"}, "object": {"const": "chat.completion.chunk"},
         "created": {"type": "integer"}, "model": {"type": "string"},
         "choices": {"type": "array", "items": _obj({
-            "index": _int(0), "finish_reason": _FINISH, "logprobs": {"type": "null"},
-            "delta": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}})})},
+            "index": _int(0), "finish_reason": _CHAT_FINISH, "logprobs": {"type": "null"},
+            "delta": _obj({"role": {"const": "assistant"}, "content": {"type": "string"},
+                           "tool_calls": {"type": "array", "items": _obj(
+                               {"index": _int(0), **_TOOL_CALL["properties"]})}})})},
         "usage": _nullable(_USAGE)}, description="One SSE ``data:`` event; the stream ends "
                                                  "with ``data: [DONE]``."),
-    "CompletionRequest": _obj({
-        "prompt": {"anyOf": [
-            {"type": "string"},
-            {"type": "array", "minItems": 1, "items": _int(0)},
-            {"type": "array", "minItems": 1, "maxItems": 1,
-             "items": {"anyOf": [{"type": "string"}, {"type": "array", "items": _int(0)}]}}],
-            "description": "Text or token ids; one prompt per request (a batch: 400)."},
-        "echo": {"type": "boolean", "description": "Prefix each choice with the prompt text."},
-        "logprobs": {"description": "Only null: log probabilities (also prompt logprobs via "
-                                    "echo + logprobs) are not computed; 400 says so."},
-        "suffix": {"description": "Only null."},
-        "best_of": _int(1, description="Only equal to n."),
-        **_SAMPLING,
-    }, ["prompt"], description="max_tokens defaults to 16."),
+    "CompletionRequest": request_schema(COMPLETION_PARAMS, ["prompt"],
+                                        "max_tokens defaults to 16."),
     "Completion": _obj({
         "id": {"type": "string"}, "object": {"const": "text_completion"},
         "created": {"type": "integer"}, "model": {"type": "string"},
         "choices": {"type": "array", "items": _obj({
             "index": _int(0), "text": {"type": "string"}, "finish_reason": _FINISH,
-            "logprobs": {"type": "null"}})},
+            "logprobs": {"type": "null"},
+            "prompt_token_ids": _nullable({"type": "array", "items": _int(0)}),
+            "token_ids": {"type": "array", "items": _int(0)}})},
         "usage": _nullable(_USAGE)}, description="Also the shape of each streamed chunk "
                                                  "(``usage`` only with include_usage)."),
-    "TokenizeRequest": _obj({
-        "model": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE},
-        "prompt": {"type": "string"}, "tools": {"type": "array"},
-        "add_generation_prompt": {"const": True}, "add_special_tokens": {"const": False},
-        "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024},
-    }, description="Exactly one of messages and prompt. With messages, the ids are those a "
-                   "chat request with the same cache_salt would run: the model's own recent "
-                   "replies, sent back as assistant messages, keep their generated ids."),
+    "TokenizeRequest": {**request_schema(
+        TOKENIZE_PARAMS, [],
+        "Exactly one of messages and prompt. With messages, the ids are those a chat request "
+        "with the same cache_salt would run: the model's own recent replies, sent back as "
+        "assistant messages, keep their generated ids."),
+        "oneOf": [{"required": ["messages"]},
+                  {"required": ["prompt"], "not": {"anyOf": [
+                      {"required": ["tools"]}, {"required": ["chat_template_kwargs"]}]}}]},
     "TokenizeResponse": _obj({"tokens": {"type": "array", "items": _int(0)},
                               "count": _int(0), "max_model_len": _int(1)}),
+    "DetokenizeRequest": _obj({"model": {"type": "string"},
+                               "tokens": {"type": "array", "items": _int(0)}}, ["tokens"],
+                              description="Ids outside the tokenizer's vocabulary: 400 naming "
+                                          "tokens[i]."),
+    "DetokenizeResponse": _obj({"prompt": {"type": "string"}}, ["prompt"]),
     "Models": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj({
         "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
         "owned_by": {"type": "string"}, "max_model_len": _int(1),
@@ -209,7 +163,9 @@ _SCHEMAS = {
         **{k: _int(0) for k in ("requests_total", "requests_with_hit_total",
                                  "requests_aborted_total", "prompt_tokens_total",
                                  "cached_prompt_tokens_total", "computed_prompt_tokens_total",
-                                 "generated_tokens_total")},
+                                 "generated_tokens_total", "sequences_total",
+                                 "sequences_aborted_total", "requests_failed_total",
+                                 "sequences_failed_total", "server_errors_total")},
         "token_hit_rate": _num(0, 1), "request_hit_rate": _num(0, 1), "latency_ms": _ref("Latency"),
     }, description="What a non-admin key sees: its own tenant only."),
     "Stats": _obj({
@@ -290,6 +246,12 @@ def openapi_document(model_name: str) -> dict:
                     "schema": _ref("TokenizeRequest")}}},
                 "responses": {"200": _json(_ref("TokenizeResponse")),
                               **_error_responses("400", "401", "404", "413")}}},
+            "/detokenize": {"post": {
+                "summary": "Text of token ids (special tokens kept)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("DetokenizeRequest")}}},
+                "responses": {"200": _json(_ref("DetokenizeResponse")),
+                              **_error_responses("400", "401", "404", "413")}}},
             "/health": {"get": {
                 "summary": "Liveness", "security": [],
                 "responses": {"200": _json(_obj({"status": {"const": "ok"}})),
@@ -307,5 +269,9 @@ def openapi_document(model_name: str) -> dict:
                               "403": _json(_ref("Error"), "A non-admin key.")}}},
             "/openapi.json": {"get": {"summary": "This document", "security": [],
                                       "responses": {"200": _json({"type": "object"})}}},
+            "/version": {"get": {
+                "summary": "The radixkv package version (vLLM's /version)",
+                "responses": {"200": _json(_obj({"version": {"type": "string"}}, ["version"])),
+                              **_error_responses("401")}}},
         },
     }

@@ -1,7 +1,7 @@
 """Request decoding and the sampling parameters shared by chat and text completions.
 
-Pure functions (no engine, no I/O). Every refusal is a 400 naming the parameter; options that
-would change the result and that radixkv does not implement are refused, never ignored.
+No engine, no I/O. Every refusal is a 400 naming the parameter; which fields are honoured,
+ignored or refused is the parameter policy (``radixkv.server.param_table``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import orjson
 
 from radixkv.engine.sampling import SamplingParams
 from radixkv.server.errors import APIError, bad_request
+from radixkv.server.param_policy import SUPPORTED, PolicyCheck, check_field
+from radixkv.server.param_table import MAX_CHOICES, STREAM_OPTIONS
 
 JSON_CONTENT_TYPES = ("application/json",)
-MAX_CHOICES = 64  # SamplingParams.n bound
 MAX_STOP_SEQUENCES = 64
 MAX_STOP_CHARS = 1024
 MAX_SALT_CHARS = 1024
@@ -83,16 +84,27 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def as_int(v: Any) -> int | None:
+    """``v`` as an int if it is one or an integer-valued float (JSON Schema's integer and
+    pydantic both take ``2.0`` as 2); None otherwise (booleans, fractions, NaN, infinities)."""
+    if is_int(v):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
+
+
 def is_number(v: Any) -> bool:
     return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
 def opt_int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(key)
-    if v is None:
+    raw = body.get(key)
+    if raw is None:
         return None
-    if not is_int(v):
-        raise bad_request(f"'{key}' must be an integer, got {v!r}", key)
+    v = as_int(raw)
+    if v is None:
+        raise bad_request(f"'{key}' must be an integer, got {raw!r}", key)
     if v < lo or (hi is not None and v > hi):
         bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise bad_request(f"'{key}' must be {bound}, got {v}", key)
@@ -140,17 +152,6 @@ def refuse_unknown_keys(body: dict, allowed: frozenset[str]) -> None:
     for key in body:
         if key not in allowed:
             raise bad_request(f"unknown parameter '{key}'", key)
-
-
-def refuse_unimplemented_sampling(body: dict) -> None:
-    """400 for sampling options that would change the result and are not implemented."""
-    if body.get("logit_bias"):  # null and {} change nothing
-        raise bad_request("'logit_bias' is not supported", "logit_bias")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if opt_number(body, key, -2.0, 2.0):
-            raise bad_request(f"'{key}' is not supported (only 0)", key)
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad_request("'user' must be a string", "user")
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -204,8 +205,9 @@ class Sampling:
                               ignore_eos=self.ignore_eos, n=self.n)
 
 
-def parse_sampling(body: dict[str, Any]) -> Sampling:
-    """Validate the shared sampling / streaming fields (400 naming the parameter)."""
+def parse_sampling(body: dict[str, Any], found: PolicyCheck | None = None) -> Sampling:
+    """Validate the shared sampling / streaming fields (400 naming the parameter); ignored
+    ``stream_options`` entries are noted in ``found``."""
     max_tokens = opt_int(body, "max_tokens", 1)
     max_completion = opt_int(body, "max_completion_tokens", 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -221,10 +223,13 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
                               "stream_options")
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
-        for key in options:
-            if key != "include_usage":
+        for key, value in options.items():
+            entry = STREAM_OPTIONS.get(key)
+            if entry is None:
                 raise bad_request(f"unknown parameter 'stream_options.{key}'",
                                   f"stream_options.{key}")
+            if entry.policy != SUPPORTED:
+                check_field(entry, value, entry.name, found or PolicyCheck())
         include_usage = bool(opt_bool(options, "include_usage"))
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_SALT_CHARS):

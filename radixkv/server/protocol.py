@@ -1,10 +1,11 @@
 """Validation of OpenAI chat requests (and ``/tokenize`` bodies).
 
-Everything here is pure (no engine, no I/O) so that the whole catalogue of bad input can be
-checked cheaply. A request that asks for something we do not implement and that would change
-what the caller gets (logit_bias, logprobs, penalties, JSON mode, forced tool calls,
-unknown keys) is refused with a 400 naming the parameter rather than silently ignored.
-Shared decoding and sampling fields live in ``radixkv.server.params``.
+No engine, no I/O, so that the whole catalogue of bad input can be checked cheaply. Which
+fields are honoured, ignored or refused is the parameter policy (``radixkv.server.param_table``):
+a request asking for something we do not implement that would change what the caller gets
+(logit_bias, logprobs, penalties, JSON mode, ...) is refused with a 400 naming the field; the
+only side effect is counting ignored fields once the request is valid. Shared decoding and
+sampling fields live in ``radixkv.server.params``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.server import param_policy
 from radixkv.server.errors import bad_request
+from radixkv.server.param_policy import PolicyCheck, check_field
+from radixkv.server.param_table import (
+    CHAT_PARAMS,
+    MESSAGE_IGNORED,
+    RESERVED_TEMPLATE_KWARGS,
+    TOKENIZE_PARAMS,
+)
 from radixkv.server.params import (  # some re-exported (see __all__)
     JSON_CONTENT_TYPES,
     MAX_CHOICES,
@@ -23,23 +32,11 @@ from radixkv.server.params import (  # some re-exported (see __all__)
     opt_bool,
     parse_json_object,
     parse_sampling,
-    refuse_unimplemented_sampling,
-    refuse_unknown_keys,
 )
 
-__all__ = ["CHAT_KEYS", "JSON_CONTENT_TYPES", "MAX_CHOICES", "ChatRequest", "TokenizeRequest",
+__all__ = ["JSON_CONTENT_TYPES", "MAX_CHOICES", "ChatRequest", "TokenizeRequest",
            "check_model", "parse_chat_request", "parse_json_object", "parse_tokenize_request",
            "validate_messages", "validate_tools"]
-
-# Accepted top-level keys; anything else is refused (param = the key).
-CHAT_KEYS = frozenset({
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-    "seed", "stop", "stream", "stream_options", "n", "cache_salt", "user", "tools", "tool_choice",
-    "parallel_tool_calls", "ignore_eos", "logprobs", "top_logprobs", "logit_bias",
-    "presence_penalty", "frequency_penalty", "response_format",
-})
-TOKENIZE_KEYS = frozenset({"model", "messages", "prompt", "tools", "add_generation_prompt",
-                           "add_special_tokens", "cache_salt"})
 
 # Keys a message may carry, per role. Assistant messages echoed back by OpenAI clients carry
 # refusal / annotations / audio / function_call; they do not reach the template.
@@ -106,8 +103,11 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
     return out
 
 
-def validate_messages(messages: Any) -> list[dict[str, Any]]:
+def validate_messages(messages: Any, found: PolicyCheck | None = None) -> list[dict[str, Any]]:
     """Check ``messages`` and reduce each to what the chat template needs.
+
+    Ignored message keys (``id``, an assistant's ``reasoning_content``; ``MESSAGE_IGNORED``)
+    are type-checked, dropped and noted in ``found``.
 
     Returns:
         Messages ``{"role", "content": str}`` plus ``tool_calls`` (assistant) or
@@ -133,7 +133,10 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise bad_request(f"'{p}.role' must be one of {sorted(_MESSAGE_KEYS)}, got {role!r}",
                               f"{p}.role")
         for key in msg:
-            if key not in _MESSAGE_KEYS[role]:
+            extra = MESSAGE_IGNORED.get(key)
+            if extra is not None and role in extra[1]:
+                check_field(extra[0], msg[key], f"{p}.{key}", found or PolicyCheck())
+            elif key not in _MESSAGE_KEYS[role]:
                 raise bad_request(f"'{p}.{key}' is not supported on a {role} message", f"{p}.{key}")
         if msg.get("name") is not None and not isinstance(msg["name"], str):
             raise bad_request(f"'{p}.name' must be a string", f"{p}.name")
@@ -194,45 +197,95 @@ class ChatRequest(Sampling):
     Attributes:
         messages: Template-ready messages (see ``validate_messages``).
         tools: Function tools passed to the chat template, or None.
+        tool_choice: ``"auto"``, ``"none"``, ``"required"`` (some tool must be called) or
+            ``"function"`` (the tool named ``tool_choice_function`` must be called).
+        tool_choice_function: The forced tool's name, one of ``tools``; else None.
+        parallel_tool_calls: False = at most the first parsed tool call is returned.
+        chat_template_kwargs: Extra variables for the chat template (string keys, JSON values;
+            names the templating machinery itself uses are refused), or None.
     """
 
     messages: list[dict[str, Any]]
     tools: list[dict] | None
+    tool_choice: str = "auto"  # "auto" | "none" | "required" | "function"
+    tool_choice_function: str | None = None  # the forced tool's name when tool_choice="function"
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (validated)
 
 
-def _refuse_unimplemented(body: dict) -> None:
-    """400 for options that would change the result and that we do not implement."""
-    if opt_bool(body, "logprobs"):
-        raise bad_request("'logprobs' is not supported: radixkv does not compute log "
-                          "probabilities", "logprobs")
-    if body.get("top_logprobs") is not None:
-        raise bad_request("'top_logprobs' is not supported: radixkv does not compute log "
-                          "probabilities", "top_logprobs")
-    refuse_unimplemented_sampling(body)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("'response_format' supports only {\"type\": \"text\"}",
-                          "response_format")
+MAX_TEMPLATE_KWARGS_DEPTH = 32
+
+
+def parse_tool_choice(body: dict, tools: list[dict] | None) -> tuple[str, str | None]:
+    """``(tool_choice, forced function name or None)``; null means "auto".
+
+    Raises:
+        APIError: 400 ``tool_choice`` for a bad value or "required"/a named function without
+            tools; 400 ``tool_choice.function.name`` for a name that is not one of ``tools``.
+    """
     choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        # "required" / a named function would force a tool call, which we do not constrain.
-        raise bad_request("'tool_choice' supports only 'auto' and 'none'", "tool_choice")
-    opt_bool(body, "parallel_tool_calls")
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto", None
+    if choice == "required":
+        if not tools:
+            raise bad_request("'tool_choice' 'required' needs 'tools'", "tool_choice")
+        return "required", None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or choice.get("type") != "function" \
+            or not isinstance(fn.get("name"), str):
+        raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if not tools:
+        raise bad_request("'tool_choice' names a function but 'tools' is empty", "tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if fn["name"] not in names:
+        raise bad_request(f"'tool_choice.function.name' {fn['name']!r} is not one of the "
+                          f"request's tools {names}", "tool_choice.function.name")
+    return "function", fn["name"]
+
+
+def parse_template_kwargs(body: dict) -> dict[str, Any] | None:
+    """``chat_template_kwargs``: an object of extra template variables, or None (null / {}).
+
+    Raises:
+        APIError: 400 ``chat_template_kwargs`` if not an object or nested too deeply;
+            400 ``chat_template_kwargs.<name>`` for a name the template machinery binds itself.
+    """
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for name in kwargs:
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(f"'chat_template_kwargs.{name}' is set by the server and cannot be "
+                              "overridden", f"chat_template_kwargs.{name}")
+    if json_depth(kwargs, MAX_TEMPLATE_KWARGS_DEPTH) > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise bad_request(f"'chat_template_kwargs' is nested deeper than "
+                          f"{MAX_TEMPLATE_KWARGS_DEPTH} levels", "chat_template_kwargs")
+    return kwargs or None
 
 
 def parse_chat_request(body: dict[str, Any], served_model: str) -> ChatRequest:
-    """Validate a ``/v1/chat/completions`` body.
+    """Validate a ``/v1/chat/completions`` body (fields per ``param_table.CHAT_PARAMS``).
 
     Raises:
         APIError: 400 naming the parameter for any invalid or unsupported field; 404 for an
             unknown model.
     """
-    refuse_unknown_keys(body, CHAT_KEYS)
     check_model(body, served_model)
-    messages = validate_messages(body.get("messages"))
+    found = param_policy.check(body, CHAT_PARAMS)
+    messages = validate_messages(body.get("messages"), found)
     tools = validate_tools(body.get("tools"))
-    _refuse_unimplemented(body)
-    return ChatRequest(messages=messages, tools=tools, **parse_sampling(body).fields())
+    choice, function = parse_tool_choice(body, tools)
+    parallel = opt_bool(body, "parallel_tool_calls")
+    req = ChatRequest(messages=messages, tools=tools, tool_choice=choice,
+                      tool_choice_function=function,
+                      parallel_tool_calls=True if parallel is None else parallel,
+                      chat_template_kwargs=parse_template_kwargs(body),
+                      **parse_sampling(body, found).fields())
+    found.record()
+    return req
 
 
 @dataclass(frozen=True)
@@ -243,6 +296,7 @@ class TokenizeRequest:
     tools: list[dict] | None
     prompt: str | None
     cache_salt: str | None = None  # the salt whose remembered replies a chat is rendered with
+    chat_template_kwargs: dict[str, Any] | None = None  # as for ChatRequest (messages only)
 
 
 def parse_tokenize_request(body: dict[str, Any], served_model: str) -> TokenizeRequest:
@@ -255,16 +309,8 @@ def parse_tokenize_request(body: dict[str, Any], served_model: str) -> TokenizeR
     Raises:
         APIError: 400 naming the parameter; 404 for an unknown model.
     """
-    for key in body:
-        if key not in TOKENIZE_KEYS:
-            raise bad_request(f"unknown parameter '{key}'", key)
     check_model(body, served_model)
-    if body.get("add_generation_prompt", True) is not True:
-        # The chat path always adds the generation prompt; counting anything else would differ.
-        raise bad_request("'add_generation_prompt' must be true", "add_generation_prompt")
-    if body.get("add_special_tokens", False) is not False:
-        raise bad_request("'add_special_tokens' must be false (prompts are encoded as is)",
-                          "add_special_tokens")
+    found = param_policy.check(body, TOKENIZE_PARAMS)
     has_messages, has_prompt = "messages" in body, "prompt" in body
     if has_messages == has_prompt:
         raise bad_request("send exactly one of 'messages' and 'prompt'",
@@ -272,12 +318,17 @@ def parse_tokenize_request(body: dict[str, Any], served_model: str) -> TokenizeR
     if has_prompt:
         if not isinstance(body["prompt"], str):
             raise bad_request("'prompt' must be a string", "prompt")
-        if body.get("tools") is not None:
-            raise bad_request("'tools' needs 'messages'", "tools")
+        for key in ("tools", "chat_template_kwargs"):
+            if body.get(key) is not None:
+                raise bad_request(f"'{key}' needs 'messages'", key)
+        found.record()
         return TokenizeRequest(messages=None, tools=None, prompt=body["prompt"])
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_SALT_CHARS):
         raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} "
                           "characters", "cache_salt")
-    return TokenizeRequest(messages=validate_messages(body["messages"]),
-                           tools=validate_tools(body.get("tools")), prompt=None, cache_salt=salt)
+    req = TokenizeRequest(messages=validate_messages(body["messages"], found),
+                          tools=validate_tools(body.get("tools")), prompt=None, cache_salt=salt,
+                          chat_template_kwargs=parse_template_kwargs(body))
+    found.record()
+    return req

@@ -35,6 +35,8 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from radixkv.tools.chat_args import add_arguments  # noqa: F401 - the CLI's flags, re-exported
+
 MAX_INPUT_CHARS = 100_000
 HELP = "commands: /reset  /stats  /help  /quit  (//text sends /text)"
 
@@ -73,19 +75,6 @@ def normalise_url(url: str) -> str:
     if url.endswith("/v1"):
         url = url[: -len("/v1")].rstrip("/")
     return url
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--model", default=None, help="model id (default: the server's first model)")
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=512, help="most output tokens per reply")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer <key>'")
-    p.add_argument("--cache-salt", default=None, help="cache_salt sent with every request")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds without data before a request fails")
 
 
 class ChatSession:

@@ -226,7 +226,7 @@ BAD_INPUT = [
     ("n-too-large", {"messages": HI, "n": 65}, None, 400, "n"),
     ("n-zero", {"messages": HI, "n": 0}, None, 400, "n"),
     ("logit-bias", {"messages": HI, "logit_bias": {"42": 5}}, None, 400, "logit_bias"),
-    ("unknown-key", {"messages": HI, "frobnicate": True}, None, 400, "frobnicate"),
+    ("non-neutral-known-key", {"messages": HI, "min_p": 0.2}, None, 400, "min_p"),
     ("over-long-prompt", {"messages": [{"role": "user", "content": LONG}]}, None, 400,
      "messages"),
     ("prompt-plus-max-tokens", {"messages": HI, "max_tokens": 2040}, None, 400, "max_tokens"),

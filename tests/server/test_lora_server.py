@@ -221,7 +221,7 @@ def test_cli_lora_flag(tiny_model_dir, tiny_model, tmp_path, capsys):
     assert "expected NAME=PATH" in capsys.readouterr().err
     bad = write_adapter(tmp_path / "bad", tiny_model.shape, config={"r": 3})
     assert main(["serve", "--model", str(tiny_model_dir), "--num-blocks", "8", "--device", "cpu",
-                 "--lora", f"x={bad}"]) == 2
+                 "--port", "0", "--lora", f"x={bad}"]) == 2
     err = capsys.readouterr().err
     assert "radixkv serve:" in err and "rank mismatch" in err and "Traceback" not in err
 

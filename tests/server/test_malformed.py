@@ -128,14 +128,17 @@ CASES = [
     Case("salt-number", {**user("x"), "cache_salt": 5}, 400, "cache_salt"),
     Case("salt-empty", {**user("x"), "cache_salt": ""}, 400, "cache_salt"),
     Case("salt-too-long", {**user("x"), "cache_salt": "s" * 5000}, 400, "cache_salt"),
-    Case("unknown-key", {**user("x"), "frobnicate": True}, 400, "frobnicate"),
+    Case("router-field-non-neutral", {**user("x"), "no_stop_trim": True}, 400, "no_stop_trim"),
+    Case("ignored-field-wrong-type", {**user("x"), "store": "yes"}, 400, "store"),
     Case("logit-bias", {**user("x"), "logit_bias": {"42": 5}}, 400, "logit_bias"),
     Case("logprobs", {**user("x"), "logprobs": True}, 400, "logprobs"),
     Case("presence-penalty", {**user("x"), "presence_penalty": 1}, 400, "presence_penalty"),
     Case("json-mode", {**user("x"), "response_format": {"type": "json_object"}}, 400,
          "response_format"),
-    Case("tool-choice-required", {**user("x"), "tools": [TOOL], "tool_choice": "required"},
+    Case("tool-choice-required-no-tools", {**user("x"), "tool_choice": "required"},
          400, "tool_choice"),
+    Case("tool-choice-unknown-function", {**user("x"), "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, 400, "tool_choice.function.name"),
     Case("tools-not-list", {**user("x"), "tools": TOOL}, 400, "tools"),
     Case("too-many-tools", {**user("x"), "tools": [TOOL] * 200}, 400, "tools"),
     Case("deep-tool-schema", {**user("x"), "tools": [
@@ -143,7 +146,7 @@ CASES = [
          400, "tools[0]"),
     # --- other routes
     Case("completion-prompt-object", {"prompt": {"text": "x"}}, 400, "prompt", path=TEXT),
-    Case("completion-batch", {"prompt": ["a", "b"]}, 400, "prompt", path=TEXT),
+    Case("completion-batch-too-large", {"prompt": ["a"] * 65}, 400, "prompt", path=TEXT),
     Case("completion-negative-token", {"prompt": [1, -1]}, 400, "prompt[1]", path=TEXT),
     Case("completion-token-out-of-vocab", {"prompt": [1 << 40]}, 400, "prompt[0]", path=TEXT),
     Case("completion-echo-logprobs", {"prompt": "x", "echo": True, "logprobs": 1}, 400,
@@ -189,9 +192,9 @@ async def test_server_still_serves_after_the_catalogue(server):
 
 C21_CHAT = [("logit_bias", {"50": 100}), ("presence_penalty", 0.5), ("frequency_penalty", 1.0),
             ("logprobs", True), ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
-            ("tool_choice", "required"), ("min_p", 0.1), ("repetition_penalty", 1.2),
+            ("no_stop_trim", True), ("min_p", 0.1), ("repetition_penalty", 1.2),
             ("guided_json", {"type": "object"}), ("best_of", 2), ("functions", []),
-            ("prediction", {"type": "content", "content": "x"})]
+            ("structured_outputs", {"json": {"type": "object"}})]
 C21_TEXT = [("logit_bias", {"50": 100}), ("logprobs", 2), ("suffix", "end"), ("best_of", 3),
             ("presence_penalty", -1.0), ("min_tokens", 5)]
 

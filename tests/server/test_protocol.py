@@ -129,7 +129,10 @@ def test_tokenize_request_shapes():
     req = parse_tokenize_request({"prompt": "abc"}, MODEL)
     assert (req.messages, req.prompt) == (None, "abc")
     for body, param in [({}, "messages"), ({"prompt": "a", "messages": MSG}, "prompt"),
-                        ({"prompt": 3}, "prompt"), ({"prompt": "a", "x": 1}, "x"),
+                        ({"prompt": 3}, "prompt"),
+                        ({"prompt": "a", "return_token_strs": True}, "return_token_strs"),
+                        ({"prompt": "a", "chat_template_kwargs": {"x": 1}},
+                         "chat_template_kwargs"),
                         ({"messages": MSG, "add_generation_prompt": False},
                          "add_generation_prompt")]:
         with pytest.raises(APIError) as info:
@@ -161,7 +164,8 @@ async def test_unexpected_exception_is_500_in_the_error_shape(aiohttp_client):
     resp = await client.get("/broken")
     assert resp.status == 500
     assert await resp.json() == {"error": {"message": "internal server error",
-                                           "type": "server_error", "param": None, "code": None}}
+                                           "type": "server_error", "param": None,
+                                           "code": "internal_error"}}
     resp = await client.get("/rejected")
     assert resp.status == 400
     assert await resp.json() == {"error": {"message": "bad", "type": "invalid_request_error",

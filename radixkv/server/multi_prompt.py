@@ -1,0 +1,142 @@
+"""Several prompts in one ``/v1/completions`` request: one engine request per prompt, their
+outputs merged into one stream.
+
+vLLM and OpenAI accept ``"prompt": ["a", "b"]`` (or lists of token-id lists) and answer one
+choice set per prompt: choice ``index = prompt_index * n + j`` for the prompt's ``j``-th
+choice, which is OpenAI's order. Each prompt is its own engine request (its own prefix-cache
+lookup, its own ``cached_tokens``), so ``usage`` sums prompt, completion and cached tokens
+over the prompts (``radixkv.server.generation._usage`` groups outputs by engine request id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from radixkv.engine.faults import FAILED
+
+if TYPE_CHECKING:
+    from radixkv.engine.async_engine import AsyncEngine, RequestOutput, RequestStream
+    from radixkv.engine.sampling import SamplingParams
+
+__all__ = ["MergedStream", "PromptValueError", "admit_prompts"]
+
+_ENDS_REQUEST = ("abort", FAILED)
+
+
+class PromptValueError(ValueError):
+    """The engine refused one prompt of several (same message); ``prompt_param`` names it
+    (``prompt[i]``), so the 400 points at the right prompt."""
+
+    def __init__(self, message: str, prompt_param: str) -> None:
+        super().__init__(message)
+        self.prompt_param = prompt_param
+
+
+class PromptAdmissionError(Exception):
+    """Admitting prompt ``prompt_param`` failed with ``cause`` (QueueFullError, ValueError,
+    EngineDeadError); the prompts admitted before it are already closed."""
+
+    def __init__(self, cause: BaseException, prompt_param: str) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.prompt_param = prompt_param
+
+
+class MergedStream:
+    """The outputs of one engine request per prompt as one stream (``RequestStream``'s
+    interface: ``__anext__``, ``close``, ``finished``).
+
+    Each output comes out with ``index = prompt_index * n + choice`` (``request_id`` stays the
+    prompt's engine request id). Iteration ends when every prompt's stream ended, or right
+    after the first output that ends its request early (``finish_reason`` ``"abort"`` or
+    ``"error"``, as a single stream does): the whole request has failed then. ``close`` closes
+    (aborts) every prompt's request. A ``ValueError`` from prompt ``p``'s stream comes out as a
+    ``PromptValueError`` naming ``params[p]``.
+
+    Args:
+        streams: one open stream per prompt, in prompt order.
+        n: choices per prompt.
+        params: the body path of each prompt (``prompt[0]``, ``prompt[1]``, ...).
+    """
+
+    def __init__(self, streams: Sequence[RequestStream], n: int, params: Sequence[str]) -> None:
+        self._streams = list(streams)
+        self._n = n
+        self._params = list(params)
+        self._pending: dict[asyncio.Future, int] = {}  # next-output task -> prompt index
+        self._live = set(range(len(self._streams)))
+        self._aborted = False
+
+    def __aiter__(self) -> MergedStream:
+        return self
+
+    @property
+    def finished(self) -> bool:
+        return self._aborted or not self._live
+
+    async def __anext__(self) -> RequestOutput:
+        while not self.finished:
+            for p in self._live - set(self._pending.values()):
+                task = asyncio.ensure_future(self._streams[p].__anext__())
+                self._pending[task] = p
+            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            # Several may be done at once: take the lowest prompt first, keep the rest pending.
+            task = min(done, key=self._pending.__getitem__)
+            p = self._pending.pop(task)
+            try:
+                out = task.result()
+            except StopAsyncIteration:
+                self._live.discard(p)
+                continue
+            except ValueError as exc:
+                raise PromptValueError(str(exc), self._params[p]) from exc
+            if out.finish_reason in _ENDS_REQUEST:
+                self._aborted = True
+            return dataclasses.replace(out, index=p * self._n + out.index)
+        self.close()
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        """Abort every unfinished prompt request; idempotent."""
+        for task in self._pending:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: an unread failure of a closed prompt is moot
+            task.cancel()
+        self._pending.clear()
+        for stream in self._streams:
+            stream.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  *, request_id: str, param_names: Sequence[str], cache_salt: str | None,
+                  tenant: str | None, lora_name: str | None) -> Any:
+    """Submit one engine request per prompt; one prompt returns its own ``RequestStream``
+    (request id ``request_id``), several a ``MergedStream`` (ids ``{request_id}-{p}``).
+
+    Raises:
+        PromptAdmissionError: the engine refused prompt ``p`` (``param_names[p]``); the
+            requests of prompts ``0..p-1`` are closed (aborted) before this is raised.
+    """
+    if len(prompts) == 1:
+        try:
+            return engine.generate(prompts[0], params, cache_salt=cache_salt,
+                                   request_id=request_id, tenant=tenant, lora_name=lora_name)
+        except Exception as exc:
+            raise PromptAdmissionError(exc, param_names[0]) from exc
+    streams: list[RequestStream] = []
+    try:
+        for p, ids in enumerate(prompts):
+            streams.append(engine.generate(ids, params, cache_salt=cache_salt,
+                                           request_id=f"{request_id}-{p}", tenant=tenant,
+                                           lora_name=lora_name))
+    except Exception as exc:
+        for stream in streams:
+            stream.close()
+        raise PromptAdmissionError(exc, param_names[len(streams)]) from exc
+    return MergedStream(streams, params.n, param_names)
