@@ -197,12 +197,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
     async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None, *,
-                            known_outputs: Any = None, tenant: Hashable = CONTEXT_KEY
-                            ) -> list[int]:
+                            known_outputs: Any = None, template_kwargs: dict | None = None,
+                            tenant: Hashable = CONTEXT_KEY) -> list[int]:
         """Render the chat template and tokenize, on the tokenizer pool (``TokenizePool``).
 
         ``known_outputs``: ``text → ids | None`` for recent replies (see
-        ``ChatTokenizer.apply_chat_template``); None tokenizes plainly. ``tenant``: the queue
+        ``ChatTokenizer.apply_chat_template``); None tokenizes plainly. ``template_kwargs``:
+        extra template variables (``chat_template_kwargs``). ``tenant``: the queue
         the job waits in (jobs are taken round-robin across tenants); by default the calling
         context's ``TOKENIZE_KEY`` (the server sets it per request).
 
@@ -210,7 +211,9 @@ class AsyncEngine:
             ValueError: the template cannot render these messages.
             TokenizeQueueFullError: too many jobs wait for a worker already.
         """
-        extra = {} if known_outputs is None else {"known_outputs": known_outputs}
+        extra: dict[str, Any] = {} if known_outputs is None else {"known_outputs": known_outputs}
+        if template_kwargs:
+            extra["template_kwargs"] = template_kwargs
         return await self._tokenize_pool.run(
             lambda tok: tok.apply_chat_template(messages, tools, **extra), key=pool_key(tenant))
 

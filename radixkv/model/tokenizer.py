@@ -174,7 +174,7 @@ class ChatTokenizer:
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True,
                             known_outputs: Callable[[str], list[int] | None] | None = None,
-                            ) -> list[int]:
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Render chat messages with the model's template and tokenize them.
 
         ``content: None`` renders as empty text (assistant turns that only carry tool calls have
@@ -191,6 +191,9 @@ class ChatTokenizer:
                 known keeps those ids instead of being re-tokenized (see
                 :meth:`_tokenize_spliced`), so a reply sent back verbatim extends the earlier
                 prompt + generated ids exactly. None: plain tokenization.
+            template_kwargs: extra variables for the Jinja template (a request's
+                ``chat_template_kwargs``, e.g. ``enable_thinking``); the caller keeps out the
+                names the templating binds itself (messages, tools, add_generation_prompt, ...).
 
         Returns:
             Token ids of the rendered prompt (special tokens as the template writes them).
@@ -210,6 +213,7 @@ class ChatTokenizer:
             message = dict(message)
             message["content"] = _normalise_content(i, message.get("content"))
             normalised.append(message)
+        extra = dict(template_kwargs or {})
         if not template_handles_tools(self.hf_tokenizer.chat_template):
             normalised = render_tools_fallback(normalised, tools)
             tools = None
@@ -218,31 +222,32 @@ class ChatTokenizer:
                        if m["role"] == "assistant" and isinstance(m.get("content"), str)
                        and m["content"] and (ids := known_outputs(m["content"])) is not None}
             if spliced:
-                out = self._tokenize_spliced(normalised, tools, add_generation_prompt, spliced)
+                out = self._tokenize_spliced(normalised, tools, add_generation_prompt, spliced,
+                                             extra)
                 if out is not None:
                     return out
         try:
             with self._lock:
                 ids = self.hf_tokenizer.apply_chat_template(
                     normalised, tools=tools, add_generation_prompt=add_generation_prompt,
-                    tokenize=True, return_dict=False)
+                    tokenize=True, return_dict=False, **extra)
         except Exception as exc:  # jinja2 errors (TemplateError, UndefinedError, ...) and friends
             raise ValueError(f"messages: chat template failed: {type(exc).__name__}: {exc}") from exc
         return [int(i) for i in ids]
 
     def _render(self, messages: list[dict], tools: list[dict] | None,
-                add_generation_prompt: bool) -> str:
+                add_generation_prompt: bool, extra: dict[str, Any]) -> str:
         try:
             with self._lock:
                 return self.hf_tokenizer.apply_chat_template(
                     messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                    tokenize=False)
+                    tokenize=False, **extra)
         except Exception as exc:  # jinja2 errors, as in apply_chat_template
             raise ValueError(f"messages: chat template failed: {type(exc).__name__}: {exc}") from exc
 
     def _tokenize_spliced(self, messages: list[dict], tools: list[dict] | None,
-                          add_generation_prompt: bool, spliced: dict[int, list[int]]
-                          ) -> list[int] | None:
+                          add_generation_prompt: bool, spliced: dict[int, list[int]],
+                          extra: dict[str, Any]) -> list[int] | None:
         """Tokenize the rendered chat with the contents of ``spliced`` messages replaced by ids.
 
         The chat is rendered twice: as is, and with each spliced content replaced by a marker
@@ -258,18 +263,19 @@ class ChatTokenizer:
             tools: tool schemas for templates that handle them, else None.
             add_generation_prompt: as in :meth:`apply_chat_template`.
             spliced: message index → ids of its content.
+            extra: template variables (``template_kwargs``), possibly empty.
 
         Returns:
             The token ids, or None when the template does not place those contents verbatim
             (it trims or rewrites them, or the text already holds a marker character): the
             caller then tokenizes the plain rendering.
         """
-        text = self._render(messages, tools, add_generation_prompt)
+        text = self._render(messages, tools, add_generation_prompt, extra)
         if _MARK_OPEN in text or _MARK_CLOSE in text:
             return None
         marked = [dict(m, content=f"{_MARK_OPEN}{i}{_MARK_CLOSE}") if i in spliced else m
                   for i, m in enumerate(messages)]
-        parts = _MARKER.split(self._render(marked, tools, add_generation_prompt))
+        parts = _MARKER.split(self._render(marked, tools, add_generation_prompt, extra))
         # parts = [text, index, text, index, ..., text]; each spliced message exactly once.
         order = [int(x) for x in parts[1::2]]
         if sorted(order) != sorted(spliced) or len(set(order)) != len(order):

@@ -137,7 +137,8 @@ async def chat_completions(request: web.Request, state: ServerState, tenant: Ten
     salt = cache_salt_for(tenant, req.cache_salt)
     # The model's own earlier replies keep their generated ids (radixkv.server.output_memory).
     # Refused from a size bound before tokenizing when it cannot fit (radixkv.server.tokenization).
-    prompt = await tokenize_chat(engine, req.messages, req.tools, state.outputs.lookup_in(salt))
+    prompt = await tokenize_chat(engine, req.messages, req.tools, state.outputs.lookup_in(salt),
+                                 template_kwargs=req.chat_template_kwargs)
     # Replies are read for tool calls; a forced call's start ends the prompt (tool_calls.py).
     tools = options_for(req, engine.tokenizer.chat_template)
     forced = await tokenize_text(engine, tools.prefix, fit=False) if tools and tools.prefix else []
@@ -202,7 +203,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.messages is not None:
         # Exactly what a chat request with the same salt would send to the engine.
         known = state.outputs.lookup_in(cache_salt_for(_tenant(request), req.cache_salt))
-        tokens = await tokenize_chat(engine, req.messages, req.tools, known, fit=False)
+        tokens = await tokenize_chat(engine, req.messages, req.tools, known, fit=False,
+                                     template_kwargs=req.chat_template_kwargs)
     else:  # the engine encodes on its tokenizer pool, off the event loop
         tokens = await tokenize_text(engine, req.prompt, fit=False)
     return json_response({"tokens": list(tokens), "count": len(tokens),

@@ -29,7 +29,7 @@ from radixkv.server.errors import APIError
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # Routes anyone may call, keys configured or not.
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/version"})
 # Routes that expose global (cross-tenant) numbers or change what the server serves: admin
 # keys only.
 ADMIN_PATHS = frozenset({"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})

@@ -57,6 +57,9 @@ _ERRORS = {
     "409": "The LoRA adapter is in use by an in-flight request (``code: lora_in_use``).",
     "413": "Request body over the server's limit (``code: request_too_large``).",
     "429": "The tenant's concurrency limit is reached (``Retry-After``).",
+    "500": "A fault in the server or engine that belongs to this request "
+           "(``code: internal_error``); the request is ended and its blocks freed, the engine "
+           "keeps serving.",
     "503": "Queue full (``queue_full``), shutting down (``shutting_down``), engine dead "
            "(``engine_dead`` / ``unhealthy``) or request aborted (``aborted``); ``Retry-After`` "
            "on the first two.",
@@ -214,14 +217,16 @@ def openapi_document(model_name: str) -> dict:
                     "example": {"model": model_name, "max_tokens": 16,
                                 "messages": [{"role": "user", "content": "Hello"}]}}}},
                 "responses": {"200": chat_ok,
-                              **_error_responses("400", "401", "404", "413", "429", "503")}}},
+                              **_error_responses("400", "401", "404", "413", "429", "500",
+                                                 "503")}}},
             "/v1/completions": {"post": {
                 "summary": "Text completion (prompt as text or token ids)",
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref("CompletionRequest"),
                     "example": {"model": model_name, "prompt": [1, 2, 3], "max_tokens": 8}}}},
                 "responses": {"200": text_ok,
-                              **_error_responses("400", "401", "404", "413", "429", "503")}}},
+                              **_error_responses("400", "401", "404", "413", "429", "500",
+                                                 "503")}}},
             "/v1/models": {"get": {"summary": "The served model and its loaded LoRA adapters",
                                    "responses": {"200": _json(_ref("Models")),
                                                  **_error_responses("401")}}},
@@ -245,13 +250,13 @@ def openapi_document(model_name: str) -> dict:
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref("TokenizeRequest")}}},
                 "responses": {"200": _json(_ref("TokenizeResponse")),
-                              **_error_responses("400", "401", "404", "413")}}},
+                              **_error_responses("400", "401", "404", "413", "503")}}},
             "/detokenize": {"post": {
                 "summary": "Text of token ids (special tokens kept)",
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref("DetokenizeRequest")}}},
                 "responses": {"200": _json(_ref("DetokenizeResponse")),
-                              **_error_responses("400", "401", "404", "413")}}},
+                              **_error_responses("400", "401", "404", "413", "503")}}},
             "/health": {"get": {
                 "summary": "Liveness", "security": [],
                 "responses": {"200": _json(_obj({"status": {"const": "ok"}})),

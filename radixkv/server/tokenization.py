@@ -53,7 +53,8 @@ def tokenize_errors() -> Iterator[None]:
 
 
 async def tokenize_chat(engine: AsyncEngine, messages: list[dict], tools: list | None,
-                        known_outputs: Any = None, *, fit: bool = True) -> list[int]:
+                        known_outputs: Any = None, *, fit: bool = True,
+                        template_kwargs: dict | None = None) -> list[int]:
     """Template and tokenize a chat; with ``fit``, refuse one that cannot fit the context
     first (param ``messages``).
 
@@ -64,7 +65,8 @@ async def tokenize_chat(engine: AsyncEngine, messages: list[dict], tools: list |
         check_fits(engine, engine.tokenizer.min_chat_tokens(messages), "messages")
     try:
         with tokenize_errors():
-            return await engine.tokenize_chat(messages, tools, known_outputs=known_outputs)
+            return await engine.tokenize_chat(messages, tools, known_outputs=known_outputs,
+                                              template_kwargs=template_kwargs)
     except ValueError as exc:  # the chat template rejected these messages
         raise bad_request(f"could not apply the chat template: {exc}", "messages") from exc
     except RecursionError:

@@ -77,6 +77,8 @@ async def test_c05_tenant_isolation_by_salt(server):
     # Public routes need no key.
     assert await get(url, "/health") == (200, {"status": "ok"})
     assert (await get(url, "/openapi.json"))[0] == 200
+    status, version = await get(url, "/version")
+    assert status == 200 and set(version) == {"version"}
 
 
 async def test_c05_chat_path_is_isolated_too(server):

@@ -111,3 +111,24 @@ def test_splice_applies_to_tool_calls_rendered_by_the_fallback(tok):
     spliced = tok.apply_chat_template(second, known_outputs={text: sampled}.get)
     prompt = tok.apply_chat_template(first)
     assert spliced[:len(prompt) + len(sampled) + 1] == prompt + sampled + [IM_END]
+
+
+def test_template_kwargs_reach_the_template_on_both_paths():
+    """``chat_template_kwargs`` become template variables, in plain and spliced tokenization."""
+    hf = AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
+    hf.chat_template = ("{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+                        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    tok = ChatTokenizer(hf, max_model_len=8192)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+            {"role": "user", "content": "ok"}]
+    plain = tok.apply_chat_template(chat)
+    greeted = tok.apply_chat_template(chat, template_kwargs={"greeting": "Ahoy"})
+    assert greeted == tok.encode("Ahoy\n") + plain
+    assert tok.apply_chat_template(chat, template_kwargs={}) == plain
+    reply_ids = tok.encode("y") + tok.encode("es")  # not the canonical ids of "yes"
+    assert reply_ids != tok.encode("yes")
+    spliced = tok.apply_chat_template(chat, known_outputs={"yes": reply_ids}.get,
+                                      template_kwargs={"greeting": "Ahoy"})
+    start = greeted.index(tok.encode("yes")[0])
+    assert spliced == greeted[:start] + reply_ids + greeted[start + len(tok.encode("yes")):]
