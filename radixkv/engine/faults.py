@@ -2,7 +2,7 @@
 
 A fault raised while the engine works for one request (sampling, its generator, stop matching,
 detokenizing, forking its choices, adding it) ends that request only, with
-``finish_reason = "error"`` (``LLMEngine.fail_request``); a fault in a batched forward ends
+``finish_reason = "error"`` (``fail_request``); a fault in a batched forward ends
 that step's requests the same way. Either is followed by the cache manager's
 ``check_integrity()``: when it holds the engine carries on. The faults in ``is_fatal`` are
 never owned by a request: the device (or the process) is in an unknown state, so the engine
@@ -12,7 +12,7 @@ thread stops and the server answers 503 ``engine_dead`` from then on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -96,82 +96,82 @@ def num_unfinished(group: list[Request], culprit: Request | None = None) -> int:
     return group[0].params.n - done
 
 
-class RequestFaults:
-    """Ending requests on faults of their own; mixed into ``LLMEngine`` (engine thread only)."""
+class FaultHost(Protocol):
+    """What the fault functions need of the engine (``LLMEngine``; engine thread only)."""
 
     _groups: dict[str, list[Request]]
     scheduler: Scheduler
     cache: CacheManager
     stats: EngineStats
 
-    def _end_group(self, group: list[Request]) -> None:
-        raise NotImplementedError
+    def _end_group(self, group: list[Request]) -> None: ...
 
-    def discard_request(self, req: Request) -> None:
-        raise NotImplementedError
+    def discard_request(self, req: Request) -> None: ...
 
-    def fail_request(self, req: Request, exc: BaseException, *, check: bool = True
-                     ) -> list[RequestOutput]:
-        """End request ``req`` (every choice of its group) on a fault of its own.
 
-        Its blocks are released (the K/V of completed steps stays publishable), the fault is
-        logged with the request id and counted (``requests_failed_total``, and its unfinished
-        choices in ``sequences_failed_total``), and its LoRA hold is given back. Works for a
-        request in any phase, including one made but never added (``add_request`` raised).
+def fail_request(engine: FaultHost, req: Request, exc: BaseException, *, check: bool = True
+                 ) -> list[RequestOutput]:
+    """End request ``req`` (every choice of its group) on a fault of its own.
 
-        Args:
-            check: run ``cache.check_integrity()`` afterwards (one step failing several
-                requests checks once, at its end).
+    Its blocks are released (the K/V of completed steps stays publishable), the fault is
+    logged with the request id and counted (``requests_failed_total``, and its unfinished
+    choices in ``sequences_failed_total``), and its LoRA hold is given back. Works for a
+    request in any phase, including one made but never added (``add_request`` raised).
 
-        Returns:
-            One final output (``finish_reason = "error"``) per unfinished choice, and one for
-            ``req`` itself.
+    Args:
+        check: run ``cache.check_integrity()`` afterwards (one step failing several
+            requests checks once, at its end).
 
-        Raises:
-            BaseException: ``exc`` itself when it is fatal (``faults.is_fatal``), and the
-                integrity check's ``AssertionError``: either stops the engine.
-        """
-        if is_fatal(exc):
-            raise exc
-        group = self._groups.pop(req.group_id, None)
-        live = group is not None
-        if group is None:  # its group already ended, or it was never added
-            group = [req]
-        log.error("request_failed", request_id=req.group_id, choice=req.index,
-                  error=repr(exc), exc_info=exc)
-        outputs = []
-        if live:
-            num_sequences = num_unfinished(group, culprit=req)
-        else:  # never added: all its choices; its group ended: only this choice was left
-            num_sequences = req.params.n if not req.admitted else 1
-        for member in group:
-            if member.status is RequestStatus.FINISHED and member is not req:
-                continue
-            if (self.scheduler.abort(member.request_id) is None
-                    and self.cache.is_active(member.request_id)):
-                self.cache.release(member.request_id)  # a fork child not yet scheduled
-            member.status = RequestStatus.ABORTED
-            member.finish_reason = FAILED
-            outputs.append(make_output(member, [], "", finished=True))
-        self.stats.record_failure(num_sequences=num_sequences, tenant=req.tenant)
-        if live:
-            self._end_group(group)
-        elif not req.admitted:
-            self.discard_request(req)  # made but never added: its adapter hold is still taken
-        if check:
-            self.cache.check_integrity()
-        return outputs
+    Returns:
+        One final output (``finish_reason = "error"``) per unfinished choice, and one for
+        ``req`` itself.
 
-    def _fail_step(self, chunks: list[Any], exc: Exception) -> list[RequestOutput]:
-        """The batched forward (or building it) failed: every request in it ends with
-        ``"error"``; the cache's integrity decides whether the engine goes on."""
-        if is_fatal(exc):
-            raise exc
-        log.error("forward_failed", requests=sorted({c.request.group_id for c in chunks}),
-                  error=repr(exc), exc_info=exc)
-        outputs: list[RequestOutput] = []
-        for chunk in chunks:
-            if not chunk.request.is_finished:
-                outputs += self.fail_request(chunk.request, exc, check=False)
-        self.cache.check_integrity()
-        return outputs
+    Raises:
+        BaseException: ``exc`` itself when it is fatal (``faults.is_fatal``), and the
+            integrity check's ``AssertionError``: either stops the engine.
+    """
+    if is_fatal(exc):
+        raise exc
+    group = engine._groups.pop(req.group_id, None)
+    live = group is not None
+    if group is None:  # its group already ended, or it was never added
+        group = [req]
+    log.error("request_failed", request_id=req.group_id, choice=req.index,
+              error=repr(exc), exc_info=exc)
+    outputs = []
+    if live:
+        num_sequences = num_unfinished(group, culprit=req)
+    else:  # never added: all its choices; its group ended: only this choice was left
+        num_sequences = req.params.n if not req.admitted else 1
+    for member in group:
+        if member.status is RequestStatus.FINISHED and member is not req:
+            continue
+        if (engine.scheduler.abort(member.request_id) is None
+                and engine.cache.is_active(member.request_id)):
+            engine.cache.release(member.request_id)  # a fork child not yet scheduled
+        member.status = RequestStatus.ABORTED
+        member.finish_reason = FAILED
+        outputs.append(make_output(member, [], "", finished=True))
+    engine.stats.record_failure(num_sequences=num_sequences, tenant=req.tenant)
+    if live:
+        engine._end_group(group)
+    elif not req.admitted:
+        engine.discard_request(req)  # made but never added: its adapter hold is still taken
+    if check:
+        engine.cache.check_integrity()
+    return outputs
+
+
+def fail_step(engine: FaultHost, chunks: list[Any], exc: Exception) -> list[RequestOutput]:
+    """The batched forward (or building it) failed: every request in it ends with
+    ``"error"``; the cache's integrity decides whether the engine goes on."""
+    if is_fatal(exc):
+        raise exc
+    log.error("forward_failed", requests=sorted({c.request.group_id for c in chunks}),
+              error=repr(exc), exc_info=exc)
+    outputs: list[RequestOutput] = []
+    for chunk in chunks:
+        if not chunk.request.is_finished:
+            outputs += fail_request(engine, chunk.request, exc, check=False)
+    engine.cache.check_integrity()
+    return outputs

@@ -22,8 +22,9 @@ from radixkv.engine.adapters import LoRAAdapters
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.faults import (
     FAILED,
-    RequestFaults,
     RequestOutput,
+    fail_request,
+    fail_step,
     make_output,
     num_unfinished,
 )
@@ -70,7 +71,7 @@ def _prefix_caching_refusal(config: EngineConfig, shape) -> str | None:
     return None
 
 
-class LLMEngine(RequestFaults):
+class LLMEngine:
     """Owns the model runner, cache manager, scheduler and stats.
 
     A fault of one request's own ends that request only (``fail_request``, from
@@ -203,6 +204,11 @@ class LLMEngine(RequestFaults):
         if req.adapter is not None:
             self.adapters.release(req.adapter)
 
+    def fail_request(self, req: Request, exc: BaseException, *, check: bool = True
+                     ) -> list[RequestOutput]:
+        """End ``req`` on a fault of its own (``radixkv.engine.faults.fail_request``)."""
+        return fail_request(self, req, exc, check=check)
+
     def _end_group(self, group: list[Request]) -> None:
         """The request (all its choices) is over: its adapter is no longer held."""
         adapter = group[0].adapter
@@ -267,7 +273,7 @@ class LLMEngine(RequestFaults):
             finally:
                 self.cache.end_step()
         except Exception as exc:  # noqa: BLE001 - fail_request re-raises fatal faults
-            return self._fail_step(chunks, exc)
+            return fail_step(self, chunks, exc)
         sampling_rows = [i for i, c in enumerate(chunks) if c.completes_prompt]
         tokens: dict[int, int | Exception] = {}
         if sampling_rows:
