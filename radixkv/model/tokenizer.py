@@ -12,7 +12,11 @@ from typing import Any
 
 import structlog
 
-from radixkv.model.tool_render import render_tools_fallback, template_handles_tools
+from radixkv.model.tool_render import (
+    fallback_texts,
+    render_tools_fallback,
+    template_handles_tools,
+)
 
 __all__ = ["ChatTokenizer"]
 
@@ -143,13 +147,18 @@ class ChatTokenizer:
         size = sum(len(t.strip().encode("utf-8", "surrogatepass")) for t in texts)
         return size // (self.longest_token_bytes * factor)
 
-    def min_chat_tokens(self, messages: Any) -> int:
+    def min_chat_tokens(self, messages: Any, tools: list[dict] | None = None) -> int:
         """``min_tokens`` over the chat contents every template renders in full (system, user
-        and tool turns; strings and text parts); 0 for malformed messages (the template
-        reports those)."""
+        and tool turns; strings and text parts) plus, for a template that gets tools and tool
+        calls as text (``render_tools_fallback``), the tool schemas and the assistants' tool
+        calls as that rendering writes them; 0 for malformed messages (the template reports
+        those)."""
         if not isinstance(messages, list):
             return 0
         texts = []
+        if (tools or any(isinstance(m, dict) and m.get("tool_calls") for m in messages)) \
+                and not template_handles_tools(self.hf_tokenizer.chat_template):
+            texts += fallback_texts(messages, tools)
         for message in messages:
             if not isinstance(message, dict) or message.get("role") not in _BOUND_ROLES:
                 continue

@@ -46,6 +46,18 @@ def _call_text(call: dict) -> str:
     return "<tool_call>" + _dumps({"name": function.get("name"), "arguments": arguments}) + "</tool_call>"
 
 
+def fallback_texts(messages: list[dict], tools: list[dict] | None) -> list[str]:
+    """The texts ``render_tools_fallback`` adds to a chat (each tool's schema line and each
+    assistant tool call's line), for a size bound before rendering; malformed entries are
+    skipped (the rendering reports them)."""
+    texts = [_dumps(t) for t in tools or ()]
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            texts += [_call_text(c) for c in calls if isinstance(c, dict)]
+    return texts
+
+
 def render_tools_fallback(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     """Rewrite ``messages`` so that a tool-unaware template shows tools and calls as text.
 

@@ -62,7 +62,7 @@ async def tokenize_chat(engine: AsyncEngine, messages: list[dict], tools: list |
         APIError: 400 (context, template), 503 ``queue_full``.
     """
     if fit:
-        check_fits(engine, engine.tokenizer.min_chat_tokens(messages), "messages")
+        check_fits(engine, engine.tokenizer.min_chat_tokens(messages, tools), "messages")
     try:
         with tokenize_errors():
             return await engine.tokenize_chat(messages, tools, known_outputs=known_outputs,

@@ -167,6 +167,18 @@ def test_longest_token_and_the_bound(tiny_model):
                 {"role": "tool", "content": "t" * 81}, "not a message"]
     assert tok.min_chat_tokens(messages) == 3
     assert tok.min_chat_tokens("not a list") == 0
+    # SmolLM2's template gets tools and tool calls as text (render_tools_fallback): they count,
+    # as that rendering writes them (compact JSON, so the bound stays below the real count).
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * 8100}}
+    with_calls = [{"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "c", "type": "function",
+                       "function": {"name": "f", "arguments": '{"q": "%s"}' % ("q" * 8100)}}]}]
+    assert tok.min_chat_tokens(with_calls[:1], [tool]) == 100  # 8160 + 2 bytes: the schema line, "hi"
+    assert tok.min_chat_tokens(with_calls) == 100  # 8156 + 2 bytes: <tool_call>...</tool_call>, "hi"
+    assert tok.min_chat_tokens(with_calls, [tool]) == 201  # 8160 + 8156 + 2 ("hi") bytes
+    for chat, tools in ((with_calls[:1], [tool]), (with_calls, None), (with_calls, [tool])):
+        assert tok.min_chat_tokens(chat, tools) <= len(tok.apply_chat_template(chat, tools))
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
