@@ -270,6 +270,9 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
         if isinstance(exc, EngineDeadError):
             raise engine_dead() from exc
         raise exc from None
+    # Pairs the client's X-Request-Id (bound in the log context) with the engine's id, which
+    # the engine thread's own lines (aborts, preemptions, faults) carry as request_id.
+    log.info("request_admitted", completion_id=shape.id, num_prompts=len(runs))
     try:
         with tokenize_errors():  # decoded once the engine has checked the ids
             for p in echo_prompts:

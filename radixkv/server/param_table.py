@@ -122,6 +122,11 @@ _COMMON = [
                                             "it is combined with the tenant's server-side salt."}),
     supported("ignore_eos", {"type": "boolean"}),
     ignored("user", "string", "end-user ids are not used"),
+    ignored("safety_identifier", "string", "end-user ids are not used"),
+    ignored("store", "boolean", "completions are not stored"),
+    ignored("metadata", "object", "completions are not stored"),
+    ignored("service_tier", "string", "there is one tier"),
+    ignored("prompt_cache_key", "string", "the prefix cache needs no key"),
     only("logit_bias", {}, why="logit biasing is not implemented"),
     only("presence_penalty", 0, why="penalties are not implemented"),
     only("frequency_penalty", 0, why="penalties are not implemented"),
@@ -200,14 +205,9 @@ _CHAT = [
     ignored("include_reasoning", "boolean", "no reasoning parser runs"),
     only("return_token_ids", False, why="token ids are returned by /v1/completions only"),
     only("return_prompt_text", False, why="the rendered prompt is not returned"),
-    ignored("store", "boolean", "completions are not stored"),
-    ignored("metadata", "object", "completions are not stored"),
-    ignored("service_tier", "string", "there is one tier"),
-    ignored("prompt_cache_key", "string", "the prefix cache needs no key"),
     ignored("prompt_cache_retention", "string", "retention follows the cache's own eviction"),
     ignored("prompt_cache_options", "object", "the prefix cache needs no breakpoints"),
     only("moderation", why="moderation is not implemented"),
-    ignored("safety_identifier", "string", "end-user ids are not used"),
     only("modalities", ["text"], why="output is text only"),
     only("verbosity", why="verbosity control is not implemented"),
     only("audio", why="audio output is not implemented"),
@@ -236,6 +236,8 @@ _COMPLETIONS = [
     only("suffix", why="insertion (suffix) is not implemented"),
     only("prompt_embeds", why="prompt embeddings are not accepted"),
     only("max_completion_tokens", why="/v1/completions caps output with 'max_tokens'"),
+    only("add_special_tokens", False, why="text prompts are encoded as is, without BOS/EOS (vLLM "
+                                          "adds them by default; send token ids to control them)"),
 ]
 
 _TOKENIZE = [

@@ -84,12 +84,17 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_EXACT_FLOAT_INT = 1 << 53  # past this a float no longer holds every integer
+
+
 def as_int(v: Any) -> int | None:
     """``v`` as an int if it is one or an integer-valued float (JSON Schema's integer and
-    pydantic both take ``2.0`` as 2); None otherwise (booleans, fractions, NaN, infinities)."""
+    pydantic both take ``2.0`` as 2); None otherwise (booleans, fractions, NaN, infinities,
+    and floats past 2^53: the JSON decoder reads an integer beyond 64 bits as a float, so such
+    a value is not the number the client sent)."""
     if is_int(v):
         return v
-    if isinstance(v, float) and v.is_integer():
+    if isinstance(v, float) and v.is_integer() and abs(v) <= _EXACT_FLOAT_INT:
         return int(v)
     return None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 from structlog.testing import capture_logs
 
@@ -240,3 +241,20 @@ def test_completion_prompts():
     assert refused(parse, {"prompt": ["a"] * 33, "n": 2}).param == "n"
     assert refused(parse, {"prompt": ["a", [1, "x"]]}).param == "prompt[1][1]"
     assert refused(parse, {"prompt": "a", "return_token_ids": 1}).param == "return_token_ids"
+
+
+def test_integers_take_exact_integer_valued_floats_only():
+    """2.0 is the integer 2 (JSON Schema); a float past 2^53 is not the number the client sent
+    (orjson reads an integer beyond 64 bits as a float), so it is refused, never rounded."""
+
+    def seed(raw: bytes):
+        return parse_chat_request({"messages": MSG, **orjson.loads(raw)}, "m").seed
+
+    assert seed(b'{"seed": 2.0}') == 2
+    assert seed(b'{"seed": 18446744073709551615}') == (1 << 64) - 1
+    assert seed(b'{"seed": -9223372036854775808}') == -(1 << 63)
+    for raw in (b'{"seed": -9223372036854775809}', b'{"seed": 18446744073709551616}',
+                b'{"seed": 1e30}', b'{"seed": 9007199254740994.0}'):
+        with pytest.raises(APIError) as err:
+            seed(raw)
+        assert (err.value.status, err.value.param) == (400, "seed"), raw

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -69,9 +70,15 @@ async def test_the_requests_log_lines_carry_its_id(server):
         status, _, _ = await request(server.url, "POST", "/v1/chat/completions",
                                      rid="log-me-7", body={"messages": []})
         await request(server.url, "GET", "/no/such/route", rid="log-me-8")
+        ok, _, body = await request(server.url, "POST", "/v1/completions", rid="log-me-9",
+                                    body={"prompt": "hi", "max_tokens": 1})
     finally:
         structlog.configure(**saved)
-    assert status == 400
+    assert status == 400 and ok == 200
+    # The engine's id (the response's "id") is paired with the client's id once, at admission.
+    admitted = [(e["request_id"], e["completion_id"]) for e in lines
+                if e.get("event") == "request_admitted"]
+    assert admitted == [("log-me-9", json.loads(body)["id"])]
     rejected = [(e["request_id"], e["path"], e["status"]) for e in lines
                 if e.get("event") == "request_rejected"]
     assert rejected == [("log-me-7", "/v1/chat/completions", 400),
