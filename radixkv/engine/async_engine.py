@@ -239,7 +239,8 @@ class AsyncEngine:
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  cache_salt: str | None = None, request_id: str | None = None,
-                 tenant: str | None = None, lora_name: str | None = None) -> RequestStream:
+                 tenant: str | None = None, lora_name: str | None = None,
+                 capacity_checked: bool = False) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (call from the loop).
 
         Validation happens here, before anything is queued. See ``RequestStream``.
@@ -248,6 +249,7 @@ class AsyncEngine:
             tenant: labels the request for per-tenant stats and latency (not isolation: that
                 is ``cache_salt``).
             lora_name: a loaded LoRA adapter to run with (None: the base model).
+            capacity_checked: the caller ran ``check_capacity`` for a group of requests.
 
         Raises:
             LoRANotFoundError: no adapter named ``lora_name`` is loaded (a ValueError).
@@ -257,11 +259,8 @@ class AsyncEngine:
         """
         if self.error is not None:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        if (self.max_queue is not None and self._num_seqs
-                and self._num_seqs + params.n > self.max_num_seqs + self.max_queue):
-            raise QueueFullError(
-                f"the engine is at capacity: {self._num_seqs} sequences in flight, "
-                f"{self.max_num_seqs} running at most and {self.max_queue} queued at most")
+        if not capacity_checked:
+            self.check_capacity(params.n)
         req = self._engine.make_request(prompt_token_ids, params, cache_salt=cache_salt,
                                         request_id=request_id, tenant=tenant,
                                         lora_name=lora_name)
@@ -278,6 +277,15 @@ class AsyncEngine:
         self._inbox.put(("add", req))
         self._wake.set()
         return stream
+
+    def check_capacity(self, num_sequences: int) -> None:
+        """QueueFullError if ``num_sequences`` more would pass the admission bound; a request
+        (or group) arriving when nothing is in flight is always accepted, whatever its size."""
+        if (self.max_queue is not None and self._num_seqs
+                and self._num_seqs + num_sequences > self.max_num_seqs + self.max_queue):
+            raise QueueFullError(
+                f"the engine is at capacity: {self._num_seqs} sequences in flight, "
+                f"{self.max_num_seqs} running at most and {self.max_queue} queued at most")
 
     def _release(self, stream: RequestStream) -> None:
         if stream in self._active:

@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from radixkv.model.tool_render import (
-    fallback_texts,
+    fallback_num_bytes,
     render_tools_fallback,
     template_handles_tools,
 )
@@ -85,7 +85,8 @@ class ChatTokenizer:
         that threads tokenize in parallel instead of queueing on one lock (~0.2 s for SmolLM2's
         tokenizer)."""
         other = copy.copy(self)
-        other.hf_tokenizer = copy.deepcopy(self.hf_tokenizer)
+        with self._lock:  # the engine thread may be decoding with this one right now
+            other.hf_tokenizer = copy.deepcopy(self.hf_tokenizer)
         other._lock = threading.Lock()
         return other
 
@@ -141,10 +142,13 @@ class ChatTokenizer:
         ``bytes / longest_token_bytes`` tokens are needed at least; 0 when the tokenizer's
         normalizer could shrink text by an unknown amount. O(bytes), no tokenizer call.
         """
+        size = sum(len(t.strip().encode("utf-8", "surrogatepass")) for t in texts)
+        return self._min_tokens_for_bytes(size)
+
+    def _min_tokens_for_bytes(self, size: int) -> int:
         factor = self._shrink_factor
         if factor is None:
             return 0
-        size = sum(len(t.strip().encode("utf-8", "surrogatepass")) for t in texts)
         return size // (self.longest_token_bytes * factor)
 
     def min_chat_tokens(self, messages: Any, tools: list[dict] | None = None) -> int:
@@ -155,10 +159,10 @@ class ChatTokenizer:
         those)."""
         if not isinstance(messages, list):
             return 0
-        texts = []
+        texts, extra_bytes = [], 0
         if (tools or any(isinstance(m, dict) and m.get("tool_calls") for m in messages)) \
                 and not template_handles_tools(self.hf_tokenizer.chat_template):
-            texts += fallback_texts(messages, tools)
+            extra_bytes = fallback_num_bytes(messages, tools)
         for message in messages:
             if not isinstance(message, dict) or message.get("role") not in _BOUND_ROLES:
                 continue
@@ -168,7 +172,8 @@ class ChatTokenizer:
             elif isinstance(content, list):
                 texts += [p["text"] for p in content
                           if isinstance(p, dict) and isinstance(p.get("text"), str)]
-        return self.min_tokens(texts)
+        return self._min_tokens_for_bytes(
+            extra_bytes + sum(len(t.strip().encode("utf-8", "surrogatepass")) for t in texts))
 
     @property
     def vocab_size(self) -> int:

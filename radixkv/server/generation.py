@@ -36,7 +36,7 @@ from radixkv.server.errors import (
     tenant_limit,
 )
 from radixkv.server.multi_prompt import PromptAdmissionError, admit_prompts
-from radixkv.server.output_memory import OutputMemory, ids_for_text
+from radixkv.server.output_memory import OutputMemory, ids_for_text, on_tokenizer_pool
 from radixkv.server.prefix_memory import PrefixMemory
 from radixkv.server.responses import SSE_DONE, usage
 from radixkv.server.tokenization import tokenize_errors
@@ -128,10 +128,9 @@ def remember_outputs(state: ServerState, scope: str | None, tools: ToolCallOptio
     the engine as ``prefix_ids``), and a reply with tool calls is remembered under the
     content its returned message renders as when sent back (``tool_calls.memory_key``), so
     the next prompt holds the generated ids, calls and text after them included."""
-    tokenizer = state.engine.tokenizer
     prefix = tools.prefix if tools is not None else ""
 
-    def record(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
+    def record(tokenizer: Any, ids: dict[int, list[int]], texts: dict[int, str]) -> None:
         for index, text in texts.items():
             raw = prefix + text
             key = memory_key(raw, tools)
@@ -142,10 +141,9 @@ def remember_outputs(state: ServerState, scope: str | None, tools: ToolCallOptio
             if exact is not None:
                 state.outputs.record(scope, key, exact)
 
-    async def remember(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, record, ids, texts)
+    return on_tokenizer_pool(state.engine, record)
 
-    return remember
+
 
 
 def outcome_of(err: APIError | web.HTTPException) -> str:

@@ -119,9 +119,13 @@ def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params:
     """Submit one engine request per prompt; one prompt returns its own ``RequestStream``
     (request id ``request_id``), several a ``MergedStream`` (ids ``{request_id}-{p}``).
 
+    Several prompts pass the engine's admission bound together (``check_capacity`` for all
+    their choices), so a list that an idle engine accepts is never refused half-way.
+
     Raises:
-        PromptAdmissionError: the engine refused prompt ``p`` (``param_names[p]``); the
-            requests of prompts ``0..p-1`` are closed (aborted) before this is raised.
+        PromptAdmissionError: the engine refused prompt ``p`` (``param_names[p]``; ``prompt``
+            when the list as a whole is over the bound); the requests of prompts ``0..p-1``
+            are closed (aborted) before this is raised.
     """
     if len(prompts) == 1:
         try:
@@ -129,12 +133,16 @@ def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params:
                                    request_id=request_id, tenant=tenant, lora_name=lora_name)
         except Exception as exc:
             raise PromptAdmissionError(exc, param_names[0]) from exc
+    try:  # the bound applies to the request as a whole, as to one request with n choices
+        engine.check_capacity(params.n * len(prompts))
+    except Exception as exc:
+        raise PromptAdmissionError(exc, "prompt") from exc
     streams: list[RequestStream] = []
     try:
         for p, ids in enumerate(prompts):
             streams.append(engine.generate(ids, params, cache_salt=cache_salt,
                                            request_id=f"{request_id}-{p}", tenant=tenant,
-                                           lora_name=lora_name))
+                                           lora_name=lora_name, capacity_checked=True))
     except Exception as exc:
         for stream in streams:
             stream.close()

@@ -30,10 +30,19 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
-__all__ = ["OutputMemory", "ids_for_text"]
+import structlog
+
+from radixkv.engine.tokenize_pool import TOKENIZE_KEY, TokenizeQueueFullError
+
+if TYPE_CHECKING:
+    from radixkv.engine.async_engine import AsyncEngine
+
+__all__ = ["OutputMemory", "ids_for_text", "on_tokenizer_pool"]
+
+log = structlog.get_logger(__name__)
 
 
 class _Codec(Protocol):
@@ -154,3 +163,20 @@ class OutputMemory:
         """A ``text → ids | None`` function bound to one scope (``known_outputs`` of
         ``ChatTokenizer.apply_chat_template``)."""
         return lambda text: self.lookup(scope, text)
+
+
+def on_tokenizer_pool(engine: AsyncEngine, record: Callable[..., None]
+                      ) -> Callable[[dict[int, list[int]], dict[int, str]], Awaitable[None]]:
+    """``remember`` running ``record(tokenizer, ids, texts)`` on the engine's tokenizer pool,
+    queued as the request's tenant, with the worker's own tokenizer (never the engine
+    thread's, whose lock its detokenizer takes every step). Remembering is best effort: with
+    the pool's queue full the reply is not remembered (its next turn only hits less)."""
+
+    async def remember(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
+        try:
+            await engine.tokenize_pool.run(lambda tok: record(tok, ids, texts),
+                                           key=TOKENIZE_KEY.get())
+        except TokenizeQueueFullError:
+            log.info("reply_not_remembered", reason="the tokenizer queue is full")
+
+    return remember

@@ -109,7 +109,7 @@ _COMMON = [
     supported("top_p", {"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
     supported("top_k", int_schema(-1, description="0 or -1 disables.")),
     supported("seed", int_schema(-(1 << 63), (1 << 64) - 1,
-                                 description="Choice i of an n > 1 request uses seed + i.")),
+                                 description="Choice i of an n > 1 request uses (seed + i) mod 2^64.")),
     supported("n", int_schema(1, MAX_CHOICES)),
     supported("stop", {"anyOf": [{"type": "string", "minLength": 1},
                                  {"type": "array", "maxItems": 64, "items": {

@@ -15,14 +15,13 @@ Scopes keep tenants apart: a lookup only sees texts recorded under its own scope
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from radixkv.server.output_memory import ids_for_text
+from radixkv.server.output_memory import ids_for_text, on_tokenizer_pool
 
 if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine
@@ -166,9 +165,8 @@ def remember_texts(engine: AsyncEngine, memory: PrefixMemory, scope: Hashable,
     None when no prompt is text (token-id clients extend ids themselves)."""
     if all(text is None for text, _ in prompts):
         return None
-    tokenizer = engine.tokenizer
 
-    def record(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
+    def record(tokenizer: Any, ids: dict[int, list[int]], texts: dict[int, str]) -> None:
         for index, reply in texts.items():
             prompt_text, prompt_ids = prompts[index // n]
             if prompt_text is None or not reply:
@@ -180,7 +178,4 @@ def remember_texts(engine: AsyncEngine, memory: PrefixMemory, scope: Hashable,
             if tokenizer.decode(full, skip_special_tokens=False) == prompt_text + reply:
                 memory.record(scope, prompt_text + reply, full)
 
-    async def remember(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, record, ids, texts)
-
-    return remember
+    return on_tokenizer_pool(engine, record)

@@ -118,18 +118,25 @@ def one_seat_server(tiny_model: LoadedModel) -> Iterator[RunningServer]:
                                                       max_queue=0))
 
 
-async def test_a_full_queue_at_a_later_prompt_closes_the_earlier_ones(one_seat_server):
+async def test_a_prompt_list_passes_the_admission_bound_as_one_request(one_seat_server):
+    """Like one request with n choices: accepted whole on an idle engine, refused whole (503,
+    nothing admitted) when it does not fit beside what is in flight — never half-way."""
     url = one_seat_server.url
-    status, raw, headers = await post(url, "/v1/completions",
-                                      {"prompt": ["a", "b"], "max_tokens": 2})
+    body = await completion(url, prompt=["a", "b", "c"], max_tokens=2)  # idle: 3 > 1 seat, ok
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/completions",
+                             json={"prompt": "busy", "max_tokens": 200, "ignore_eos": True,
+                                   "stream": True}) as busy:
+            await busy.content.readline()  # admitted and generating
+            status, raw, headers = await post(url, "/v1/completions",
+                                              {"prompt": ["a", "b"], "max_tokens": 2})
     err = orjson.loads(raw)
     assert status == 503 and headers["Retry-After"] == "1"
     assert err["error"]["code"] == "queue_full"
-    assert err["error"]["message"].startswith("prompt[1]: the engine is at capacity")
-    assert one_seat_server.engine.num_requests_in_flight == 0
+    assert err["error"]["message"].startswith("prompt: the engine is at capacity")
     assert (await wait_idle(url))["pool"]["in_use_blocks"] == 0
-    body = await completion(url, prompt=["a"], max_tokens=2)  # one prompt is admitted
-    assert body["usage"]["completion_tokens"] == 2
+    assert one_seat_server.engine.num_requests_in_flight == 0
 
 
 async def test_return_token_ids_in_json_and_stream(server):
