@@ -22,10 +22,16 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+_BACKLOG = 128  # aiohttp's default
+
 
 def bind_listeners(host: str, port: int) -> list[socket.socket]:
-    """Bind (without listening) one TCP socket per address ``host`` resolves to, as asyncio's
-    ``create_server`` would (``SO_REUSEADDR``; IPv6 sockets IPv6-only).
+    """Bind and listen on one TCP socket per address ``host`` resolves to, as asyncio's
+    ``create_server`` would (``SO_REUSEADDR``; IPv6 sockets IPv6-only; backlog 128).
+
+    Listening here, before the model loads, is what makes a busy port fail now: with
+    ``SO_REUSEADDR`` two processes can both bind one port on Linux and only ``listen`` tells
+    them apart. Clients that connect while the model loads wait in the backlog.
 
     Args:
         host: interface name or address ("0.0.0.0": all IPv4 interfaces; "": all interfaces).
@@ -54,6 +60,7 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
                 address = (address[0], sockets[0].getsockname()[1], *address[2:])
             try:
                 sock.bind(address)
+                sock.listen(_BACKLOG)
             except OSError as exc:
                 if exc.errno != errno.EADDRNOTAVAIL:
                     raise

@@ -45,12 +45,16 @@ def test_bind_listeners():
         with pytest.raises(OSError) as exc:
             bind_listeners("127.0.0.1", port)
         assert exc.value.errno == errno.EADDRINUSE
-    # Freed once the listener is gone (SO_REUSEADDR); bound, not listening: the engine loads
-    # first, aiohttp listens later.
+    # Freed once the listener is gone (SO_REUSEADDR). Listening already: a second process
+    # binding the same port (SO_REUSEADDR lets it bind on Linux) fails at once, not after
+    # loading its model.
     (sock,) = bind_listeners("127.0.0.1", port)
     with sock:
         assert sock.getsockname() == ("127.0.0.1", port)
-        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 0
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        with pytest.raises(OSError) as exc:
+            bind_listeners("127.0.0.1", port)
+        assert exc.value.errno == errno.EADDRINUSE
     every = bind_listeners("", 0)  # all interfaces: one port for every family
     try:
         assert len({s.getsockname()[1] for s in every}) == 1
