@@ -275,7 +275,7 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
         with tokenize_errors():  # decoded once the engine has checked the ids
             for p in echo_prompts:
                 shape.echoes[p] = await engine.detokenize(runs[p][0], skip_special_tokens=False)
-        first = await _first_output(gen, prompt_param)
+        first = await _first_output(gen)
         n = sampling.n * len(runs)
         if sampling.stream:
             return await _respond_stream(request, shape, gen, first, n, remember)
@@ -284,15 +284,14 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
         gen.close()
 
 
-async def _first_output(gen: RequestStream, prompt_param: str) -> RequestOutput:
-    """Wait for the engine's first output; admission errors (ValueError) become 400, a fault
-    of the request's own in the engine (``finish_reason == "error"``) 500 ``internal_error``
-    (before any stream started: a stream's later faults are in-band, see ``_respond_stream``).
+async def _first_output(gen: RequestStream) -> RequestOutput:
+    """Wait for the engine's first output (its admission errors were raised by ``generate``);
+    a fault of the request's own in the engine (``finish_reason == "error"``) is a 500
+    ``internal_error`` (before any stream started: a stream's later faults are in-band, see
+    ``_respond_stream``).
     """
     try:
         out = await gen.__anext__()
-    except ValueError as exc:
-        raise engine_value_error(exc, getattr(exc, "prompt_param", prompt_param)) from exc
     except EngineDeadError as exc:
         raise engine_dead() from exc
     except StopAsyncIteration:

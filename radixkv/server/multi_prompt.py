@@ -21,18 +21,9 @@ if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine, RequestOutput, RequestStream
     from radixkv.engine.sampling import SamplingParams
 
-__all__ = ["MergedStream", "PromptValueError", "admit_prompts"]
+__all__ = ["MergedStream", "PromptAdmissionError", "admit_prompts"]
 
 _ENDS_REQUEST = ("abort", FAILED)
-
-
-class PromptValueError(ValueError):
-    """The engine refused one prompt of several (same message); ``prompt_param`` names it
-    (``prompt[i]``), so the 400 points at the right prompt."""
-
-    def __init__(self, message: str, prompt_param: str) -> None:
-        super().__init__(message)
-        self.prompt_param = prompt_param
 
 
 class PromptAdmissionError(Exception):
@@ -53,19 +44,16 @@ class MergedStream:
     prompt's engine request id). Iteration ends when every prompt's stream ended, or right
     after the first output that ends its request early (``finish_reason`` ``"abort"`` or
     ``"error"``, as a single stream does): the whole request has failed then. ``close`` closes
-    (aborts) every prompt's request. A ``ValueError`` from prompt ``p``'s stream comes out as a
-    ``PromptValueError`` naming ``params[p]``.
+    (aborts) every prompt's request.
 
     Args:
         streams: one open stream per prompt, in prompt order.
         n: choices per prompt.
-        params: the body path of each prompt (``prompt[0]``, ``prompt[1]``, ...).
     """
 
-    def __init__(self, streams: Sequence[RequestStream], n: int, params: Sequence[str]) -> None:
+    def __init__(self, streams: Sequence[RequestStream], n: int) -> None:
         self._streams = list(streams)
         self._n = n
-        self._params = list(params)
         self._pending: dict[asyncio.Future, int] = {}  # next-output task -> prompt index
         self._live = set(range(len(self._streams)))
         self._aborted = False
@@ -91,8 +79,6 @@ class MergedStream:
             except StopAsyncIteration:
                 self._live.discard(p)
                 continue
-            except ValueError as exc:
-                raise PromptValueError(str(exc), self._params[p]) from exc
             if out.finish_reason in _ENDS_REQUEST:
                 self._aborted = True
             return dataclasses.replace(out, index=p * self._n + out.index)
@@ -147,4 +133,4 @@ def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params:
         for stream in streams:
             stream.close()
         raise PromptAdmissionError(exc, param_names[len(streams)]) from exc
-    return MergedStream(streams, params.n, param_names)
+    return MergedStream(streams, params.n)

@@ -142,7 +142,10 @@ def test_each_ignored_name_is_logged_once():
 @pytest.mark.parametrize("op", ["chat", "completions", "tokenize"])
 def test_unknown_names_are_accepted(op):
     _, parse, base = OPS[op]
-    parse({**base, "frobnicate": {"anything": [1, 2]}, "x-custom": None})
+    before = IGNORED_COUNTS.snapshot().get(UNKNOWN_LABEL, 0)
+    plain = parse(base)
+    assert parse({**base, "frobnicate": {"anything": [1, 2]}, "x-custom": None}) == plain
+    assert IGNORED_COUNTS.snapshot()[UNKNOWN_LABEL] - before == 2
 
 
 def test_message_level_ignored_keys():
