@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from radixkv.engine.faults import FAILED
+from radixkv.engine.request_stream import ENDS_REQUEST
 
 if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine, RequestOutput, RequestStream
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MergedStream", "PromptAdmissionError", "admit_prompts"]
 
-_ENDS_REQUEST = ("abort", FAILED)
 
 
 class PromptAdmissionError(Exception):
@@ -79,7 +78,7 @@ class MergedStream:
             except StopAsyncIteration:
                 self._live.discard(p)
                 continue
-            if out.finish_reason in _ENDS_REQUEST:
+            if out.finish_reason in ENDS_REQUEST:
                 self._aborted = True
             return dataclasses.replace(out, index=p * self._n + out.index)
         self.close()
