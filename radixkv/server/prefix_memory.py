@@ -21,6 +21,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from radixkv.engine.tokenize_pool import TOKENIZE_KEY
 from radixkv.server.output_memory import ids_for_text, on_tokenizer_pool
 
 if TYPE_CHECKING:
@@ -146,13 +147,16 @@ async def tokenize_with_memory(engine: AsyncEngine, memory: PrefixMemory, scope:
     length, ids = hit
     if length == len(text):
         return ids
-    rest = text[length:]
-    rest_ids = await engine.tokenize_text(rest)
-    tail = ids[-_BOUNDARY_IDS:]
-    joined = await engine.detokenize(tail + rest_ids, skip_special_tokens=False)
-    if joined != await engine.detokenize(tail, skip_special_tokens=False) + rest:
-        return await engine.tokenize_text(text)
-    return ids + rest_ids
+    rest, tail = text[length:], ids[-_BOUNDARY_IDS:]
+
+    def join(tok: Any) -> list[int]:  # one pool job: one wait in the tenant's queue
+        rest_ids = tok.encode(rest)
+        joined = tok.decode(tail + rest_ids, skip_special_tokens=False)
+        if joined != tok.decode(tail, skip_special_tokens=False) + rest:
+            return tok.encode(text)
+        return ids + rest_ids
+
+    return await engine.tokenize_pool.run(join, key=TOKENIZE_KEY.get())
 
 
 def remember_texts(engine: AsyncEngine, memory: PrefixMemory, scope: Hashable,

@@ -98,17 +98,29 @@ class SentencePieceLike:
     def _id(self, piece: str) -> int:
         return self.vocab.setdefault(piece, len(self.vocab))
 
-    async def tokenize_text(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         self.calls.append(text)
         words = text.split(" ")
         if not words[0]:  # a leading space is the first word's own marker
             words = words[1:]
         return [self._id(" " + w) for w in words]
 
-    async def detokenize(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         pieces = {i: p for p, i in self.vocab.items()}
         text = "".join(pieces[i] for i in ids)
         return text[1:] if text.startswith(" ") else text
+
+    # The AsyncEngine surface tokenize_with_memory uses: plain encoding, and pool jobs that
+    # get a tokenizer (this codec itself).
+    async def tokenize_text(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    @property
+    def tokenize_pool(self) -> SentencePieceLike:
+        return self
+
+    async def run(self, fn, *, key=None):
+        return fn(self)
 
 
 def test_a_join_that_changes_the_text_falls_back_to_plain_encoding():
