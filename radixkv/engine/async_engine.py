@@ -21,6 +21,7 @@ tenant, time to first token and inter-token latency are recorded as its outputs 
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
@@ -154,6 +155,14 @@ class AsyncEngine:
         return await self._tokenize_pool.run(
             lambda tok: tok.decode(ids, skip_special_tokens=skip_special_tokens),
             key=pool_key(tenant))
+
+    @functools.cached_property
+    def side_tokenizer(self) -> Any:
+        """A ``ChatTokenizer`` copy (made on first use, ~0.2 s) for work outside the fair pool,
+        such as recording replies for reuse once their request has finished: that work must
+        not wait behind other tenants' prompts, nor take the engine thread's tokenizer lock,
+        which its detokenizer needs every step."""
+        return self.tokenizer.clone()
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return self._engine.default_max_tokens(num_prompt_tokens)

@@ -36,7 +36,7 @@ from radixkv.server.errors import (
     tenant_limit,
 )
 from radixkv.server.multi_prompt import PromptAdmissionError, admit_prompts
-from radixkv.server.output_memory import OutputMemory, ids_for_text, on_tokenizer_pool
+from radixkv.server.output_memory import OutputMemory, ids_for_text, off_engine_thread
 from radixkv.server.prefix_memory import PrefixMemory
 from radixkv.server.responses import SSE_DONE, usage
 from radixkv.server.tokenization import tokenize_errors
@@ -141,7 +141,7 @@ def remember_outputs(state: ServerState, scope: str | None, tools: ToolCallOptio
             if exact is not None:
                 state.outputs.record(scope, key, exact)
 
-    return on_tokenizer_pool(state.engine, record)
+    return off_engine_thread(state.engine, record)
 
 
 

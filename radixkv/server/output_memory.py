@@ -27,22 +27,17 @@ tenant was shown a given text.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-import structlog
-
-from radixkv.engine.tokenize_pool import TOKENIZE_KEY, TokenizeQueueFullError
-
 if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine
 
-__all__ = ["OutputMemory", "ids_for_text", "on_tokenizer_pool"]
-
-log = structlog.get_logger(__name__)
+__all__ = ["OutputMemory", "ids_for_text", "off_engine_thread"]
 
 
 class _Codec(Protocol):
@@ -165,18 +160,15 @@ class OutputMemory:
         return lambda text: self.lookup(scope, text)
 
 
-def on_tokenizer_pool(engine: AsyncEngine, record: Callable[..., None]
+def off_engine_thread(engine: AsyncEngine, record: Callable[..., None]
                       ) -> Callable[[dict[int, list[int]], dict[int, str]], Awaitable[None]]:
-    """``remember`` running ``record(tokenizer, ids, texts)`` on the engine's tokenizer pool,
-    queued as the request's tenant, with the worker's own tokenizer (never the engine
-    thread's, whose lock its detokenizer takes every step). Remembering is best effort: with
-    the pool's queue full the reply is not remembered (its next turn only hits less)."""
+    """``remember`` running ``record(tokenizer, ids, texts)`` in a worker thread with the
+    engine's ``side_tokenizer``: never the engine thread's tokenizer (its lock is taken by the
+    detokenizer every step), and not queued behind other tenants' prompts on the fair pool,
+    since the response ends only once its reply is remembered."""
 
     async def remember(ids: dict[int, list[int]], texts: dict[int, str]) -> None:
-        try:
-            await engine.tokenize_pool.run(lambda tok: record(tok, ids, texts),
-                                           key=TOKENIZE_KEY.get())
-        except TokenizeQueueFullError:
-            log.info("reply_not_remembered", reason="the tokenizer queue is full")
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: record(engine.side_tokenizer, ids, texts))
 
     return remember

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixkv.engine.tokenize_pool import TOKENIZE_KEY
-from radixkv.server.output_memory import ids_for_text, on_tokenizer_pool
+from radixkv.server.output_memory import ids_for_text, off_engine_thread
 
 if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine
@@ -182,4 +182,4 @@ def remember_texts(engine: AsyncEngine, memory: PrefixMemory, scope: Hashable,
             if tokenizer.decode(full, skip_special_tokens=False) == prompt_text + reply:
                 memory.record(scope, prompt_text + reply, full)
 
-    return on_tokenizer_pool(engine, record)
+    return off_engine_thread(engine, record)
