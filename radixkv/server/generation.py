@@ -144,8 +144,6 @@ def remember_outputs(state: ServerState, scope: str | None, tools: ToolCallOptio
     return off_engine_thread(state.engine, record)
 
 
-
-
 def outcome_of(err: APIError | web.HTTPException) -> str:
     status = err.status
     code = getattr(err, "code", None)
