@@ -15,19 +15,12 @@ from radixkv.server.param_table import (
     COMPLETION_PARAMS,
     TOKENIZE_PARAMS,
 )
+from radixkv.server.param_table import int_schema as _int
+from radixkv.server.param_table import obj_schema as _obj
 
 
 def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _int(minimum: int | None = None, maximum: int | None = None, **extra: Any) -> dict:
-    out: dict[str, Any] = {"type": "integer", **extra}
-    if minimum is not None:
-        out["minimum"] = minimum
-    if maximum is not None:
-        out["maximum"] = maximum
-    return out
 
 
 def _num(minimum: float, maximum: float, **extra: Any) -> dict:
@@ -38,15 +31,6 @@ def _nullable(schema: dict) -> dict:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-def _obj(props: dict, required: list[str] | None = None, *, extra: bool = False,
-         description: str | None = None) -> dict:
-    out: dict[str, Any] = {"type": "object", "properties": props,
-                           "additionalProperties": extra}
-    if required:
-        out["required"] = required
-    if description:
-        out["description"] = description
-    return out
 
 
 _ERRORS = {

@@ -65,3 +65,34 @@ async def wait_idle(url: str, key: str | None = None, timeout_s: float = 60.0) -
         if stats["pool"]["in_use_blocks"] == 0 or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token-id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def capped(match: int, num_prompt: int, block_size: int) -> int:
+    """Cached tokens a prefix match of ``match`` tokens can give: whole blocks, and never the
+    prompt's last token (it is always computed, to sample from)."""
+    return min(match, num_prompt - 1) // block_size * block_size
+
+
+async def wait_process_healthy(proc: Any, url: str, timeout_s: float = 120.0) -> None:
+    """Poll ``url``/health until 200; fail with the process's stderr tail if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        try:
+            if (await get(url, "/health"))[0] == 200:
+                return
+        except aiohttp.ClientError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        await asyncio.sleep(0.2)
+

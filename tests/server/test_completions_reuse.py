@@ -21,8 +21,9 @@ import pytest
 from radixkv.model.loader import LoadedModel
 from radixkv.server.auth import parse_api_keys
 from tests.factories import make_async_engine
+from tests.server import helpers
 from tests.server.conftest import RunningServer, run_server_in_thread
-from tests.server.helpers import post, post_json, sse_events
+from tests.server.helpers import lcp, post, post_json, sse_events
 
 B = 8
 P1 = "Once upon a time, in a land far far"  # 10 tokens; its greedy reply starts "ymour"
@@ -34,17 +35,8 @@ def b8_server(tiny_model: LoadedModel) -> Iterator[RunningServer]:
     yield from run_server_in_thread(make_async_engine(tiny_model, block_size=B, num_blocks=512))
 
 
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def capped(match: int, num_prompt: int) -> int:
-    return min(match, num_prompt - 1) // B * B
+    return helpers.capped(match, num_prompt, B)
 
 
 async def tokenize(url: str, text: str) -> list[int]:

@@ -20,7 +20,7 @@ import pytest
 from radixkv.server.auth import parse_api_keys
 from tests.factories import make_async_engine
 from tests.server.conftest import BLOCK_SIZE, NUM_BLOCKS, RunningServer, run_server_in_thread
-from tests.server.helpers import HI, bearer, get, post, post_json, sse_events
+from tests.server.helpers import HI, bearer, get, post, post_json, sse_events, wait_process_healthy
 
 T1, T2, ADMIN = "key-tenant-one", "key-tenant-two", "key-the-admin"
 KEYS = {T1: {"tenant": "t1"}, T2: {"tenant": "t2"}, ADMIN: {"tenant": "ops", "admin": True}}
@@ -178,16 +178,7 @@ def test_radixkv_serve_drains_on_sigterm(tiny_model_dir, tmp_path):
     url = f"http://127.0.0.1:{port}"
 
     async def scenario() -> bytes:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                if (await get(url, "/health"))[0] == 200:
-                    break
-            except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            await asyncio.sleep(0.2)
+        await wait_process_healthy(proc, url)
         assert (await get(url, "/stats"))[0] == 401
         status, _, _ = await post(url, "/v1/chat/completions", data=b"x" * 200_000,
                                   headers={**bearer(T1), "Content-Type": "application/json"})

@@ -19,23 +19,15 @@ import pytest
 
 from radixkv.model.loader import LoadedModel
 from tests.factories import make_async_engine
+from tests.server import helpers
 from tests.server.conftest import BLOCK_SIZE, NUM_BLOCKS, RunningServer, run_server_in_thread
-from tests.server.helpers import post_json, sse_events
+from tests.server.helpers import lcp, post_json, sse_events
 
 SYSTEM = "You are a careful assistant. Answer briefly and precisely. " * 6
 
 
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def capped(match: int, num_prompt: int, block_size: int = BLOCK_SIZE) -> int:
-    return min(match, num_prompt - 1) // block_size * block_size
+    return helpers.capped(match, num_prompt, block_size)
 
 
 def capture_generated(server: RunningServer) -> dict[str, list[int]]:

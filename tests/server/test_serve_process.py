@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from radixkv.server.listen import bind_listeners
-from tests.server.helpers import HI, get, sse_events
+from tests.server.helpers import HI, get, sse_events, wait_process_healthy
 from tests.server.test_lifecycle import _free_port, open_stream
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -74,16 +74,7 @@ def test_a_second_sigint_forces_the_exit_during_the_drain(tiny_model_dir):
     url = f"http://127.0.0.1:{port}"
 
     async def scenario() -> tuple[bytes, float]:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                if (await get(url, "/health"))[0] == 200:
-                    break
-            except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            await asyncio.sleep(0.2)
+        await wait_process_healthy(proc, url)
         async with aiohttp.ClientSession() as http:
             body = {"messages": HI, "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
             resp = await open_stream(http, url, body)

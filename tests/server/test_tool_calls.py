@@ -19,7 +19,7 @@ import pytest
 from radixkv.engine import llm_engine
 from tests.factories import make_async_engine
 from tests.server.conftest import BLOCK_SIZE, run_server_in_thread
-from tests.server.helpers import post, post_json, sse_events
+from tests.server.helpers import lcp, post, post_json, sse_events
 
 IM_END = 2  # SmolLM2's <|im_end|>: EOS, and what the template writes after a turn
 TOOLS = [{"type": "function", "function": {
@@ -46,15 +46,6 @@ def script(monkeypatch) -> dict[int, list[int]]:
 
     monkeypatch.setattr(llm_engine, "sample_each", scripted)
     return scripts
-
-
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def first_turn() -> list[dict]:
