@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -80,6 +81,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokenize-queue", type=positive_int, default=256,
                    help="most prompts waiting for a tokenizer worker; more get 503 with "
                         "Retry-After")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's KV-event config, e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"endpoint\": \"tcp://*:5557\"}': publish the cache's stored and "
+                        "removed blocks for a KV-aware router (vllm-router --policy kv_aware)")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                   help="publish KV events on this ZMQ PUB endpoint (bound; port 0 picks a "
+                        "free one), e.g. tcp://*:5557; shorthand for --kv-events-config")
+    p.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+                   help="ZMQ ROUTER endpoint that replays recent KV event batches to a "
+                        "subscriber that missed some, e.g. tcp://*:5558")
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -165,6 +176,37 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         lora_adapters=tuple(args.lora))
 
 
+def kv_events_config_from_args(args: argparse.Namespace):
+    """The ``KVEventsConfig`` the flags ask for, or None (events off).
+
+    Raises:
+        ValueError: naming the flag (bad JSON, unknown key, bad value).
+    """
+    from radixkv.engine.kv_events import parse_kv_events_config
+
+    data: dict = {}
+    if args.kv_events_config is not None:
+        try:
+            data = json.loads(args.kv_events_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-events-config: not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError("--kv-events-config: must be a JSON object")
+    if args.kv_events_endpoint is not None or args.kv_events_replay_endpoint is not None:
+        data = {**data, "enable_kv_cache_events": True}
+        if args.kv_events_endpoint is not None:
+            data["endpoint"] = args.kv_events_endpoint
+        if args.kv_events_replay_endpoint is not None:
+            data["replay_endpoint"] = args.kv_events_replay_endpoint
+    if args.kv_events_config is None and not data:
+        return None
+    try:
+        config = parse_kv_events_config(data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--kv-events-config: {exc}") from exc
+    return config if config.enabled else None
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Check the flags, bind the address, then load the model and serve.
 
@@ -176,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         api_keys = load_api_keys(args.api_keys) if args.api_keys else None
+        kv_events = kv_events_config_from_args(args)
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     except ValueError as exc:  # bad flag values, key file
@@ -192,8 +235,10 @@ def _serve(args: argparse.Namespace) -> int:
 
         engine = AsyncEngine(engine_config_from_args(args), max_queue=args.max_queue,
                              tokenizer_workers=args.tokenizer_workers,
-                             max_tokenize_queue=args.max_tokenize_queue)
-    except (ValueError, OSError) as exc:  # bad flag values, missing model files
+                             max_tokenize_queue=args.max_tokenize_queue, kv_events=kv_events)
+        if engine.kv_events is not None:
+            engine.kv_events.start()  # binds now: a taken port is a flag error, not a traceback
+    except (ValueError, OSError) as exc:  # bad flag values, missing model files, KV event ports
         for sock in sockets:
             sock.close()
         print(f"radixkv serve: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from radixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from radixkv.engine.async_engine import AsyncEngine
+from radixkv.engine.kv_events import KVEventsConfig
 from radixkv.engine.llm_engine import LLMEngine
 from radixkv.model.loader import LoadedModel
 
@@ -38,8 +39,9 @@ def make_engine(model: LoadedModel, **config: object) -> LLMEngine:
 
 
 def make_async_engine(model: LoadedModel, *, max_queue: int | None = None,
-                      **config: object) -> AsyncEngine:
+                      kv_events: KVEventsConfig | None = None, **config: object) -> AsyncEngine:
     """An ``AsyncEngine`` over ``model`` that checks the cache's integrity when idle (not
-    started); ``max_queue`` as for ``AsyncEngine``, ``config`` as for ``engine_config``."""
+    started); ``max_queue`` and ``kv_events`` as for ``AsyncEngine``, ``config`` as for
+    ``engine_config``."""
     return AsyncEngine(engine_config(**config), model,  # type: ignore[arg-type]
-                       check_integrity_when_idle=True, max_queue=max_queue)
+                       check_integrity_when_idle=True, max_queue=max_queue, kv_events=kv_events)

@@ -29,6 +29,7 @@ from array import array
 from typing import Callable, Sequence
 
 from radixkv.cache.check import block_states, check_manager
+from radixkv.cache.events import KVEventLog
 from radixkv.cache.fork import fork
 from radixkv.cache.hashing import BlockHasher, CacheIdentity, HashFn
 from radixkv.cache.identity_memo import IdentityMemo
@@ -95,6 +96,8 @@ class CacheManager:
         self.identities = IdentityMemo(self.hasher, block_size, IDENTITY_MEMO_SIZE)
         self._root_bytes = len(self.hasher.hash_fn(b""))  # a root is one digest
         self._requests: dict[str, RequestState] = {}
+        #: Set by an engine that publishes KV events (``radixkv.cache.events``); None: off.
+        self.events: KVEventLog | None = None
 
     # ---- identity -----------------------------------------------------------------------
     def identity_root(self, identity: CacheIdentity) -> bytes:
@@ -104,7 +107,10 @@ class CacheManager:
         Raises:
             ValueError: naming ``block_size`` if the identity's block size is not this cache's.
         """
-        return self.identities.root(identity)
+        root = self.identities.root(identity)
+        if self.events is not None and identity.cache_salt is None:  # salted: never published
+            self.events.allow_root(root, identity.adapter[0] if identity.adapter else None)
+        return root
 
     # ---- lookup -------------------------------------------------------------------------
     def begin(self, request_id: str, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
@@ -233,14 +239,9 @@ class CacheManager:
         return True
 
     def evict(self, num_blocks: int) -> int:
-        """Evict up to ``num_blocks`` cached-evictable blocks now (memory pressure, tests).
-
-        Returns:
-            Blocks evicted (returned to the free list).
-
-        Raises:
-            ValueError: naming ``num_blocks`` if not an int ≥ 0.
-        """
+        """Evict up to ``num_blocks`` cached-evictable blocks now (memory pressure, tests);
+        return how many were (back on the free list). ValueError naming ``num_blocks`` if not
+        an int ≥ 0."""
         check_int("num_blocks", num_blocks)
         return self._evict(num_blocks)
 
@@ -251,8 +252,24 @@ class CacheManager:
         freed = self.tree.evict(num_blocks, evicted)
         self.pool.free_cached(freed)
         self.ghost.add(evicted)
+        if self.events is not None:
+            self.events.removed(evicted)
         self._evicted_blocks_total += len(freed)
         return len(freed)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached block no running request holds (vLLM's ``reset_prefix_cache``).
+
+        With KV events on, one ``cleared`` event replaces the removals, followed by the blocks
+        still held (see :meth:`~radixkv.cache.events.KVEventLog.cleared`).
+
+        Returns: Blocks evicted.
+        """
+        mark = self.events.mark() if self.events is not None else 0
+        evicted = self._evict(self.tree.num_evictable_blocks)
+        if self.events is not None:
+            self.events.cleared(self.tree.roots, mark)
+        return evicted
 
     def publish(self, request_id: str, token_ids: Sequence[int] | bytes, num_computed_tokens: int, *,
                 mm_items: Sequence[Sequence] | None = None) -> None:
@@ -273,19 +290,16 @@ class CacheManager:
                 not a multiple of 4, ``mm_items`` if malformed; nothing is changed then.
         """
         publish(self._requests[request_id], self.tree, self.pool, self.hasher, token_ids,
-                num_computed_tokens, mm_items, self.enable_prefix_caching)
+                num_computed_tokens, mm_items, self.enable_prefix_caching, self.events)
 
     def fork(self, parent_request_id: str, child_request_id: str, *,
              num_computed_tokens: int | None = None) -> list[tuple[int, int]] | None:
         """Start ``child_request_id`` as a copy of a running request (``n > 1`` sampling).
 
-        The child shares every full computed block of the parent: published ones through a
-        lock on the parent's tree path, unpublished ones (prefix caching off) through pool
-        reference counts. The partial tail block, which both will write next, is copied: the
-        child gets a fresh private block and the caller must copy the K/V of every returned
-        pair ``(src_block, dst_block)`` in every layer's K and V pools before the child's next
-        forward step. Blocks past the computed tokens are not shared; the child allocates its
-        own. The child's lookup is not counted again (its ``record_admission`` adds nothing).
+        The child shares every full computed block (published: a lock on the parent's path;
+        unpublished: pool reference counts). The partial tail block is copied: the caller
+        copies the K/V of every returned ``(src_block, dst_block)`` in every layer before the
+        child's next step. The child's lookup is not counted again.
 
         Args:
             parent_request_id: An active request whose full computed blocks are published
@@ -317,11 +331,8 @@ class CacheManager:
         return forked[1]
 
     def block_table(self, request_id: str) -> list[int]:
-        """Return a copy of the request's block table (physical id per block position).
-
-        Raises:
-            KeyError: unknown ``request_id``.
-        """
+        """A copy of the request's block table (physical id per block position); KeyError
+        for an unknown ``request_id``."""
         return self._requests[request_id].block_table.tolist()
 
     def num_cached_tokens(self, request_id: str) -> int:
@@ -412,10 +423,8 @@ class CacheManager:
         return len(self._requests)
 
     def block_states(self) -> list[str]:
-        """State of every block: "free", "private", "cached_evictable" or "cached_locked".
-
-        O(num_blocks + tree size); for tests and debugging.
-        """
+        """State of every block ("free", "private", "cached_evictable", "cached_locked");
+        O(num_blocks + tree size), for tests and debugging."""
         return block_states(self.pool, self.tree)
 
     def check_integrity(self, *, verify_hashes: bool = False) -> None:

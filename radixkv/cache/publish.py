@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from radixkv.cache.events import KVEventLog
 from radixkv.cache.hashing import BlockHasher, block_extras, pack_tokens, validate_mm_items
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.request_state import RequestState
@@ -20,12 +21,14 @@ from radixkv.config import check_int
 
 def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHasher,
         token_ids: Sequence[int] | bytes, num_computed_tokens: int,
-        mm_items: Sequence[Sequence] | None, enable_prefix_caching: bool) -> None:
+        mm_items: Sequence[Sequence] | None, enable_prefix_caching: bool,
+        events: KVEventLog | None = None) -> None:
     """Insert every full, computed block of ``req`` not yet published into ``tree``.
 
     Arguments, errors and effects as ``CacheManager.publish``; ``req`` is advanced in place
     (``num_computed_tokens``, ``num_published_blocks``, ``cursor``, ``last_hash``, duplicates)
-    and the inserted blocks pass from the request to the tree in ``pool``.
+    and the inserted blocks pass from the request to the tree in ``pool``. ``events`` records
+    the newly inserted run (none when every block was already cached).
     """
     bs = tree.block_size
     packed = isinstance(token_ids, (bytes, bytearray))
@@ -62,6 +65,8 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
             pool.to_cached(ids)
             req.last_hash = last_hash
             req.num_published_blocks = num_full
+            if events is not None:
+                events.stored(req.root.root_hash, req.cursor, len(ids))
             return
     if type(tb) is not bytes:
         tb = bytes(tb)
@@ -87,6 +92,8 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
     result = tree.insert(req.cursor, tb, ids, hasher, extras=extras, known_hashes=known,
                          ghost_notes=notes)
     pool.to_cached(result.inserted_ids)
+    if events is not None and result.inserted_ids:
+        events.stored(req.root.root_hash, result.node, len(result.inserted_ids))
     if result.duplicate_ids:
         req.duplicate_ids += result.duplicate_ids
     req.cursor = result.node

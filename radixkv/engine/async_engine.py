@@ -25,10 +25,14 @@ import functools
 import queue
 import threading
 import time
+import uuid
 from typing import Any, Hashable, Sequence
 
+from radixkv.cache.events import KVEventLog
 from radixkv.config import EngineConfig, check_int
 from radixkv.engine.adapters import LoRAError, LoRAInUseError, LoRANotFoundError
+from radixkv.engine.async_lora import AsyncLoRAMixin
+from radixkv.engine.kv_events import KVEventPublisher, KVEventsConfig
 from radixkv.engine.llm_engine import LLMEngine, RequestOutput
 from radixkv.engine.request_stream import ENDS_REQUEST, RequestStream, _Live
 from radixkv.engine.sampling import SamplingParams
@@ -41,7 +45,6 @@ from radixkv.engine.tokenize_pool import (
 )
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel
-from radixkv.model.lora import LoRAAdapter
 
 log = get_logger(__name__)
 
@@ -58,7 +61,15 @@ class QueueFullError(RuntimeError):
     """Admitting the request would queue more than ``max_queue`` sequences (server: 503)."""
 
 
-class AsyncEngine:
+def _settle(done: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if not done.done():
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(result)
+
+
+class AsyncEngine(AsyncLoRAMixin):
     """Asyncio front of the engine (what the server uses).
 
     Args:
@@ -73,12 +84,19 @@ class AsyncEngine:
             CPU, at most 8).
         max_tokenize_queue: most tokenization jobs waiting for a worker; one more raises
             ``TokenizeQueueFullError``.
+        kv_events: publish KV cache events (``radixkv.engine.kv_events``) when enabled; the
+            sockets are bound by ``start``.
+
+    Attributes:
+        instance_id: Unique per engine (a restarted replica gets a new one).
+        kv_events: The event publisher, or None.
     """
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *,
                  check_integrity_when_idle: bool = False, max_queue: int | None = None,
                  tokenizer_workers: int | None = None,
-                 max_tokenize_queue: int = DEFAULT_MAX_TOKENIZE_QUEUE) -> None:
+                 max_tokenize_queue: int = DEFAULT_MAX_TOKENIZE_QUEUE,
+                 kv_events: KVEventsConfig | None = None) -> None:
         if max_queue is not None:
             check_int("max_queue", max_queue, minimum=0)
         self._engine = LLMEngine(config, model)
@@ -103,6 +121,11 @@ class AsyncEngine:
             self.tokenizer, workers=tokenizer_workers, max_queue=max_tokenize_queue)
         self._stats = self._engine.stats_snapshot()
         self.error: BaseException | None = None
+        self.instance_id = uuid.uuid4().hex
+        self.kv_events: KVEventPublisher | None = None
+        if kv_events is not None and kv_events.enabled:
+            self._engine.cache.events = KVEventLog(self.block_size)
+            self.kv_events = KVEventPublisher(kv_events, self.block_size)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -110,6 +133,10 @@ class AsyncEngine:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
+        """Start the engine thread (and bind the KV event sockets first: ValueError naming
+        the endpoint when one cannot be bound)."""
+        if self.kv_events is not None:
+            self.kv_events.start()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
             self._thread.start()
@@ -121,6 +148,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
         self._tokenize_pool.shutdown(wait=False)
+        if self.kv_events is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.kv_events.close)
 
     # ------------------------------------------------------------------ requests
     async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None, *,
@@ -232,47 +261,27 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Evict every cached block no running request holds (on the engine thread); with
+        KV events on, subscribers get one ``AllBlocksCleared``. Returns the blocks evicted.
+
+        Raises:
+            EngineDeadError: the engine thread has stopped.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._inbox.put(("call", (self._engine.cache.reset_prefix_cache, loop, done)))
+        self._wake.set()
+        return await done
+
     def abort_all(self) -> int:
         """Abort every open request (graceful shutdown past its timeout); returns how many."""
         streams = [s for s in self._active if not s.finished]
         for stream in streams:
             self.abort(stream.request_id)
         return len(streams)
-
-    # ------------------------------------------------------------------ LoRA adapters
-    # One lifecycle, ``radixkv.engine.adapters.LoRAAdapters`` (the engine's ``adapters``): the
-    # registry is read and changed on the event loop only (generate() resolves names there);
-    # the engine thread only releases the holds of requests as they end.
-    def lora_adapters(self) -> list[LoRAAdapter]:
-        """Loaded adapters, in load order."""
-        return self._engine.adapters.list()
-
-    def has_lora(self, name: str) -> bool:
-        return name in self._engine.adapters
-
-    async def load_lora(self, name: str, path: str, *, replace: bool = False) -> LoRAAdapter:
-        """Read and validate a PEFT adapter in a worker thread, then serve it as ``name``.
-
-        With ``replace`` an adapter of that name is swapped for the new one: requests already
-        made keep the old weights (and old cache identity).
-
-        Raises:
-            LoRAError: a bad name or adapter (the message names the file or tensor).
-        """
-        adapters = self._engine.adapters
-        adapters.check_name(name, replace=replace)
-        adapter = await asyncio.get_running_loop().run_in_executor(None, adapters.read, name, path)
-        adapters.add(adapter, replace=replace)  # checks the name again: another load may have won
-        return adapter
-
-    def unload_lora(self, name: str) -> LoRAAdapter:
-        """Stop serving adapter ``name`` (``LLMEngine.unload_lora``).
-
-        Raises:
-            LoRANotFoundError: no such adapter.
-            LoRAInUseError: a request made with it has not finished (or been aborted).
-        """
-        return self._engine.unload_lora(name)
 
     def stats(self) -> dict:
         """The latest ``/stats`` snapshot (gauges taken by the engine thread after each step;
@@ -311,6 +320,7 @@ class AsyncEngine:
                     outputs = engine.step()
                     self._stats = engine.stats_snapshot()
                     self._deliver(outputs)
+                    self._publish_events()
                     continue
                 self._stats = engine.stats_snapshot()
                 if self._check_integrity:
@@ -344,6 +354,15 @@ class AsyncEngine:
                         engine.discard_request(payload)
                 except Exception as exc:  # noqa: BLE001 - this request's fault (fatal ones re-raise)
                     outputs += engine.fail_request(payload, exc)
+            elif kind == "call":  # run on this thread, answer the waiting coroutine
+                fn, loop, done = payload
+                try:
+                    result = fn()
+                except BaseException as exc:  # the caller learns it; a cache fault stays fatal
+                    loop.call_soon_threadsafe(_settle, done, None, exc)
+                    raise
+                self._publish_events()
+                loop.call_soon_threadsafe(_settle, done, result, None)
             else:
                 aborted = engine.abort_request(payload)
                 live = self._streams.get(payload)
@@ -355,6 +374,13 @@ class AsyncEngine:
         if outputs:
             self._stats = engine.stats_snapshot()
             self._deliver(outputs)
+
+    def _publish_events(self) -> None:
+        """One batch per step that stored or removed blocks (engine thread)."""
+        if self.kv_events is not None:
+            events = self._engine.cache.events.drain()
+            if events:
+                self.kv_events.publish(events)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -29,10 +29,14 @@ from radixkv.server.errors import APIError
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # Routes anyone may call, keys configured or not.
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/version"})
+# The routers' discovery endpoints say nothing about any tenant (model id, block size, where
+# the KV events are published); vllm-router calls them without a key.
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/version", "/get_server_info",
+                          "/kv_event_sources"})
 # Routes that expose global (cross-tenant) numbers or change what the server serves: admin
 # keys only.
-ADMIN_PATHS = frozenset({"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+ADMIN_PATHS = frozenset({"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                         "/reset_prefix_cache", "/flush_cache"})
 
 
 @dataclass(frozen=True)

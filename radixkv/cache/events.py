@@ -1,0 +1,151 @@
+"""KV cache events: what the tree stored and removed, in the order it applied them.
+
+A KV-aware router (vllm-router ``kv_aware``) keeps an index of which replica holds which
+blocks, fed by events in vLLM's format (``radixkv.engine.kv_events`` encodes and publishes
+them). This module only records them, torch- and wire-free, from the cache manager's two
+mutation points: ``publish`` (blocks entering the tree) and eviction (blocks leaving it), plus
+``reset_prefix_cache``.
+
+What is recorded, and what is not:
+
+* ``("stored", block_ids, parent_id, token_ids, lora_name)``: one entry per contiguous run of
+  newly inserted blocks. ``block_ids`` are event ids (:func:`event_block_id`, a uint64 derived
+  from radixkv's chained hash), ``parent_id`` the event id of the block before the run, or None
+  when the run starts at the identity root; ``token_ids`` every token of the run.
+* ``("removed", block_ids)``: the published blocks an eviction dropped.
+* ``("cleared",)``: everything was dropped (``reset_prefix_cache``); blocks that survive the
+  reset (held by running requests) are stored again right after it, so the subscriber's view
+  stays the set of published blocks in the tree.
+
+Only identities :meth:`KVEventLog.allow_root` names are published: the engine allows unsalted
+ones (the base model and each LoRA adapter, as its ``lora_name``). Salted identities (a client
+``cache_salt``, ``--api-keys`` tenants) are never published: a router cannot scope its index
+by salt, so it would credit those blocks to unsalted requests. Blocks with multimodal extras
+are not published either (a router keys blocks by tokens only). A run is published only when
+its parent block was, so the published set stays prefix-closed like the tree itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+
+from radixkv.cache.tree.node import Node
+
+_U32_CODE = next(code for code in ("I", "L") if array(code).itemsize == 4)
+_BIG_ENDIAN = sys.byteorder == "big"
+_MISSING = object()
+
+#: Recorded event: ``("stored", ids, parent_id | None, token_ids, lora_name | None)``,
+#: ``("removed", ids)`` or ``("cleared",)``.
+Event = tuple
+
+
+def event_block_id(block_hash: bytes) -> int:
+    """The uint64 a block is published as: the last 8 bytes of its chained hash, big-endian.
+
+    This is how vLLM turns its hash into an event id (``int.from_bytes(h, "big") & (2**64-1)``,
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); the hash is chained, so the id covers the
+    identity and every token before the block.
+    """
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def _tokens(packed: bytes | bytearray) -> list[int]:
+    tokens = array(_U32_CODE)
+    tokens.frombytes(packed)
+    if _BIG_ENDIAN:  # pragma: no cover - packed tokens are little-endian everywhere
+        tokens.byteswap()
+    return tokens.tolist()
+
+
+class KVEventLog:
+    """Records the tree's stored / removed blocks between two :meth:`drain` calls.
+
+    Engine thread only (like the cache). Memory: one int per published block in the tree
+    (at most the pool's block count) plus the pending events of one step.
+
+    Args:
+        block_size: Tokens per block (the tree's B).
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._roots: dict[bytes, str | None] = {}  # publishable identity root -> lora_name
+        self._published: set[int] = set()  # event ids a subscriber holds now
+        self._pending: list[Event] = []
+
+    def allow_root(self, root_hash: bytes, lora_name: str | None) -> None:
+        """Publish blocks under the identity root ``root_hash`` (an unsalted identity),
+        labelled with ``lora_name`` (None: the base model)."""
+        self._roots[root_hash] = lora_name
+
+    @property
+    def num_published_blocks(self) -> int:
+        """Blocks a subscriber that saw every event would hold for this replica now."""
+        return len(self._published)
+
+    def stored(self, root_hash: bytes, node: Node, count: int) -> None:
+        """The last ``count`` blocks of ``node`` were just inserted under ``root_hash``."""
+        lora_name = self._roots.get(root_hash, _MISSING)
+        if lora_name is _MISSING or count <= 0:
+            return
+        hashes = node.hashes
+        start = len(hashes) - count  # the run is node blocks [start, len)
+        if node.extras is not None:  # a router keys blocks by tokens alone: stop at media
+            count = next((j for j, x in enumerate(node.extras[start:]) if x), count)
+            if not count:
+                return
+            hashes = hashes[: start + count]
+        if len(hashes) > count:
+            parent: int | None = event_block_id(hashes[-count - 1])
+        elif node.parent is not None and node.parent.parent is not None:
+            parent = event_block_id(node.parent.hashes[-1])
+        else:
+            parent = None
+        if parent is not None and parent not in self._published:
+            return  # its chain is not published (a multimodal block above it)
+        ids = [event_block_id(h) for h in hashes[-count:]]
+        self._published.update(ids)
+        bb = self.block_size * 4
+        tokens = _tokens(node.tokens[start * bb : (start + count) * bb])
+        self._pending.append(("stored", ids, parent, tokens, lora_name))
+
+    def removed(self, evicted_runs: list) -> None:
+        """Eviction dropped these runs: ``(key, (tokens, hashes, extras, note))`` entries, as
+        ``RadixTree.evict`` reports them."""
+        published = self._published
+        ids = []
+        for _key, (_run_tokens, hashes, _extras, _note) in evicted_runs:
+            for h in hashes:
+                i = event_block_id(h)
+                if i in published:
+                    published.discard(i)
+                    ids.append(i)
+        if ids:
+            self._pending.append(("removed", ids))
+
+    def mark(self) -> int:
+        """A position in the pending events, for :meth:`cleared`."""
+        return len(self._pending)
+
+    def cleared(self, roots: dict[bytes, Node], since: int) -> None:
+        """``reset_prefix_cache`` dropped every unlocked block: record one ``cleared`` (it
+        replaces the removals recorded since ``since``), then store again the blocks still
+        in the tree (held by running requests), parents first."""
+        self._pending[since:] = [e for e in self._pending[since:] if e[0] != "removed"]
+        self._published.clear()
+        self._pending.append(("cleared",))
+        for root_hash, root in roots.items():
+            if root_hash not in self._roots:
+                continue
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                self.stored(root_hash, node, node.num_blocks)
+                stack.extend(node.children.values())
+
+    def drain(self) -> list[Event]:
+        """Return the events recorded since the last call, oldest first, and forget them."""
+        pending, self._pending = self._pending, []
+        return pending
