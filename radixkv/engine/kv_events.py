@@ -226,6 +226,16 @@ class KVEventPublisher:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def next_seq(self) -> int:
+        """The seq the next batch will get (batches encoded so far; read across threads)."""
+        return self._seq
+
+    @property
+    def num_queued_batches(self) -> int:
+        """Batches the engine handed over that the publisher thread has not sent yet."""
+        return self._queue.qsize()
+
     def start(self) -> None:
         """Bind the sockets (in the publisher thread) and wait until they are.
 

@@ -82,13 +82,18 @@ class RouterProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def log_text(self) -> str:
+        """The router's whole output so far, colour codes removed (its debug lines colour
+        field names, so a raw ``source=...`` never matches)."""
+        return _ANSI.sub("", self.log_path.read_text(errors="replace"))
+
     def log_tail(self, lines: int = 60) -> str:
         """The last ``lines`` lines of the router's output, colour codes removed."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self.log_text()
         except OSError as exc:
             return f"<no router log: {exc}>"
-        return "\n".join(_ANSI.sub("", text).splitlines()[-lines:])
+        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``; returns the exit status."""

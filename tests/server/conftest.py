@@ -47,8 +47,9 @@ class RunningServer:
 
 def run_server_in_thread(engine: AsyncEngine, *, max_body_bytes: int = MAX_BODY_BYTES,
                          shutdown_timeout_s: float = 5.0, expect_engine_error: bool = False,
-                         **serve_kwargs: Any) -> Iterator[RunningServer]:
-    """Start ``engine`` and a server on a free port; stop both when the generator resumes.
+                         port: int = 0, **serve_kwargs: Any) -> Iterator[RunningServer]:
+    """Start ``engine`` and a server on ``port`` (0: a free one); stop both when the generator
+    resumes.
 
     ``serve_kwargs`` go to ``radixkv.server.app.serve`` (``api_keys``,
     ``max_concurrency_per_tenant``).
@@ -61,7 +62,7 @@ def run_server_in_thread(engine: AsyncEngine, *, max_body_bytes: int = MAX_BODY_
         holder["stop"] = asyncio.Event()
         engine.start()
         try:
-            await serve(engine, "127.0.0.1", 0, max_body_bytes=max_body_bytes,
+            await serve(engine, "127.0.0.1", port, max_body_bytes=max_body_bytes,
                         shutdown_timeout_s=shutdown_timeout_s, stop=holder["stop"],
                         ready=lambda port: (holder.__setitem__("port", port), ready.set()),
                         **serve_kwargs)
