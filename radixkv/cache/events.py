@@ -8,14 +8,17 @@ mutation points: ``publish`` (blocks entering the tree) and eviction (blocks lea
 
 What is recorded, and what is not:
 
-* ``("stored", block_ids, parent_id, token_ids, lora_name)``: one entry per contiguous run of
-  newly inserted blocks. ``block_ids`` are event ids (:func:`event_block_id`, a uint64 derived
-  from radixkv's chained hash), ``parent_id`` the event id of the block before the run, or None
-  when the run starts at the identity root; ``token_ids`` every token of the run.
-* ``("removed", block_ids)``: the published blocks an eviction dropped.
+* ``("stored", hashes, parent_hash, token_bytes, lora_name)``: one entry per contiguous run of
+  newly inserted blocks: their chained hashes, the hash of the block before the run (None when
+  the run starts at the identity root) and the run's packed tokens.
+* ``("removed", hashes)``: the published blocks an eviction dropped.
 * ``("cleared",)``: everything was dropped (``reset_prefix_cache``); blocks that survive the
   reset (held by running requests) are stored again right after it, so the subscriber's view
   stays the set of published blocks in the tree.
+
+Entries hold the tree's own hashes and packed tokens: the engine thread only slices and
+appends; the publisher thread turns them into event ids (:func:`event_block_id`, a uint64)
+and token lists (:func:`decode_event`).
 
 Only identities :meth:`KVEventLog.allow_root` names are published: the engine allows unsalted
 ones (the base model and each LoRA adapter, as its ``lora_name``). Salted identities (a client
@@ -36,8 +39,8 @@ _U32_CODE = next(code for code in ("I", "L") if array(code).itemsize == 4)
 _BIG_ENDIAN = sys.byteorder == "big"
 _MISSING = object()
 
-#: Recorded event: ``("stored", ids, parent_id | None, token_ids, lora_name | None)``,
-#: ``("removed", ids)`` or ``("cleared",)``.
+#: Recorded event: ``("stored", hashes, parent_hash | None, token_bytes, lora_name | None)``,
+#: ``("removed", hashes)`` or ``("cleared",)``.
 Event = tuple
 
 
@@ -59,11 +62,23 @@ def _tokens(packed: bytes | bytearray) -> list[int]:
     return tokens.tolist()
 
 
+def decode_event(event: Event) -> Event:
+    """An entry with event ids and token ids: ``("stored", ids, parent_id | None, token_ids,
+    lora_name)``, ``("removed", ids)`` or ``("cleared",)``."""
+    if event[0] == "stored":
+        _, hashes, parent, tb, lora_name = event
+        return ("stored", [event_block_id(h) for h in hashes],
+                None if parent is None else event_block_id(parent), _tokens(tb), lora_name)
+    if event[0] == "removed":
+        return ("removed", [event_block_id(h) for h in event[1]])
+    return event
+
+
 class KVEventLog:
     """Records the tree's stored / removed blocks between two :meth:`drain` calls.
 
-    Engine thread only (like the cache). Memory: one int per published block in the tree
-    (at most the pool's block count) plus the pending events of one step.
+    Engine thread only (like the cache). Memory: a reference to the hash of each published
+    block in the tree (at most the pool's block count) plus the pending events of one step.
 
     Args:
         block_size: Tokens per block (the tree's B).
@@ -72,7 +87,7 @@ class KVEventLog:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._roots: dict[bytes, str | None] = {}  # publishable identity root -> lora_name
-        self._published: set[int] = set()  # event ids a subscriber holds now
+        self._published: set[bytes] = set()  # hashes of the blocks a subscriber holds now
         self._pending: list[Event] = []
 
     def allow_root(self, root_hash: bytes, lora_name: str | None) -> None:
@@ -98,32 +113,28 @@ class KVEventLog:
                 return
             hashes = hashes[: start + count]
         if len(hashes) > count:
-            parent: int | None = event_block_id(hashes[-count - 1])
+            parent: bytes | None = hashes[-count - 1]
         elif node.parent is not None and node.parent.parent is not None:
-            parent = event_block_id(node.parent.hashes[-1])
+            parent = node.parent.hashes[-1]
         else:
             parent = None
         if parent is not None and parent not in self._published:
             return  # its chain is not published (a multimodal block above it)
-        ids = [event_block_id(h) for h in hashes[-count:]]
-        self._published.update(ids)
+        run = hashes[-count:]
+        self._published.update(run)
         bb = self.block_size * 4
-        tokens = _tokens(node.tokens[start * bb : (start + count) * bb])
-        self._pending.append(("stored", ids, parent, tokens, lora_name))
+        self._pending.append(("stored", run, parent, bytes(node.tokens[start * bb : (start + count) * bb]),
+                              lora_name))
 
     def removed(self, evicted_runs: list) -> None:
         """Eviction dropped these runs: ``(key, (tokens, hashes, extras, note))`` entries, as
         ``RadixTree.evict`` reports them."""
         published = self._published
-        ids = []
-        for _key, (_run_tokens, hashes, _extras, _note) in evicted_runs:
-            for h in hashes:
-                i = event_block_id(h)
-                if i in published:
-                    published.discard(i)
-                    ids.append(i)
-        if ids:
-            self._pending.append(("removed", ids))
+        dropped = [h for _key, (_run_tokens, hashes, _extras, _note) in evicted_runs
+                   for h in hashes if h in published]
+        if dropped:
+            published.difference_update(dropped)
+            self._pending.append(("removed", dropped))
 
     def mark(self) -> int:
         """A position in the pending events, for :meth:`cleared`."""

@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from radixkv.cache.events import decode_event
 from radixkv.log import get_logger
 
 log = get_logger(__name__)
@@ -159,6 +160,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 def to_wire(event: tuple, block_size: int) -> KVCacheEvent:
     """One ``KVEventLog`` entry as its vLLM struct. ``extra_keys`` carries vLLM's per-block
     keys: ``[lora_name]`` for an adapter's block, None for the base model's."""
+    event = decode_event(event)
     kind = event[0]
     if kind == "stored":
         _, ids, parent, tokens, lora_name = event

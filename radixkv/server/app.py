@@ -5,6 +5,8 @@ Routes:
     POST /v1/chat/completions  chat completion, one JSON or SSE (``stream: true``)
     POST /v1/completions       text completion; the prompt is text or token ids, or a list of
                                those (one choice set per prompt)
+    POST /v1/chat/completions/render, /v1/completions/render
+                               the prompt ids either would run, no generation (``prompts``)
     GET  /v1/models            the served model and its loaded LoRA adapters
     POST /v1/load_lora_adapter     vLLM's shapes; admin-only with API keys (``adapters``)
     POST /v1/unload_lora_adapter
@@ -42,9 +44,9 @@ import structlog
 from aiohttp import web
 
 from radixkv.config import check_int
-from radixkv.server import adapters, request_id
+from radixkv.server import adapters, fleet, request_id
 from radixkv.server.auth import REQUEST_TENANT, KeyStore, Tenant, auth_middleware, cache_salt_for
-from radixkv.server.completions import DEFAULT_MAX_TOKENS, PromptInput, parse_completion_request
+from radixkv.server.completions import parse_completion_request
 from radixkv.server.detokenize import parse_detokenize_request
 from radixkv.server.errors import (
     SERVER_ERROR,
@@ -58,22 +60,21 @@ from radixkv.server.generation import (
     counted,
     generate_response,
     remember_outputs,
-    resolve_max_tokens,
 )
 from radixkv.server.listen import ShutdownSignals, unless_forced
 from radixkv.server.metrics import make_registry, render
 from radixkv.server.openapi import openapi_document
-from radixkv.server.prefix_memory import remember_texts, tokenize_with_memory
+from radixkv.server.prefix_memory import remember_texts
+from radixkv.server.probes import quiet_http2_probes
+from radixkv.server.prompts import chat_prompt, completion_prompts, render_routes
 from radixkv.server.protocol import parse_chat_request, parse_json_object, parse_tokenize_request
 from radixkv.server.responses import ChatCompletion, TextCompletion
 from radixkv.server.tokenization import (
-    check_texts_fit,
     tenant_queue_middleware,
     tokenize_chat,
     tokenize_errors,
     tokenize_text,
 )
-from radixkv.server.tool_calls import options_for
 from radixkv.server.version import version
 
 if TYPE_CHECKING:
@@ -135,23 +136,15 @@ async def chat_completions(request: web.Request, state: ServerState, tenant: Ten
     lora = adapters.selected_lora(body, engine)
     _check_healthy(engine)
     salt = cache_salt_for(tenant, req.cache_salt)
-    # The model's own earlier replies keep their generated ids (radixkv.server.output_memory).
-    # Refused from a size bound before tokenizing when it cannot fit (radixkv.server.tokenization).
-    prompt = await tokenize_chat(engine, req.messages, req.tools, state.outputs.lookup_in(salt),
-                                 template_kwargs=req.chat_template_kwargs)
-    # Replies are read for tool calls; a forced call's start ends the prompt (tool_calls.py).
-    tools = options_for(req, engine.tokenizer.chat_template)
-    forced = await tokenize_text(engine, tools.prefix, fit=False) if tools and tools.prefix else []
-    param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
-    max_tokens = resolve_max_tokens(req.max_tokens, None, param, len(prompt) + len(forced), engine,
-                                    "messages")
+    prompt = await chat_prompt(state, req, body, salt)  # the ids /render answers (prompts.py)
     shape = ChatCompletion(model=lora or engine.model_name, include_usage=req.include_usage,
-                           tools=tools)
+                           tools=prompt.tools)
     adapters.require_lora(engine, lora)  # may have been unloaded while tokenizing
-    return await generate_response(request, state, shape, prompt=prompt + forced, sampling=req,
-                                   max_tokens=max_tokens, tenant=tenant, cache_salt=salt,
+    return await generate_response(request, state, shape, prompt=prompt.ids, sampling=req,
+                                   max_tokens=prompt.max_tokens, tenant=tenant, cache_salt=salt,
                                    prompt_param="messages",
-                                   remember=remember_outputs(state, salt, tools, forced),
+                                   remember=remember_outputs(state, salt, prompt.tools,
+                                                             prompt.forced),
                                    lora_name=lora)
 
 
@@ -163,16 +156,8 @@ async def completions(request: web.Request, state: ServerState, tenant: Tenant |
     lora = adapters.selected_lora(body, engine)
     _check_healthy(engine)
     salt = cache_salt_for(tenant, req.cache_salt)
-    prompts = req.prompts or (PromptInput(req.prompt_text, req.prompt_ids, req.prompt_param),)
-    check_texts_fit(engine, prompts)  # a text that cannot fit is refused before tokenizing
-    ids: list[list[int]] = []
-    with tokenize_errors():  # a full tokenizer queue: 503
-        for p in prompts:  # text: a remembered prefix's ids + the rest encoded (prefix_memory)
-            ids.append(p.ids if p.ids is not None
-                       else await tokenize_with_memory(engine, state.prefixes, salt, p.text))
-    max_tokens = min(resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens",
-                                        len(prompt), engine, p.param)
-                     for p, prompt in zip(prompts, ids))
+    built = await completion_prompts(state, req, salt)  # the ids /render answers (prompts.py)
+    prompts, ids = built.prompts, built.ids
     shape = TextCompletion(model=lora or engine.model_name, include_usage=req.include_usage,
                            n=req.n, return_token_ids=req.return_token_ids, prompt_token_ids=ids)
     if req.echo:
@@ -181,7 +166,7 @@ async def completions(request: web.Request, state: ServerState, tenant: Tenant |
                               [(p.text, prompt) for p, prompt in zip(prompts, ids)], req.n)
     adapters.require_lora(engine, lora)  # may have been unloaded while tokenizing
     return await generate_response(
-        request, state, shape, prompt=ids[0], sampling=req, max_tokens=max_tokens,
+        request, state, shape, prompt=ids[0], sampling=req, max_tokens=built.max_tokens,
         tenant=tenant, cache_salt=salt, prompt_param=prompts[0].param, remember=remember,
         lora_name=lora, batch=list(zip(ids, (p.param for p in prompts))) if len(ids) > 1 else (),
         echo_prompts=[i for i, p in enumerate(prompts) if req.echo and p.text is None])
@@ -300,6 +285,7 @@ def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     app[SERVER_FAULT_HOOK] = _count_server_fault
     app.router.add_post("/v1/chat/completions", completion_route(chat_completions))
     app.router.add_post("/v1/completions", completion_route(completions))
+    app.router.add_routes(render_routes(_state, _read_json))  # the prompt ids, no generation
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
@@ -310,6 +296,7 @@ def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/version", version)
+    fleet.add_routes(app, lambda request: _state(request).engine)
     return app
 
 
@@ -357,6 +344,7 @@ async def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, 
     """
     app = create_app(engine, max_body_bytes=max_body_bytes, api_keys=api_keys,
                      max_concurrency_per_tenant=max_concurrency_per_tenant)
+    quiet_http2_probes()  # sglang-router's gRPC probe: a 400, not a logged traceback
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE_S)
     await runner.setup()
     engine.tokenize_pool.start()  # tokenizer copies made now, not on the first request

@@ -119,6 +119,8 @@ _SCHEMAS = {
                       {"required": ["tools"]}, {"required": ["chat_template_kwargs"]}]}}]},
     "TokenizeResponse": _obj({"tokens": {"type": "array", "items": _int(0)},
                               "count": _int(0), "max_model_len": _int(1)}),
+    "RenderResponse": _obj({"token_ids": {"type": "array", "items": _int(0)}}, ["token_ids"],
+                           description="The prompt ids the request would run."),
     "DetokenizeRequest": _obj({"model": {"type": "string"},
                                "tokens": {"type": "array", "items": _int(0)}}, ["tokens"],
                               description="Ids outside the tokenizer's vocabulary: 400 naming "
@@ -229,6 +231,18 @@ def openapi_document(model_name: str) -> dict:
                 "responses": {"200": _json(_ref("LoRAAdapterResponse")),
                               **_error_responses("400", "401", "404", "409"),
                               "403": _json(_ref("Error"), "A non-admin key.")}}},
+            "/v1/chat/completions/render": {"post": {
+                "summary": "The prompt ids a chat request would run (no generation)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("ChatCompletionRequest")}}},
+                "responses": {"200": _json(_ref("RenderResponse")),
+                              **_error_responses("400", "401", "404", "413", "503")}}},
+            "/v1/completions/render": {"post": {
+                "summary": "The prompt ids of each prompt of a completions request",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("CompletionRequest")}}},
+                "responses": {"200": _json({"type": "array", "items": _ref("RenderResponse")}),
+                              **_error_responses("400", "401", "404", "413", "503")}}},
             "/tokenize": {"post": {
                 "summary": "Token ids of a chat (as a chat request renders it) or of text",
                 "requestBody": {"required": True, "content": {"application/json": {
@@ -262,5 +276,31 @@ def openapi_document(model_name: str) -> dict:
                 "summary": "The radixkv package version (vLLM's /version)",
                 "responses": {"200": _json(_obj({"version": {"type": "string"}}, ["version"])),
                               **_error_responses("401")}}},
+            # What KV-aware routers ask of a replica (radixkv.server.fleet).
+            "/get_server_info": {"get": {
+                "summary": "Model id, per-process instance id and KV block size (router "
+                           "discovery; public)", "security": [],
+                "responses": {"200": _json(_obj({
+                    "model_id": {"type": "string"}, "instance_id": {"type": "string"},
+                    "kv_block_size": _int(1), "max_model_len": _int(1),
+                    "enable_kv_cache_events": {"type": "boolean"}},
+                    ["model_id", "instance_id", "kv_block_size"]))}}},
+            "/kv_event_sources": {"get": {
+                "summary": "Where KV events are published, keyed by DP rank; {} when off "
+                           "(router discovery; public)", "security": [],
+                "responses": {"200": _json({"type": "object", "additionalProperties": _obj({
+                    "endpoint": {"type": "string"}, "replay_endpoint": {"type": ["string", "null"]},
+                    "topic": {"type": "string"}, "hwm": _int(1), "buffer_steps": _int(1),
+                    "publisher": {"const": "zmq"}, "encoding": {"const": "msgpack"},
+                    "schema_version": {"const": 1}, "enable_kv_cache_events": {"const": True}})})}}},
+            **{path: {"post": {
+                "summary": f"{name}: evict every cached block no running request holds "
+                           "(admin key when --api-keys is set)",
+                "responses": {"200": _json(_obj({"success": {"const": True},
+                                                 "num_evicted_blocks": _int(0)})),
+                              **_error_responses("401", "503"),
+                              "403": _json(_ref("Error"), "A non-admin key.")}}}
+               for path, name in (("/reset_prefix_cache", "vLLM's name"),
+                                  ("/flush_cache", "SGLang's alias of /reset_prefix_cache"))},
         },
     }

@@ -134,9 +134,15 @@ def opt_bool(body: dict, key: str) -> bool | None:
     return v
 
 
+# What sglang-router forwards as ``model`` when the client sent none.
+UNKNOWN_MODEL = "unknown"
+
+
 def check_model(body: dict, served_model: str | tuple[str, ...]) -> None:
     """``model`` may be omitted; otherwise it must name the served model (or, given a tuple of
-    names, one of them: the base model first, then its LoRA adapters).
+    names, one of them: the base model first, then its LoRA adapters). ``"unknown"`` (sent by
+    sglang-router for a request without ``model``) means the base model while it is the only
+    name served; with adapters loaded it is ambiguous, so it is refused like any other name.
 
     Raises:
         APIError: 400 if not a string, 404 ``model_not_found`` for another model.
@@ -147,6 +153,8 @@ def check_model(body: dict, served_model: str | tuple[str, ...]) -> None:
     if not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {model!r}", "model")
     names = (served_model,) if isinstance(served_model, str) else served_model
+    if model == UNKNOWN_MODEL and len(names) == 1:
+        return
     if model not in names:
         served = ", ".join(f"'{n}'" for n in names)
         raise APIError(404, f"The model '{model}' does not exist; this server serves "

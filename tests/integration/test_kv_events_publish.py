@@ -165,8 +165,12 @@ def test_encoding_matches_the_reference_bytes() -> None:
     """The exact head of the bytes msgspec writes with vLLM 0.33's own structs for one
     BlockStored (the reference's measured dump, §2.3): a 3-array, a float64, a 1-array of a
     10-key map whose first pair is "type": "BlockStored"."""
-    payload = encode_batch([("stored", [9561501211280363793, 1], None, list(range(1, 9)), None)],
-                           4, ts=1.5)
+    hashes = [(9561501211280363793).to_bytes(16, "big"), (1).to_bytes(16, "big")]
+    tokens = b"".join(t.to_bytes(4, "little") for t in range(1, 9))
+    payload = encode_batch([("stored", hashes, None, tokens, None)], 4, ts=1.5)
+    (stored,) = msgspec.msgpack.decode(payload)[1]
+    assert stored["block_hashes"] == [9561501211280363793, 1]
+    assert stored["token_ids"] == list(range(1, 9))
     assert payload[:10] == bytes.fromhex("93cb3ff8000000000000")
     assert payload[10:13] == bytes.fromhex("918aa4")
     assert payload[13:17] == b"type" and payload[17:18] == b"\xab" and payload[18:29] == b"BlockStored"

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from radixkv.cache.events import KVEventLog, event_block_id
+from radixkv.cache.events import KVEventLog, decode_event, event_block_id
 from radixkv.cache.hashing import CacheIdentity
 from radixkv.cache.manager import CacheManager
 
@@ -22,6 +22,11 @@ def make(num_blocks: int = 16) -> CacheManager:
     cm = CacheManager(num_blocks, B, clock=lambda: float(next(ticks)))
     cm.events = KVEventLog(B)
     return cm
+
+
+def drained(cm: CacheManager) -> list[tuple]:
+    """The pending events with event ids and token ids (as the publisher sends them)."""
+    return [decode_event(e) for e in cm.events.drain()]
 
 
 def root_of(cm: CacheManager, salt: str | None = None, adapter: tuple[str, str] | None = None) -> bytes:
@@ -55,23 +60,23 @@ def test_stored_runs_are_exact_and_chain_through_parents() -> None:
     first = list(range(1, 11))  # 2 full blocks + a partial tail (never published)
     run(cm, root, "a", first)
     ids = ids_of(cm, root, first)
-    assert cm.events.drain() == [("stored", ids, None, list(range(1, 9)), None)]
+    assert drained(cm) == [("stored", ids, None, list(range(1, 9)), None)]
     # Diverging after block 1: the node is split; the new run's parent is block 0.
     second = [1, 2, 3, 4, 50, 51, 52, 53, 54, 55, 56, 57]
     run(cm, root, "b", second)
     new_ids = ids_of(cm, root, second)
     assert new_ids[0] == ids[0] and new_ids[1] != ids[1]
-    assert cm.events.drain() == [("stored", new_ids[1:], ids[0], list(range(50, 58)), None)]
+    assert drained(cm) == [("stored", new_ids[1:], ids[0], list(range(50, 58)), None)]
     # Extending a cached prefix (the fast path: a request's own leaf) chains on its last block.
     cm.begin("c", root, second + [60, 61, 62, 63])
     assert cm.allocate("c", 16)
     cm.publish("c", second + [60, 61, 62, 63], 16)
     last = ids_of(cm, root, second + [60, 61, 62, 63])
-    assert cm.events.drain() == [("stored", last[3:], new_ids[2], [60, 61, 62, 63], None)]
+    assert drained(cm) == [("stored", last[3:], new_ids[2], [60, 61, 62, 63], None)]
     cm.release("c")
     # Blocks already in the tree are not stored again.
     run(cm, root, "d", first)
-    assert cm.events.drain() == []
+    assert drained(cm) == []
     assert cm.events.num_published_blocks == 5
 
 
@@ -79,14 +84,14 @@ def test_salted_identities_are_never_published_and_adapters_carry_lora_name() ->
     cm = make()
     run(cm, root_of(cm, salt="tenant:a"), "s", list(range(1, 9)))
     run(cm, root_of(cm, salt=""), "e", list(range(1, 9)))  # "" is a salt too
-    assert cm.events.drain() == []
+    assert drained(cm) == []
     lora_root = root_of(cm, adapter=("sql", "d1"))
     run(cm, lora_root, "l", list(range(1, 5)))
-    (event,) = cm.events.drain()
+    (event,) = drained(cm)
     assert event[0] == "stored" and event[2:] == (None, [1, 2, 3, 4], "sql")
     # Evicting salted blocks publishes nothing; the adapter's block is removed.
     assert cm.evict(16) == 5
-    assert cm.events.drain() == [("removed", event[1])]
+    assert drained(cm) == [("removed", event[1])]
 
 
 def test_evictions_publish_removed_for_exactly_the_dropped_blocks() -> None:
@@ -95,9 +100,9 @@ def test_evictions_publish_removed_for_exactly_the_dropped_blocks() -> None:
     a = list(range(100, 116))  # 4 blocks
     run(cm, root, "a", a)
     a_ids = ids_of(cm, root, a)
-    cm.events.drain()
+    drained(cm)
     run(cm, root, "b", list(range(200, 212)))  # needs 3 blocks: 2 free, so a's tail goes
-    events = cm.events.drain()
+    events = drained(cm)
     assert events[0] == ("removed", [a_ids[3]])
     assert events[1][0] == "stored" and events[1][2] is None
 
@@ -109,9 +114,9 @@ def test_reset_publishes_one_cleared_then_the_blocks_still_held() -> None:
     held = list(range(20, 29))
     run(cm, root, "h", held, release=False)  # a running request holds 2 published blocks
     held_ids = ids_of(cm, root, held)
-    cm.events.drain()
+    drained(cm)
     assert cm.reset_prefix_cache() == 2
-    assert cm.events.drain() == [("cleared",), ("stored", held_ids, None, list(range(20, 28)), None)]
+    assert drained(cm) == [("cleared",), ("stored", held_ids, None, list(range(20, 28)), None)]
     assert cm.events.num_published_blocks == 2
     cm.release("h")
     cm.check_integrity()
@@ -125,7 +130,7 @@ def test_multimodal_blocks_and_their_descendants_are_not_published() -> None:
     assert cm.allocate("m", 12)
     cm.publish("m", tokens, 12)
     cm.release("m")
-    (event,) = cm.events.drain()  # block 0 only: block 1 has extras, block 2 chains on it
+    (event,) = drained(cm)  # block 0 only: block 1 has extras, block 2 chains on it
     assert event == ("stored", ids_of(cm, root, tokens)[:1], None, [1, 2, 3, 4], None)
 
 
@@ -158,7 +163,7 @@ def test_a_subscriber_replaying_the_events_holds_exactly_the_published_tree(seed
                 running.append(rid)
                 if len(running) > 3:
                     cm.release(running.pop(0))
-        for event in cm.events.drain():
+        for event in drained(cm):
             if event[0] == "cleared":
                 index.clear()
             elif event[0] == "removed":
