@@ -11,6 +11,8 @@ in ``radixkv.server.param_table`` and ``/openapi.json`` lists exactly them per o
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -145,7 +147,23 @@ class PolicyCheck:
     unknown: list[str] = field(default_factory=list)
 
     def record(self) -> None:
-        IGNORED_COUNTS.record(self.ignored, self.unknown)
+        if _RECORDING.get():
+            IGNORED_COUNTS.record(self.ignored, self.unknown)
+
+
+_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("radixkv_record_ignored",
+                                                                   default=True)
+
+
+@contextlib.contextmanager
+def unrecorded():
+    """Check bodies without counting their ignored or unknown parameters: a router asks every
+    replica to render each request it forwards, and only the request itself should count."""
+    token = _RECORDING.set(False)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
 
 
 def check_field(param: Param, value: Any, path: str, found: PolicyCheck) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from radixkv.server import adapters
+from radixkv.server import adapters, param_policy
 from radixkv.server.auth import REQUEST_TENANT, cache_salt_for
 from radixkv.server.completions import (
     DEFAULT_MAX_TOKENS,
@@ -138,15 +138,17 @@ def render_routes(state_of: Callable[[web.Request], ServerState],
     async def render_chat(request: web.Request) -> web.Response:
         state = state_of(request)
         body = await read_json(request)
-        req = parse_chat_request(body, adapters.model_names(state.engine))
+        with param_policy.unrecorded():  # the forwarded request itself counts them
+            req = parse_chat_request(body, adapters.model_names(state.engine))
         salt = cache_salt_for(request.get(REQUEST_TENANT), req.cache_salt)
         prompt = await chat_prompt(state, req, body, salt)
         return json_response({"token_ids": prompt.ids})
 
     async def render_completions(request: web.Request) -> web.Response:
         state = state_of(request)
-        req = parse_completion_request(await read_json(request),
-                                       adapters.model_names(state.engine))
+        body = await read_json(request)
+        with param_policy.unrecorded():
+            req = parse_completion_request(body, adapters.model_names(state.engine))
         salt = cache_salt_for(request.get(REQUEST_TENANT), req.cache_salt)
         prompts = await completion_prompts(state, req, salt)
         return json_response([{"token_ids": ids} for ids in prompts.ids])

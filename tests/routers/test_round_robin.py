@@ -2,8 +2,9 @@
 
 Both routers re-serialize every request with their own default fields (``no_stop_trim: false``,
 ``skip_special_tokens: true``, ...; sglang-router also renames ``max_tokens``), so a routed
-request only succeeds when radixkv accepts those neutral values. Every request sends ``model``:
-sglang-router would otherwise forward ``"unknown"``. Requests go one at a time, so
+request only succeeds when radixkv accepts those neutral values. Every request sends ``model``
+(a missing one reaches radixkv as ``"unknown"`` through sglang-router: test_cache_aware.py
+covers that). Requests go one at a time, so
 ``round_robin`` gives each replica exactly half of an even count, whatever its starting point.
 """
 

@@ -22,6 +22,7 @@ from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, InvalidURLErr
 
 from radixkv.model.loader import LoadedModel
 from radixkv.server.auth import parse_api_keys
+from radixkv.server.param_policy import IGNORED_COUNTS, UNKNOWN_LABEL
 from radixkv.server.params import UNKNOWN_MODEL
 from radixkv.server.probes import is_http2_preface_error
 from tests.factories import make_async_engine
@@ -100,6 +101,23 @@ async def test_chat_render_is_what_the_engine_runs(render_server):
     assert tokenized == {"tokens": rendered, "count": len(rendered),
                          "max_model_len": server.engine.max_model_len}
     assert rendered == server.engine.tokenizer.apply_chat_template(body["messages"])
+
+
+async def test_render_does_not_count_ignored_parameters(render_server):
+    """A router renders every forwarded request on every replica: only the request itself
+    counts its ignored fields (``radixkv_ignored_parameters_total``)."""
+    server, ran = render_server
+    body = chat_body([{"role": "user", "content": "count me once"}],
+                     model=server.engine.model_name, no_stop_trim=False, bogus_router_field=1)
+    before = IGNORED_COUNTS.snapshot()
+    await render_chat(server.url, body)
+    await ok(server.url, "/v1/completions/render", {"model": server.engine.model_name,
+                                                    "prompt": "x", "no_stop_trim": False})
+    assert IGNORED_COUNTS.snapshot() == before
+    await run_chat(server, ran, body)
+    after = IGNORED_COUNTS.snapshot()
+    assert after["no_stop_trim"] - before.get("no_stop_trim", 0) == 1
+    assert after[UNKNOWN_LABEL] - before.get(UNKNOWN_LABEL, 0) == 1
 
 
 async def test_forced_tool_call_start_ends_the_rendered_prompt(render_server):
