@@ -123,17 +123,21 @@ class KVEventLog:
         run = hashes[-count:]
         self._published.update(run)
         bb = self.block_size * 4
-        self._pending.append(("stored", run, parent, bytes(node.tokens[start * bb : (start + count) * bb]),
+        # (a bytearray slice is a copy: the node's tokens may be trimmed before it is sent)
+        self._pending.append(("stored", run, parent, node.tokens[start * bb : (start + count) * bb],
                               lora_name))
 
     def removed(self, evicted_runs: list) -> None:
         """Eviction dropped these runs: ``(key, (tokens, hashes, extras, note))`` entries, as
         ``RadixTree.evict`` reports them."""
         published = self._published
-        dropped = [h for _key, (_run_tokens, hashes, _extras, _note) in evicted_runs
-                   for h in hashes if h in published]
+        dropped: list[bytes] = []
+        for _key, (_run_tokens, hashes, _extras, _note) in evicted_runs:
+            hit = published.intersection(hashes)  # in any order: a removal is a set
+            if hit:
+                published.difference_update(hit)
+                dropped += hit
         if dropped:
-            published.difference_update(dropped)
             self._pending.append(("removed", dropped))
 
     def mark(self) -> int:
