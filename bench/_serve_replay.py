@@ -11,7 +11,14 @@ agent cannot send turn k+1 before it read reply k). Two dispatch modes:
   caps the requests in flight (None: no cap).
 
 Every request streams with ``stream_options.include_usage``: TTFT is the time to the first
-chunk with content, ITL the gaps between content chunks, token counts come from ``usage``.
+chunk with content, ITL the gaps between content chunks, token counts come from ``usage``
+(``prompt_tokens_details.cached_tokens`` per response, which is also what a router in front of
+several replicas passes back).
+
+Token ids, the context length, the block size and the model id come from the server's
+``POST /tokenize``, ``GET /stats`` and ``GET /v1/models``, or from ``tokenize_url`` (one replica
+behind a router that does not forward those paths: sglang-router answers 404 for both, and
+``model`` ``"unknown"`` from its own ``/v1/models``; vllm-router forwards each to one worker).
 """
 
 # No ``from __future__ import annotations``: loaded by path (see bench/serve.py).
@@ -54,8 +61,27 @@ def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+class NotServed(RuntimeError):
+    """The server answered 404 or 405 for a path the replay needs (``/tokenize``, ``/stats``):
+    typically a router that does not forward it to its replicas. ``path`` and ``status`` say
+    which."""
+
+    def __init__(self, base_url: str, path: str, status: int) -> None:
+        super().__init__(f"{base_url} answered {status} to {path}")
+        self.base_url, self.path, self.status = base_url, path, status
+
+
 async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
     async with http.get(url) as resp:
+        resp.raise_for_status()
+        return await resp.json(content_type=None)  # sglang-router's /v1/models says text/plain
+
+
+async def get_stats(http: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
+    """``GET /stats``; raises NotServed on 404/405, ClientResponseError on other errors."""
+    async with http.get(f"{base_url}/stats") as resp:
+        if resp.status in (404, 405):
+            raise NotServed(base_url, "GET /stats", resp.status)
         resp.raise_for_status()
         return await resp.json()
 
@@ -64,7 +90,12 @@ async def tokenize_all(http: aiohttp.ClientSession, url: str, model: str,
                        requests: list[dict], cache_salt: str | None = None
                        ) -> tuple[list[list[int]], int]:
     """Token ids of every request's prompt (via the server, as a chat request with the same
-    ``cache_salt`` would run it), and the server's context length."""
+    ``cache_salt`` would run it), and the server's context length.
+
+    Raises:
+        NotServed: ``/tokenize`` answered 404 or 405.
+        RuntimeError: it answered another non-200 status.
+    """
     sem = asyncio.Semaphore(4)
     max_model_len = 0
 
@@ -76,6 +107,8 @@ async def tokenize_all(http: aiohttp.ClientSession, url: str, model: str,
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         async with sem, http.post(f"{url}/tokenize", json=body) as resp:
+            if resp.status in (404, 405):
+                raise NotServed(url, "POST /tokenize", resp.status)
             if resp.status != 200:
                 raise RuntimeError(f"/tokenize failed ({resp.status}): {await resp.text()}")
             out = await resp.json()
@@ -189,8 +222,8 @@ async def _open_loop(plan: list[list[Sample]], rate: float, cap: int | None, see
 async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | None,
                  max_tokens: int, request_rate: float | None = None, seed: int = 0,
                  warmup_requests: int = 0, cache_salt: str | None = None,
-                 request_timeout_s: float = 900.0, progress: bool | None = None
-                 ) -> dict[str, Any]:
+                 request_timeout_s: float = 900.0, progress: bool | None = None,
+                 tokenize_url: str | None = None) -> dict[str, Any]:
     """Replay ``sessions`` against the server at ``url`` and summarise.
 
     Args:
@@ -210,15 +243,23 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
             run keeps runs against the same server from hitting each other's blocks.
         request_timeout_s: Seconds without data before a request fails.
         progress: Show a progress bar (None: only on a terminal).
+        tokenize_url: A replica behind the router at ``url``: the model id, token ids, context
+            length, block size and ``/stats`` counters come from it; the chat requests still
+            go to ``url``. None: all from ``url``.
 
     Returns:
         The result keys of DESIGN.md §8 plus run facts, ``computed_tokens``, ITL / TTFT
-        percentiles, ``server_cached_prompt_tokens`` (the ``/stats`` counter's increase),
-        ``prefix_caching`` (the server's own report) and ``per_request`` (dispatch order:
-        session, turn, prompt / cached / ideal tokens, TTFT ms; failed ones with ``error``).
+        percentiles, ``server_requests`` and ``server_cached_prompt_tokens`` (the increase of
+        the ``/stats`` counters ``requests_total`` and ``cached_prompt_tokens_total``; the
+        latter is None unless the former equals the requests dispatched, i.e. when ``/stats``
+        did not see exactly this run: a router spread it over replicas, other clients sent
+        requests, or some were refused before admission), ``prefix_caching`` (the server's own
+        report) and ``per_request`` (dispatch order: session, turn, prompt / cached / ideal
+        tokens, TTFT ms; failed ones with ``error``).
 
     Raises:
         ValueError: concurrency < 1, request_rate <= 0 or warmup_requests < 0.
+        NotServed: ``/tokenize`` or ``/stats`` answered 404 or 405.
         aiohttp.ClientError: the server cannot be reached, or /stats fails.
     """
     if concurrency is not None and concurrency < 1:
@@ -228,11 +269,12 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
     if warmup_requests < 0:
         raise ValueError(f"warmup_requests must be >= 0, got {warmup_requests}")
     url = url.rstrip("/")
+    info_url = (tokenize_url or url).rstrip("/")
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        model = (await get_json(http, f"{url}/v1/models"))["data"][0]["id"]
+        model = (await get_json(http, f"{info_url}/v1/models"))["data"][0]["id"]
         flat = [req for session in sessions for req in session]
-        tokens, max_model_len = await tokenize_all(http, url, model, flat, cache_salt)
+        tokens, max_model_len = await tokenize_all(http, info_url, model, flat, cache_salt)
         samples = iter([Sample(r["session_id"], r["turn"], r, t) for r, t in zip(flat, tokens)])
         plan = [[next(samples) for _ in session] for session in sessions]
         fits = [[s for s in ss if len(s.prompt_token_ids) + max_tokens <= max_model_len]
@@ -243,7 +285,7 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
             warm = Sample(sample.session_id, sample.turn, sample.request, [])
             await stream_one(http, url, model, warm, max_tokens,
                              cache_salt=WARMUP_SALT_PREFIX + uuid.uuid4().hex)
-        stats_before = await get_json(http, f"{url}/stats")
+        stats_before = await get_stats(http, info_url)
         dispatched: list[Sample] = []
         bar = tqdm(total=len(runnable), desc=f"replay {url}", unit="req",
                    disable=None if progress is None else not progress)
@@ -258,17 +300,20 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
             await _open_loop(fits, request_rate, concurrency, seed, send)
         wall_s = time.perf_counter() - start
         bar.close()
-        stats_after = await get_json(http, f"{url}/stats")
+        stats_after = await get_stats(http, info_url)
     out = summarise(dispatched, stats_before["pool"]["block_size_tokens"])
+    server_requests = stats_after["requests_total"] - stats_before["requests_total"]
+    server_cached = (stats_after["cached_prompt_tokens_total"]
+                     - stats_before["cached_prompt_tokens_total"])
     out.update({
-        "url": url, "model": model, "max_model_len": max_model_len,
+        "url": url, "tokenize_url": tokenize_url, "model": model, "max_model_len": max_model_len,
         "prefix_caching": stats_after.get("prefix_caching"), "sessions": len(sessions),
         "mode": "closed-loop" if request_rate is None else "poisson",
         "concurrency": concurrency if request_rate is not None else (concurrency or 1),
         "request_rate": request_rate, "max_tokens": max_tokens, "cache_salt": cache_salt,
         "warmup_requests": min(warmup_requests, len(runnable)), "skipped_requests": skipped,
-        "server_cached_prompt_tokens": (stats_after["cached_prompt_tokens_total"]
-                                        - stats_before["cached_prompt_tokens_total"]),
+        "server_requests": server_requests,
+        "server_cached_prompt_tokens": server_cached if server_requests == len(dispatched) else None,
         "wall_s": wall_s,
         "requests_per_s": out["requests"] / wall_s if wall_s > 0 else None,
         "output_tokens_per_s": out["output_tokens"] / wall_s if wall_s > 0 else None,

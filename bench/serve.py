@@ -10,13 +10,18 @@ recorded assistant message is what the agent sends back, not the served model's 
 ``--concurrency`` sessions run in a closed loop, or ``--request-rate`` dispatches ready turns on
 a Poisson clock (see ``_serve_replay``).
 
-Token ids come from the server's ``POST /tokenize`` and the block size from ``GET /stats``;
-requests whose prompt plus ``--max-tokens`` exceed the server's ``max_model_len`` are skipped
+Token ids come from the server's ``POST /tokenize`` and the block size from ``GET /stats``
+(through a router: from ``--tokenize-url``, one replica behind it, when the router does not
+forward those paths; sglang-router 0.3.2 does not, vllm-router 0.1.17 forwards each to one
+worker); requests whose prompt plus ``--max-tokens`` exceed the server's ``max_model_len`` are skipped
 and counted, never truncated (cutting a prompt's head would destroy its prefix).
 ``ideal_cached_tokens`` is what a perfect prefix cache could reuse: per request, the longest
 common prefix with any earlier dispatched request, capped like the engine's hit cap. Each
 run's requests carry a fresh ``cache_salt`` (``--cache-salt``), so runs against a server that
-is still warm from an earlier run start cold all the same.
+is still warm from an earlier run start cold all the same (not through sglang-router, which
+drops the field: use fresh replicas and ``--cache-salt none``; KV-aware routing also needs
+``none``, since salted blocks are not published). Cached tokens are each response's
+``usage.prompt_tokens_details.cached_tokens``, which routers pass back unchanged.
 
 With ``--compare-url`` (e.g. a second server started with ``--no-prefix-cache``) the same
 requests are replayed there after the first run ends, so the two never share the cores; the
@@ -32,6 +37,8 @@ Usage::
     radixkv bench serve          # the shipped tau-bench sample against http://127.0.0.1:8000
     radixkv bench serve --url http://127.0.0.1:8000 --source tau-bench --shared --sessions 5 \\
         --concurrency 1 --json out.json [--compare-url http://127.0.0.1:8001]
+    radixkv bench serve --url http://127.0.0.1:30000 --tokenize-url http://127.0.0.1:8001 \\
+        --cache-salt none --concurrency 3     # through a router, token ids from one replica
 """
 
 # No ``from __future__ import annotations``: the CLI loads this file by path, possibly without
@@ -59,6 +66,10 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the driver's flags on ``parser`` (used by ``radixkv bench serve``)."""
     parser.add_argument("--url", default=DEFAULT_URL, help=f"server base URL (default {DEFAULT_URL})")
+    parser.add_argument("--tokenize-url", default=None, metavar="REPLICA_URL",
+                        help="with --url a router: one replica behind it, asked for the token "
+                             "ids, context length, block size, model id and /stats (for routers "
+                             "that do not forward /tokenize and /stats, e.g. sglang-router)")
     parser.add_argument("--source", default="tau-bench", choices=sorted(SOURCES))
     data = parser.add_mutually_exclusive_group()
     data.add_argument("--path", "--data-path", dest="path", default=None,
@@ -158,16 +169,28 @@ def plot_ttft(results: list[dict[str, Any]], path: str | Path, title: str) -> No
     plt.close(fig)
 
 
-def _replay_or_exit(url: str, sessions: list, args: argparse.Namespace) -> dict[str, Any]:
+def _replay_or_exit(url: str, sessions: list, args: argparse.Namespace,
+                    tokenize_url: str | None = None) -> dict[str, Any]:
     salt = {"random": f"bench-{uuid.uuid4().hex[:16]}", "none": None}.get(args.cache_salt,
                                                                          args.cache_salt)
     try:
         return asyncio.run(replay(url, sessions, concurrency=args.concurrency,
                                   max_tokens=args.max_tokens, request_rate=args.request_rate,
                                   seed=args.seed, warmup_requests=args.warmup_requests,
-                                  cache_salt=salt, request_timeout_s=args.request_timeout))
+                                  cache_salt=salt, request_timeout_s=args.request_timeout,
+                                  tokenize_url=tokenize_url))
+    except _serve_replay.NotServed as exc:
+        if tokenize_url is not None:
+            raise SystemExit(f"bench serve: --tokenize-url {tokenize_url} answered {exc.status} "
+                             f"to {exc.path}: give a radixkv replica's URL") from exc
+        raise SystemExit(
+            f"bench serve: {url} answered {exc.status} to {exc.path}: a router that does not "
+            "forward /tokenize and /stats to its replicas (sglang-router) needs --tokenize-url "
+            "REPLICA_URL, one replica behind it (token ids, block size and model id come from "
+            "there; the requests still go through the router)") from exc
     except (aiohttp.ClientError, RuntimeError) as exc:  # unreachable, /stats or /tokenize fail
-        raise SystemExit(f"bench serve: cannot use the server at {url}: {exc}") from exc
+        via = f" with --tokenize-url {tokenize_url}" if tokenize_url is not None else ""
+        raise SystemExit(f"bench serve: cannot use the server at {url}{via}: {exc}") from exc
 
 
 def _output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -224,7 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sessions = [s[: args.max_turns] for s in sessions]
     json_path, plot = _output_paths(args)
     try:
-        results = _replay_or_exit(args.url, sessions, args)
+        results = _replay_or_exit(args.url, sessions, args, args.tokenize_url)
         compare = _replay_or_exit(args.compare_url, sessions, args) if args.compare_url else None
     except SystemExit:
         _remove_default_folder(args, json_path)

@@ -267,6 +267,7 @@ def load_bench(name: str) -> ModuleType:
 
 BENCHES = {
     "serve": "replay agent transcripts against a running server",
+    "fleet": "replicas behind vllm-router: bench serve per routing policy and pool size",
     "eviction": "replay a trace through the real tree for each eviction policy x capacity",
     "tree": "cache-index throughput (hash, match, insert, evict) against the raw-hashing floor",
     "kernels": "attention kernels against torch SDPA, a bf16 matmul and a device copy (GPU)",

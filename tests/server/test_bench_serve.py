@@ -57,6 +57,7 @@ def test_replay_two_sessions_exact_cached_and_ideal(server, tmp_path):
     assert data["ideal_cached_tokens"] == sum(ideal)
     # A fresh server with room for everything reuses exactly the ideal prefix.
     assert data["cached_tokens"] == sum(ideal) == data["server_cached_prompt_tokens"]
+    assert (data["server_requests"], data["tokenize_url"]) == (4, None)
     assert data["cached_over_ideal"] == 1.0
     assert 0 < data["ttft_ms_p50"] <= data["ttft_ms_p90"] <= data["ttft_ms_p99"]
     assert data["itl_ms_p50"] > 0 and data["output_tokens_per_s"] > 0
@@ -118,6 +119,23 @@ def test_open_loop_with_warmup_writes_json_and_png(server, tmp_path):
         assert row["turn"] == turns.get(row["session_id"], -1) + 1
         turns[row["session_id"]] = row["turn"]
     assert (tmp_path / "rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tokenize_url_gives_ids_while_requests_go_to_url(server, tmp_path):
+    # The same server both ways: --tokenize-url only moves /v1/models, /tokenize and /stats.
+    bench = load_bench("serve")
+    out = tmp_path / "t.json"
+    assert bench.main(["--url", server.url, "--tokenize-url", server.url + "/", "--source",
+                       "mini-swe-agent", "--sessions", "1", "--max-turns", "2", "--max-tokens", "2",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["url"], data["tokenize_url"], data["requests"]) == (server.url, server.url + "/", 2)
+    assert data["server_requests"] == 2
+    assert data["server_cached_prompt_tokens"] == data["cached_tokens"] > 0
+    with pytest.raises(SystemExit, match=rf"cannot use the server at {server.url} with --tokenize-url "
+                                           r"http://127.0.0.1:1: "):
+        bench.main(["--url", server.url, "--tokenize-url", "http://127.0.0.1:1", "--source",
+                    "mini-swe-agent", "--sessions", "1", "--json", str(tmp_path / "u.json")])
 
 
 def test_bad_flags_exit_with_a_message(server):
