@@ -203,6 +203,13 @@ def kv_events_config_from_args(args: argparse.Namespace):
     try:
         config = parse_kv_events_config(data)
     except (TypeError, ValueError) as exc:
+        # A shorthand's bad value is named by that flag, not by the JSON the user never wrote.
+        for flag, key in (("--kv-events-endpoint", "endpoint"),
+                          ("--kv-events-replay-endpoint", "replay_endpoint")):
+            prefix = f"kv_events_config.{key}: "
+            if getattr(args, f"kv_events_{key}") is not None and \
+                    str(exc).startswith(prefix):
+                raise ValueError(f"{flag}: {str(exc)[len(prefix):]}") from exc
         raise ValueError(f"--kv-events-config: {exc}") from exc
     return config if config.enabled else None
 

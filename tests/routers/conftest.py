@@ -46,6 +46,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     if not report.failed:
         return
-    for value in getattr(item, "funcargs", {}).values():
-        if isinstance(value, RouterProcess):
-            report.sections.append((f"{value.name} log tail ({value.log_path})", value.log_tail()))
+    for arg in getattr(item, "funcargs", {}).values():
+        # (a fleet fixture may hand its routers over in a dict)
+        for value in arg.values() if isinstance(arg, dict) else (arg,):
+            if isinstance(value, RouterProcess):
+                report.sections.append((f"{value.name} log tail ({value.log_path})",
+                                        value.log_tail()))
