@@ -74,7 +74,9 @@ def _narrowed(doc: dict, model: str) -> dict:
                 schema["properties"][field].update(bound)
         if "max_tokens" in schema["properties"]:  # else a chat runs to the end of the context
             schema["required"] = [*schema.get("required", []), "max_tokens"]
-        for field in ("messages", "prompt", "stop", "tools"):
+        # (short token lists: each id past the vocabulary is a 400, and a long random list
+        # nearly always holds one, which left /detokenize's share of 200s near the bound)
+        for field in ("messages", "prompt", "stop", "tools", "tokens"):
             _cap_arrays(schema["properties"].get(field), 3)
     return doc
 
