@@ -227,6 +227,7 @@ class KVEventPublisher:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._sending = False  # the thread has its sockets and has not stopped
 
     @property
     def next_seq(self) -> int:
@@ -255,7 +256,10 @@ class KVEventPublisher:
             raise self._error
 
     def publish(self, events: list[tuple]) -> None:
-        """Queue one step's events (engine thread; never blocks)."""
+        """Queue one step's events (engine thread; never blocks). Dropped once the publisher
+        thread has stopped (closed, or failed: logged then), so nothing piles up."""
+        if not self._sending:
+            return
         try:
             self._queue.put_nowait(events)
         except queue.Full:
@@ -282,6 +286,7 @@ class KVEventPublisher:
                     replay = ctx.socket(zmq.ROUTER)
                     replay.setsockopt(zmq.LINGER, 0)
                     self.advertised_replay_endpoint = _bind(replay, self.config.replay_endpoint)
+                self._sending = True  # before start() returns: the first step's batch counts
             except zmq.ZMQError as exc:
                 value = getattr(self.config, which)
                 self._error = ValueError(f"kv_events_config.{which}: cannot bind {value!r}: {exc}")
@@ -294,6 +299,7 @@ class KVEventPublisher:
         except Exception:  # noqa: BLE001 - routing degrades to load balancing; serving goes on
             log.exception("kv_events_publisher_failed")
         finally:
+            self._sending = False
             pub.close()
             if replay is not None:
                 replay.close()

@@ -174,3 +174,14 @@ def test_encoding_matches_the_reference_bytes() -> None:
     assert payload[:10] == bytes.fromhex("93cb3ff8000000000000")
     assert payload[10:13] == bytes.fromhex("918aa4")
     assert payload[13:17] == b"type" and payload[17:18] == b"\xab" and payload[18:29] == b"BlockStored"
+
+
+def test_nothing_queues_once_the_publisher_has_stopped(tiny_model: LoadedModel) -> None:
+    eng = make_async_engine(tiny_model, kv_events=LOOPBACK, block_size=B, num_blocks=8)
+    publisher = eng.kv_events
+    publisher.publish([("cleared",)])  # not started: nothing to send it on
+    assert publisher.num_queued_batches == 0
+    publisher.start()
+    publisher.close()
+    publisher.publish([("cleared",)])
+    assert (publisher.num_queued_batches, publisher.next_seq) == (0, 0)
