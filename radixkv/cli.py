@@ -192,6 +192,11 @@ def kv_events_config_from_args(args: argparse.Namespace):
             raise ValueError(f"--kv-events-config: not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise ValueError("--kv-events-config: must be a JSON object")
+    if args.kv_events_replay_endpoint is not None and args.kv_events_endpoint is None \
+            and "endpoint" not in data:
+        # Else it would publish on vLLM's default, tcp://*:5557 (every interface), unasked.
+        raise ValueError("--kv-events-replay-endpoint: needs --kv-events-endpoint (or an "
+                         "endpoint in --kv-events-config)")
     if args.kv_events_endpoint is not None or args.kv_events_replay_endpoint is not None:
         data = {**data, "enable_kv_cache_events": True}
         if args.kv_events_endpoint is not None:

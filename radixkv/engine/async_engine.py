@@ -104,6 +104,7 @@ class AsyncEngine(AsyncLoRAMixin):
         self.model_name = self._engine.model_name
         self.max_model_len = self._engine.max_model_len
         self.block_size = self._engine.block_size
+        self.vocab_size = self._engine.model.shape.vocab_size  # token ids lie in [0, vocab_size)
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_queue = max_queue
         self._check_integrity = check_integrity_when_idle
@@ -124,8 +125,11 @@ class AsyncEngine(AsyncLoRAMixin):
         self.instance_id = uuid.uuid4().hex
         self.kv_events: KVEventPublisher | None = None
         if kv_events is not None and kv_events.enabled:
-            self._engine.cache.events = KVEventLog(self.block_size)
-            self.kv_events = KVEventPublisher(kv_events, self.block_size)
+            if not config.cache.enable_prefix_caching:  # nothing is ever cached to announce
+                log.warning("kv_events_off_without_prefix_caching")
+            else:
+                self._engine.cache.events = KVEventLog(self.block_size)
+                self.kv_events = KVEventPublisher(kv_events, self.block_size)
 
     # ------------------------------------------------------------------ lifecycle
     @property

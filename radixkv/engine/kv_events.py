@@ -92,6 +92,11 @@ class KVEventsConfig:
             if not isinstance(value, str) or "://" not in value:
                 raise ValueError(f"kv_events_config.{name}: must be a ZMQ endpoint such as "
                                  f"tcp://*:5557, got {value!r}")
+            port = value.rpartition(":")[2]
+            if value.startswith("tcp://") and port != "*" and not (
+                    port.isdigit() and int(port) <= 65535):
+                raise ValueError(f"kv_events_config.{name}: the port must be 0-65535 or *, "
+                                 f"got {value!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -295,6 +300,12 @@ class KVEventPublisher:
                 self._ready.set()
             log.info("kv_events_publishing", endpoint=self.advertised_endpoint,
                      replay_endpoint=self.advertised_replay_endpoint, topic=self.config.topic)
+            if any(e is not None and ("tcp://*:" in e or "tcp://0.0.0.0:" in e)
+                   for e in (self.advertised_endpoint, self.advertised_replay_endpoint)):
+                # vLLM's default, but BlockStored carries every prompt's token ids.
+                log.warning("kv_events_on_all_interfaces", endpoint=self.advertised_endpoint,
+                            note="events carry prompt token ids; bind a private address "
+                                 "unless every host that can reach it may read prompts")
             self._loop(pub, replay)
         except Exception:  # noqa: BLE001 - routing degrades to load balancing; serving goes on
             log.exception("kv_events_publisher_failed")

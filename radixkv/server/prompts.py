@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from radixkv.config import check_token_ids
 from radixkv.server import adapters, param_policy
 from radixkv.server.auth import REQUEST_TENANT, cache_salt_for
 from radixkv.server.completions import (
@@ -38,7 +39,7 @@ from radixkv.server.completions import (
     PromptInput,
     parse_completion_request,
 )
-from radixkv.server.errors import json_response
+from radixkv.server.errors import bad_request, json_response
 from radixkv.server.generation import resolve_max_tokens
 from radixkv.server.prefix_memory import tokenize_with_memory
 from radixkv.server.protocol import ChatRequest, parse_chat_request
@@ -113,8 +114,9 @@ async def completion_prompts(state: ServerState, req: CompletionRequest,
     by the rest encoded (``radixkv.server.prefix_memory``), other texts encoded plainly.
 
     Raises:
-        APIError: 400 ``context_length_exceeded`` naming the prompt or ``max_tokens``,
-            503 ``queue_full``.
+        APIError: 400 naming the prompt for an empty one or an id outside the vocabulary,
+            400 ``context_length_exceeded`` naming the prompt or ``max_tokens``, 503
+            ``queue_full``.
     """
     engine = state.engine
     prompts = req.prompts or (PromptInput(req.prompt_text, req.prompt_ids, req.prompt_param),)
@@ -124,6 +126,11 @@ async def completion_prompts(state: ServerState, req: CompletionRequest,
         for p in prompts:
             ids.append(p.ids if p.ids is not None
                        else await tokenize_with_memory(engine, state.prefixes, salt, p.text))
+    for p, prompt in zip(prompts, ids):  # here, not only in the engine: render must refuse too
+        try:
+            check_token_ids(p.param, prompt, engine.vocab_size)
+        except ValueError as exc:
+            raise bad_request(str(exc), str(exc).partition(":")[0]) from None
     max_tokens = min(resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens",
                                         len(prompt), engine, p.param)
                      for p, prompt in zip(prompts, ids))

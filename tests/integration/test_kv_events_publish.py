@@ -185,3 +185,9 @@ def test_nothing_queues_once_the_publisher_has_stopped(tiny_model: LoadedModel) 
     publisher.close()
     publisher.publish([("cleared",)])
     assert (publisher.num_queued_batches, publisher.next_seq) == (0, 0)
+
+
+def test_no_publisher_without_prefix_caching(tiny_model: LoadedModel) -> None:
+    eng = make_async_engine(tiny_model, kv_events=LOOPBACK, block_size=B, num_blocks=8,
+                            prefix_cache=False)
+    assert eng.kv_events is None and eng._engine.cache.events is None

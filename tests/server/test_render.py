@@ -187,6 +187,11 @@ async def test_text_append_completion_renders_the_remembered_ids(render_server):
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1 << 20}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": [1, 999999]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": [1, -1]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 50000]]}, 400, "prompt[1][1]"),
 ])
 async def test_render_refuses_what_generation_refuses(render_server, path, body, status, param):
     server, _ = render_server

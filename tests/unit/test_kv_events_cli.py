@@ -39,8 +39,16 @@ def test_endpoint_shorthand_enables_events_with_vllms_defaults():
     assert config_of("--kv-events-endpoint", "tcp://*:6000") == KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:6000",
         replay_endpoint=None, buffer_steps=10_000, hwm=100_000, max_queue_size=100_000, topic="")
-    assert config_of("--kv-events-replay-endpoint", "tcp://*:6001") == KVEventsConfig(
-        enable_kv_cache_events=True, endpoint="tcp://*:5557", replay_endpoint="tcp://*:6001")
+    assert config_of("--kv-events-endpoint", "tcp://127.0.0.1:6000", "--kv-events-replay-endpoint",
+                     "tcp://127.0.0.1:6001") == KVEventsConfig(
+        enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:6000",
+        replay_endpoint="tcp://127.0.0.1:6001")
+    # A replay endpoint alone would publish on vLLM's default, every interface: refused.
+    with pytest.raises(ValueError, match="--kv-events-replay-endpoint: needs --kv-events-endpoint"):
+        config_of("--kv-events-replay-endpoint", "tcp://127.0.0.1:6001")
+    assert config_of("--kv-events-config", '{"endpoint": "tcp://127.0.0.1:1"}',
+                     "--kv-events-replay-endpoint", "tcp://127.0.0.1:2").replay_endpoint == \
+        "tcp://127.0.0.1:2"
 
 
 def test_json_config():
@@ -83,7 +91,9 @@ def test_shorthands_override_the_json():
     (("--kv-events-endpoint", "localhost:6000"),
      "--kv-events-endpoint: must be a ZMQ endpoint such as "
      "tcp://*:5557, got 'localhost:6000'"),
-    (("--kv-events-replay-endpoint", "6001"),
+    (("--kv-events-endpoint", "tcp://127.0.0.1:70000"),
+     "--kv-events-endpoint: the port must be 0-65535 or *, got 'tcp://127.0.0.1:70000'"),
+    (("--kv-events-endpoint", "tcp://127.0.0.1:1", "--kv-events-replay-endpoint", "6001"),
      "--kv-events-replay-endpoint: must be a ZMQ endpoint such as "
      "tcp://*:5557, got '6001'"),
 ])
