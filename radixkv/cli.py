@@ -242,17 +242,25 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"radixkv serve: cannot listen on {args.host}:{args.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 2
+    publisher = None
     try:
+        if kv_events is not None and not args.no_prefix_cache:
+            from radixkv.engine.kv_events import KVEventPublisher
+
+            # Bound before the model loads, like the HTTP port: a taken port fails in a second.
+            publisher = KVEventPublisher(kv_events, args.block_size)
+            publisher.start()
         from radixkv.engine.async_engine import AsyncEngine
 
         engine = AsyncEngine(engine_config_from_args(args), max_queue=args.max_queue,
                              tokenizer_workers=args.tokenizer_workers,
-                             max_tokenize_queue=args.max_tokenize_queue, kv_events=kv_events)
-        if engine.kv_events is not None:
-            engine.kv_events.start()  # binds now: a taken port is a flag error, not a traceback
+                             max_tokenize_queue=args.max_tokenize_queue,
+                             kv_events=publisher or kv_events)
     except (ValueError, OSError) as exc:  # bad flag values, missing model files, KV event ports
         for sock in sockets:
             sock.close()
+        if publisher is not None:
+            publisher.close()
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
     from radixkv.server.app import run_server

@@ -85,7 +85,8 @@ class AsyncEngine(AsyncLoRAMixin):
         max_tokenize_queue: most tokenization jobs waiting for a worker; one more raises
             ``TokenizeQueueFullError``.
         kv_events: publish KV cache events (``radixkv.engine.kv_events``) when enabled; the
-            sockets are bound by ``start``.
+            sockets are bound by ``start``. A ``KVEventPublisher`` (started or not, same block
+            size) is used as is: ``radixkv serve`` binds it before loading the model.
 
     Attributes:
         instance_id: Unique per engine (a restarted replica gets a new one).
@@ -96,7 +97,7 @@ class AsyncEngine(AsyncLoRAMixin):
                  check_integrity_when_idle: bool = False, max_queue: int | None = None,
                  tokenizer_workers: int | None = None,
                  max_tokenize_queue: int = DEFAULT_MAX_TOKENIZE_QUEUE,
-                 kv_events: KVEventsConfig | None = None) -> None:
+                 kv_events: KVEventsConfig | KVEventPublisher | None = None) -> None:
         if max_queue is not None:
             check_int("max_queue", max_queue, minimum=0)
         self._engine = LLMEngine(config, model)
@@ -124,12 +125,18 @@ class AsyncEngine(AsyncLoRAMixin):
         self.error: BaseException | None = None
         self.instance_id = uuid.uuid4().hex
         self.kv_events: KVEventPublisher | None = None
-        if kv_events is not None and kv_events.enabled:
+        publisher = kv_events if isinstance(kv_events, KVEventPublisher) else None
+        if publisher is not None and publisher.block_size != self.block_size:
+            raise ValueError(f"kv_events: a publisher for block size {publisher.block_size}, "
+                             f"the engine uses {self.block_size}")
+        if kv_events is not None and (publisher is not None or kv_events.enabled):
             if not config.cache.enable_prefix_caching:  # nothing is ever cached to announce
                 log.warning("kv_events_off_without_prefix_caching")
+                if publisher is not None:
+                    publisher.close()
             else:
                 self._engine.cache.events = KVEventLog(self.block_size)
-                self.kv_events = KVEventPublisher(kv_events, self.block_size)
+                self.kv_events = publisher or KVEventPublisher(kv_events, self.block_size)
 
     # ------------------------------------------------------------------ lifecycle
     @property
