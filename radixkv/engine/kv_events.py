@@ -283,6 +283,7 @@ class KVEventPublisher:
         try:
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             pub.setsockopt(zmq.LINGER, 1000)
+            pub.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (IPv4 addresses still work)
             which = "endpoint"
             try:
                 self.advertised_endpoint = _bind(pub, self.config.endpoint)
@@ -290,6 +291,7 @@ class KVEventPublisher:
                     which = "replay_endpoint"
                     replay = ctx.socket(zmq.ROUTER)
                     replay.setsockopt(zmq.LINGER, 0)
+                    replay.setsockopt(zmq.IPV6, 1)
                     self.advertised_replay_endpoint = _bind(replay, self.config.replay_endpoint)
                 self._sending = True  # before start() returns: the first step's batch counts
             except zmq.ZMQError as exc:

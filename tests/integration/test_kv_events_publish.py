@@ -191,3 +191,20 @@ def test_no_publisher_without_prefix_caching(tiny_model: LoadedModel) -> None:
     eng = make_async_engine(tiny_model, kv_events=LOOPBACK, block_size=B, num_blocks=8,
                             prefix_cache=False)
     assert eng.kv_events is None and eng._engine.cache.events is None
+
+
+@pytest.mark.parametrize("endpoint,prefix", [("tcp://[::1]:0", "tcp://[::1]:"),
+                                             ("tcp://127.0.0.1:*", "tcp://127.0.0.1:")])
+def test_ipv6_and_wildcard_ports_bind(endpoint: str, prefix: str) -> None:
+    from radixkv.engine.kv_events import KVEventPublisher
+
+    publisher = KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint), B)
+    try:
+        publisher.start()
+    except ValueError as exc:  # a host without IPv6 at all
+        pytest.skip(f"cannot bind {endpoint}: {exc}")
+    try:
+        bound = publisher.advertised_endpoint
+        assert bound.startswith(prefix) and 0 < int(bound.rpartition(":")[2]) < 65536
+    finally:
+        publisher.close()
