@@ -14,7 +14,12 @@ import pytest
 import zmq
 
 from radixkv.cache.events import event_block_id
-from radixkv.engine.kv_events import KVEventsConfig, encode_batch, parse_kv_events_config
+from radixkv.engine.kv_events import (
+    KVEventPublisher,
+    KVEventsConfig,
+    encode_batch,
+    parse_kv_events_config,
+)
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model.loader import LoadedModel
 from tests.factories import make_async_engine
@@ -196,8 +201,6 @@ def test_no_publisher_without_prefix_caching(tiny_model: LoadedModel) -> None:
 @pytest.mark.parametrize("endpoint,prefix", [("tcp://[::1]:0", "tcp://[::1]:"),
                                              ("tcp://127.0.0.1:*", "tcp://127.0.0.1:")])
 def test_ipv6_and_wildcard_ports_bind(endpoint: str, prefix: str) -> None:
-    from radixkv.engine.kv_events import KVEventPublisher
-
     publisher = KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint), B)
     try:
         publisher.start()
