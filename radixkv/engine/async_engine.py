@@ -285,7 +285,12 @@ class AsyncEngine(AsyncLoRAMixin):
         done: asyncio.Future = loop.create_future()
         self._inbox.put(("call", (self._engine.cache.reset_prefix_cache, loop, done)))
         self._wake.set()
-        return await done
+        while True:  # a thread that dies first never answers
+            try:
+                return await asyncio.wait_for(asyncio.shield(done), 1.0)
+            except asyncio.TimeoutError:
+                if not self.is_healthy:
+                    raise EngineDeadError(f"engine stopped: {self.error!r}") from None
 
     def abort_all(self) -> int:
         """Abort every open request (graceful shutdown past its timeout); returns how many."""

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from radixkv.engine.async_engine import EngineDeadError
 from radixkv.server.errors import json_response
+from radixkv.server.generation import engine_dead
 
 if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine
@@ -43,7 +45,10 @@ def add_routes(app: web.Application, engine_of) -> None:
         return json_response(engine.kv_events.sources() if engine.kv_events is not None else {})
 
     async def reset_prefix_cache(request: web.Request) -> web.Response:
-        evicted = await engine_of(request).reset_prefix_cache()
+        try:
+            evicted = await engine_of(request).reset_prefix_cache()
+        except EngineDeadError:
+            raise engine_dead() from None
         return json_response({"success": True, "num_evicted_blocks": evicted})
 
     app.router.add_get("/get_server_info", get_server_info)

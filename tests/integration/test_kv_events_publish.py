@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from radixkv.cache.events import event_block_id
+from radixkv.engine.async_engine import EngineDeadError
 from radixkv.engine.kv_events import (
     KVEventPublisher,
     KVEventsConfig,
@@ -211,3 +212,11 @@ def test_ipv6_and_wildcard_ports_bind(endpoint: str, prefix: str) -> None:
         assert bound.startswith(prefix) and 0 < int(bound.rpartition(":")[2]) < 65536
     finally:
         publisher.close()
+
+
+def test_reset_on_a_stopped_engine_raises(tiny_model: LoadedModel) -> None:
+    eng = make_async_engine(tiny_model, block_size=B, num_blocks=8)
+    eng.start()
+    asyncio.run(eng.shutdown())
+    with pytest.raises(EngineDeadError):
+        asyncio.run(eng.reset_prefix_cache())
