@@ -16,16 +16,11 @@ keys are configured.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 
-from radixkv.engine.async_engine import EngineDeadError
+from radixkv.engine.async_engine import AsyncEngine, EngineDeadError
 from radixkv.server.errors import json_response
 from radixkv.server.generation import engine_dead
-
-if TYPE_CHECKING:
-    from radixkv.engine.async_engine import AsyncEngine
 
 __all__ = ["add_routes"]
 
