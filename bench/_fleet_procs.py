@@ -62,8 +62,8 @@ def make_tiny_model(path: Path) -> Path:
 
 
 def serve_flags() -> set[str]:
-    """Option strings ``radixkv serve`` accepts in this checkout (flags still being added, such
-    as ``--num-threads`` or ``--kv-events-endpoint``, are used only when present)."""
+    """Option strings ``radixkv serve`` accepts in this checkout (a flag still to come, such as
+    ``--num-threads``, is used only when present)."""
     from radixkv import cli
 
     parser = argparse.ArgumentParser()

@@ -3,9 +3,9 @@
 For each pool size (``--pools``) and each policy (``--policies``, default ``round_robin``,
 ``cache_aware``, ``kv_aware``) the driver starts ``--replicas`` FRESH ``radixkv serve``
 processes (127.0.0.1, free ports, one compute thread each, KV events on a ZMQ PUB and a replay
-endpoint when ``radixkv serve`` has ``--kv-events-endpoint``), then ``vllm-router --policy P
---router-temperature 0 --worker-urls ...`` (``kv_aware`` finds each replica's events through
-its ``GET /get_server_info`` and ``GET /kv_event_sources``; no static flags), runs ``bench
+endpoint), then ``vllm-router --policy P --router-temperature 0 --worker-urls ...``
+(``kv_aware`` finds each replica's events through its ``GET /get_server_info`` and ``GET
+/kv_event_sources``; no static flags), runs ``bench
 serve`` through the router (``--tokenize-url`` the first replica, ``--cache-salt none``: salted
 blocks are not published) and stops every process by PID.
 
@@ -189,16 +189,14 @@ _COLS = [("policy", "policy", "{}"), ("cached/ideal", "cached_over_ideal", "{:.3
 
 
 def format_table(phase: dict[str, Any]) -> str:
-    """One phase's runs as a plain-text table; skipped policies below it, with the reason."""
+    """One phase's runs as a plain-text table."""
     rows = [[name for name, _, _ in _COLS]]
     rows += [[("-" if run.get(k) is None else fmt.format(run[k])) for _, k, fmt in _COLS]
-             for run in phase["runs"] if "skipped" not in run]
+             for run in phase["runs"]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLS))]
     lines = [f"pool {phase['pool']}: {phase['num_blocks']} blocks per replica"]
     lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
               for row in rows]
-    lines += [f"{run['policy']}: skipped: {run['skipped']}" for run in phase["runs"]
-              if "skipped" in run]
     return "\n".join(lines)
 
 
@@ -227,7 +225,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = json_path.parent / f"{json_path.stem}-runs"
     run_dir.mkdir(parents=True, exist_ok=True)
     flags = procs.serve_flags()
-    kv_events = "--kv-events-endpoint" in flags
     from radixkv.cli import load_bench
 
     serve = load_bench("serve")
@@ -242,13 +239,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 blocks = pool_blocks(pool, sizing, args)
                 phase = {"pool": pool, "num_blocks": blocks, "runs": []}
                 for policy in policies:
-                    if policy == "kv_aware" and not kv_events:
-                        phase["runs"].append({"policy": policy, "skipped": (
-                            "radixkv serve has no --kv-events-endpoint in this checkout")})
-                        continue
                     print(f"bench fleet: pool {pool} ({blocks} blocks), {policy}", file=sys.stderr)
                     phase["runs"].append(one_run(policy, blocks, model, serve, sessions_flags, args,
-                                                 run_dir, f"{pool}-{policy}", kv_events, flags))
+                                                 run_dir, f"{pool}-{policy}", True, flags))
                 phases.append(phase)
         except procs.FleetError as exc:
             raise SystemExit(f"bench fleet: {exc}") from exc
@@ -258,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "source": args.source, "data_path": str(path or default_path(args.source)),
                "sessions": len(sessions), "max_turns": args.max_turns,
                "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-               "block_size": args.block_size, "kv_events": kv_events,
+               "block_size": args.block_size, "kv_events": True,
                "num_threads_flag": "--num-threads" in flags, **sizing, "phases": phases}
     print("\n\n".join(format_table(p) for p in phases))
     json_path.write_text(json.dumps(results, indent=2) + "\n")
