@@ -125,6 +125,12 @@ class CacheConfig:
             each block as it fills (vLLM's behaviour); a large value publishes at the end
             (SGLang's). Batching keeps per-block Python calls off the decode path.
         cache_salt: server-wide salt mixed into every request's cache identity.
+        kv_store: the store tier under the tree (``radixkv.cache.store.backend.parse_kv_store``:
+            ``host:GIB`` or ``mooncake://HOST:PORT?metadata=URL``); None: no store.
+        kv_store_write: ``all`` writes every published block once; ``evict`` only what the
+            device pool evicts.
+        kv_store_timeout_s: a store load not done within this many seconds is abandoned and
+            its blocks computed.
     """
 
     block_size: int = 16
@@ -134,9 +140,17 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     hash_algo: str = "xxh3_128"
     publish_interval_blocks: int = 16
+    kv_store: str | None = None
+    kv_store_write: str = "all"
+    kv_store_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
+        _require(self.kv_store_write in ("all", "evict"), "kv_store_write",
+                 f"must be 'all' or 'evict', got {self.kv_store_write!r}")
+        _require(isinstance(self.kv_store_timeout_s, (int, float))
+                 and 0 < self.kv_store_timeout_s < 3600, "kv_store_timeout_s",
+                 f"must be in (0, 3600) seconds, got {self.kv_store_timeout_s!r}")
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, minimum=1)
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,

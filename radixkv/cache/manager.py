@@ -1,25 +1,13 @@
-"""The cache facade the engine talks to: match + lock, allocate (+ evict), publish, release, fork.
+"""The cache facade the engine talks to: match + lock, allocate (+ evict), publish, release, fork,
+and the store tier's loads (``store_begin`` → ``store_ready`` → ``store_finish``).
 
-A request's life (all calls from the engine thread)::
-
-    m = begin(rid, root, prompt, mm_items=…)   match under the identity root (compare tokens +
-                                                extras, hash nothing cached), cap the hit at
-                                                floor(min(match, N-1)/B)*B, lock the path,
-                                                classify the missed tokens
-    allocate(rid, num_tokens) -> bool           grow the block table (evict leaves if short);
-                                                all-or-nothing; the first success admits the
-                                                request's lookup into the policy fields
-    record_admission(rid)                       count its miss causes once (scheduler, first
-                                                admission only)
-    begin_step() … forward … end_step()         blocks released while a step is in flight are
-                                                freed only after it
-    publish(rid, token_ids, num_computed)       insert every full computed block, hashed once
-                                                (radixkv.cache.publish)
-    fork(rid, child_rid) -> copies              n > 1: share full blocks, copy the partial tail
-    release(rid)                                unlock, free private blocks; published blocks
-                                                stay cached-evictable (matchable until evicted)
-
-Block states, lifetimes and the package's layers: ``radixkv/cache/README.md``.
+A request's life (engine thread): ``begin`` (match under the identity root, cap the hit at
+floor(min(match, N-1)/B)*B, lock the path, classify the missed tokens) → ``allocate`` (grow
+the block table, evicting leaves; all-or-nothing; the first success admits the lookup into the
+policy fields) → ``record_admission`` (count the miss causes once) → ``begin_step`` … forward …
+``end_step`` (blocks released meanwhile are freed after it) → ``publish`` (insert full computed
+blocks, hashed once) → ``fork`` (n > 1) → ``release`` (unlock; published blocks stay
+cached-evictable). Block states, lifetimes and the layers: ``radixkv/cache/README.md``.
 """
 
 from __future__ import annotations
@@ -31,6 +19,7 @@ from typing import Callable, Sequence
 from radixkv.cache.check import block_states, check_manager
 from radixkv.cache.events import KVEventLog
 from radixkv.cache.fork import fork
+from radixkv.cache.gauges import CacheGauges
 from radixkv.cache.hashing import BlockHasher, CacheIdentity, HashFn
 from radixkv.cache.identity_memo import IdentityMemo
 from radixkv.cache.lookup import lookup_inputs
@@ -38,6 +27,8 @@ from radixkv.cache.miss_causes import GhostList, classify_miss, empty_breakdown
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.publish import publish
 from radixkv.cache.request_state import RequestState
+from radixkv.cache.store import bridge
+from radixkv.cache.store.tier import StoreTier
 from radixkv.cache.tree.node import BLOCK_ID_TYPECODE
 from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.config import check_block_size, check_int
@@ -48,7 +39,7 @@ from radixkv.eviction import make_policy
 IDENTITY_MEMO_SIZE = 4096
 
 
-class CacheManager:
+class CacheManager(CacheGauges):
     """Radix-tree prefix cache over a paged KV block pool.
 
     Args:
@@ -98,6 +89,8 @@ class CacheManager:
         self._requests: dict[str, RequestState] = {}
         #: Set by an engine that publishes KV events (``radixkv.cache.events``); None: off.
         self.events: KVEventLog | None = None
+        #: The store tier under the tree (``attach_store``); None: no store.
+        self.store: StoreTier | None = None
 
     # ---- identity -----------------------------------------------------------------------
     def identity_root(self, identity: CacheIdentity) -> bytes:
@@ -290,7 +283,43 @@ class CacheManager:
                 not a multiple of 4, ``mm_items`` if malformed; nothing is changed then.
         """
         publish(self._requests[request_id], self.tree, self.pool, self.hasher, token_ids,
-                num_computed_tokens, mm_items, self.enable_prefix_caching, self.events)
+                num_computed_tokens, mm_items, self.enable_prefix_caching, self.events,
+                self.store if self.store is not None and self.store.write_mode == "all" else None)
+
+    # ---- store tier (radixkv.cache.store.bridge has the rules) ---------------------------
+    def attach_store(self, tier: StoreTier) -> None:
+        """Put ``tier`` under the tree: lookups past the device match ask it, published (or,
+        in ``evict`` write mode, evicted) blocks are written to it."""
+        self.store = tier
+        if tier.write_mode == "evict":
+            self.tree.trim_hook = lambda node, take: bridge.write_trimmed(tier, node, take)
+
+    def store_begin(self, request_id: str, prompt_token_ids: bytes) -> bool:
+        """After ``begin``: queue the store lookup of the blocks past the device match (packed
+        prompt); True when the request must wait for ``store_ready`` before ``store_finish``."""
+        req = self._requests[request_id]
+        if self.store is None or not self.enable_prefix_caching:
+            return False
+        return bridge.start_load(self.store, req, request_id, self.hasher.hash_blocks,
+                                 prompt_token_ids, len(prompt_token_ids) >> 2, self.block_size)
+
+    def store_ready(self, request_id: str) -> bool:
+        """The request's store load finished or passed its deadline."""
+        return self.store.is_ready(request_id)  # type: ignore[union-attr]
+
+    def store_finish(self, request_id: str, prompt_token_ids: bytes) -> tuple[int, int]:
+        """Insert what the load verified (pool blocks + tree, as published); return the
+        request's cached tokens now (device + store, the new m) and the part the store loaded."""
+        req = self._requests[request_id]
+        req.num_store_tokens = bridge.finish_load(
+            self.store, req, request_id, self._take_blocks,  # type: ignore[arg-type]
+            lambda n: self.publish(request_id, prompt_token_ids, n), self.block_size)
+        return req.num_cached_tokens, req.num_store_tokens
+
+    def store_wait(self, timeout_s: float) -> None:
+        """Block until a store load finishes or ``timeout_s`` passes (nothing else can run)."""
+        if self.store is not None:
+            self.store.wait(timeout_s)
 
     def fork(self, parent_request_id: str, child_request_id: str, *,
              num_computed_tokens: int | None = None) -> list[tuple[int, int]] | None:
@@ -351,6 +380,8 @@ class CacheManager:
             KeyError: unknown ``request_id`` (including a second release).
         """
         req = self._requests.pop(request_id)
+        if self.store is not None:
+            self.store.cancel(request_id)
         if req.cursor is not None:
             self.tree.unlock(req.cursor, touch=req.admitted)
         self.pool.free(req.duplicate_ids)
@@ -375,52 +406,6 @@ class CacheManager:
     def is_active(self, request_id: str) -> bool:
         """Return whether ``request_id`` began and was not released."""
         return request_id in self._requests
-
-    # ---- gauges (DESIGN.md §7 units; free + cached_evictable + in_use = num_blocks) ------
-    @property
-    def miss_tokens(self) -> dict[str, int]:
-        """Counter: missed prompt tokens by cause (cold, evicted, isolated, unaligned_tail),
-        summed over admitted requests (each lookup counted once, at admission)."""
-        return dict(self._miss_tokens)
-
-    @property
-    def evicted_blocks_total(self) -> int:
-        """Counter: cached blocks evicted (dropped from the tree) since start."""
-        return self._evicted_blocks_total
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks with no content."""
-        return self.pool.num_free_blocks
-
-    @property
-    def num_deferred_blocks(self) -> int:
-        """Released private blocks waiting for the in-flight step to end (part of in-use)."""
-        return self.pool.num_deferred_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks held by the tree (evictable + locked)."""
-        return self.tree.num_cached_blocks
-
-    @property
-    def num_cached_evictable_blocks(self) -> int:
-        """Cached blocks no running request holds."""
-        return self.tree.num_evictable_blocks
-
-    @property
-    def num_in_use_blocks(self) -> int:
-        """Blocks held by running requests (or an in-flight step): private + cached-locked."""
-        return self.pool.num_private_blocks + self.tree.num_locked_blocks
-
-    @property
-    def num_tree_nodes(self) -> int:
-        """Non-root tree nodes."""
-        return self.tree.num_nodes
-
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._requests)
 
     def block_states(self) -> list[str]:
         """State of every block ("free", "private", "cached_evictable", "cached_locked");

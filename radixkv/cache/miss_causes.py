@@ -18,6 +18,9 @@ For a prompt of N tokens whose lookup returned ``m`` cached tokens (a multiple o
   ``MAX_ISOLATION_ROOTS`` roots, compare only). Partial hits are never called isolated.
 * ``cold``: the remaining full blocks (never seen, or evicted long enough ago to leave the
   ghost list).
+* ``store_timeout`` / ``store_rejected`` (with a store tier, ``radixkv.cache.store``): blocks
+  the store held that were computed instead, because the load passed its deadline or a value
+  failed its header or checksum check. Blocks the store served are hits, not misses.
 
 The breakdown is computed at every lookup but counted once per request, at admission
 (``CacheManager.record_admission``): a request waiting for blocks looks up again each step.
@@ -32,7 +35,7 @@ from radixkv.cache.tree.compare import matching_blocks, walk
 from radixkv.cache.tree.node import Node, child_key
 from radixkv.cache.tree.radix_tree import RadixTree
 
-MISS_CAUSES = ("cold", "evicted", "isolated", "unaligned_tail")
+MISS_CAUSES = ("cold", "evicted", "isolated", "unaligned_tail", "store_timeout", "store_rejected")
 #: Other identities examined for an isolated miss (bounds the lookup cost with many tenants).
 MAX_ISOLATION_ROOTS = 4
 
@@ -195,7 +198,8 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
     notes: list[tuple[int, object]] = []
     if missing <= 0:
         return {"cold": 0, "evicted": 0, "isolated": 0,
-                "unaligned_tail": num_prompt_tokens - cap_blocks * bs}, hashes, notes
+                "unaligned_tail": num_prompt_tokens - cap_blocks * bs, "store_timeout": 0,
+                "store_rejected": 0}, hashes, notes
     i, h, bb_x = num_matched_blocks, last_hash, b""
     while len(ghost) and i < cap_blocks:
         if px is not None:
@@ -227,4 +231,5 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
             isolated = max(isolated, walk(other, pb, px, cap_blocks, bb)[1])
     return {"cold": (missing - evicted - isolated) * bs, "evicted": evicted * bs,
             "isolated": isolated * bs,
-            "unaligned_tail": num_prompt_tokens - cap_blocks * bs}, hashes, notes
+            "unaligned_tail": num_prompt_tokens - cap_blocks * bs, "store_timeout": 0,
+            "store_rejected": 0}, hashes, notes

@@ -15,6 +15,8 @@ from radixkv.cache.events import KVEventLog
 from radixkv.cache.hashing import BlockHasher, block_extras, pack_tokens, validate_mm_items
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.request_state import RequestState
+from radixkv.cache.store.bridge import write_published
+from radixkv.cache.store.tier import StoreTier
 from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.config import check_int
 
@@ -22,13 +24,14 @@ from radixkv.config import check_int
 def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHasher,
         token_ids: Sequence[int] | bytes, num_computed_tokens: int,
         mm_items: Sequence[Sequence] | None, enable_prefix_caching: bool,
-        events: KVEventLog | None = None) -> None:
+        events: KVEventLog | None = None, store: StoreTier | None = None) -> None:
     """Insert every full, computed block of ``req`` not yet published into ``tree``.
 
     Arguments, errors and effects as ``CacheManager.publish``; ``req`` is advanced in place
     (``num_computed_tokens``, ``num_published_blocks``, ``cursor``, ``last_hash``, duplicates)
     and the inserted blocks pass from the request to the tree in ``pool``. ``events`` records
-    the newly inserted run (none when every block was already cached).
+    the newly inserted run (none when every block was already cached); ``store`` (a tier in
+    ``all`` write mode) is asked to write it.
     """
     bs = tree.block_size
     packed = isinstance(token_ids, (bytes, bytearray))
@@ -67,6 +70,8 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
             req.num_published_blocks = num_full
             if events is not None:
                 events.stored(req.root.root_hash, req.cursor, len(ids))
+            if store is not None:
+                write_published(store, req.root.root_hash, req.cursor, len(ids))
             return
     if type(tb) is not bytes:
         tb = bytes(tb)
@@ -94,6 +99,8 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
     pool.to_cached(result.inserted_ids)
     if events is not None and result.inserted_ids:
         events.stored(req.root.root_hash, result.node, len(result.inserted_ids))
+    if store is not None and result.inserted_ids and not req.mm_items:
+        write_published(store, req.root.root_hash, result.node, len(result.inserted_ids))
     if result.duplicate_ids:
         req.duplicate_ids += result.duplicate_ids
     req.cursor = result.node

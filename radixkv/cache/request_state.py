@@ -41,12 +41,13 @@ class RequestState:
         admitted: The hit was recorded on the matched path (first successful allocate).
         counted: The miss breakdown was added to the cumulative counters.
         match_node: Node at whose end the lookup's match stopped (None on a miss).
+        num_store_tokens: Tokens of ``num_cached_tokens`` the store tier loaded.
     """
 
     __slots__ = ("root", "cursor", "last_hash", "block_table", "num_cached_tokens",
                  "num_published_blocks", "mm_items", "duplicate_ids", "num_computed_tokens",
                  "miss", "known_hashes", "known_start", "known_tokens", "admitted", "counted",
-                 "match_node", "ghost_notes")
+                 "match_node", "ghost_notes", "num_store_tokens")
 
     def __init__(self, root: Node | None, cursor: Node | None, last_hash: bytes,
                  block_table: array, num_cached_tokens: int, num_published_blocks: int,
@@ -73,3 +74,4 @@ class RequestState:
         self.counted = counted
         self.match_node = match_node
         self.ghost_notes = ghost_notes if ghost_notes is not None else []
+        self.num_store_tokens = 0

@@ -159,6 +159,8 @@ class AsyncEngine(AsyncLoRAMixin):
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
         self._tokenize_pool.shutdown(wait=False)
+        if self._engine.store is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._engine.store.close)
         if self.kv_events is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.kv_events.close)
 
@@ -324,7 +326,8 @@ class AsyncEngine(AsyncLoRAMixin):
     def scheduler_gauges(self) -> dict[str, int]:
         """Sequences running and waiting in the scheduler now (read across threads)."""
         sched = self._engine.scheduler
-        return {"running": len(sched.running), "waiting": len(sched.waiting)}
+        return {"running": len(sched.running),
+                "waiting": len(sched.waiting) + len(sched.loading)}
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

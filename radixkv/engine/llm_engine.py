@@ -32,6 +32,7 @@ from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.sampling import SamplingParams, make_generator, sample_each
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.stats import EngineStats
+from radixkv.engine.store_setup import attach_store
 from radixkv.eviction.cost_model import cost_shape_from_model_shape
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel, load_model
@@ -104,6 +105,7 @@ class LLMEngine:
                                   hash_algo=config.cache.hash_algo,
                                   model_shape=cost_shape)
         self.stats = EngineStats(cost_shape)
+        self.store = attach_store(config.cache, self.runner, self.cache, self.stats, cost_shape)
         self.scheduler = Scheduler(config.scheduler, self.cache, self.stats)
         self.model_name = config.served_model_name or self.model.name
         self.max_model_len = shape.max_position_embeddings
@@ -258,6 +260,8 @@ class LLMEngine:
         """
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.scheduler.loading:  # only store loads pending: wait for one, not spin
+                self.cache.store_wait(0.005)
             return []
         try:
             batch = self.runner.build_batch(

@@ -32,6 +32,7 @@ _pack_u32 = struct.Struct("<I").pack
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"       # waiting for its store-tier load (radixkv.cache.store)
     RUNNING = "running"
     PREEMPTED = "preempted"   # waiting again after preemption by recompute
     FINISHED = "finished"
@@ -60,6 +61,8 @@ class Request:
         adapter: the LoRA adapter the request runs with (its identity is in ``cache_root``),
             or None for the base model. The request holds the object, so unloading or
             replacing the adapter by name never changes a request already made.
+        store_checked: the store tier was asked for this admission's blocks (one load each).
+        num_store_tokens: cached prompt tokens the store tier loaded for it (part of m).
     """
 
     request_id: str
@@ -83,6 +86,8 @@ class Request:
     adapter: LoRAAdapter | None = None
     token_bytes: bytearray = field(default_factory=bytearray, repr=False)
     publish_at_tokens: int = 0  # decode steps publish once this many tokens are computed
+    store_checked: bool = False
+    num_store_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -16,6 +16,12 @@ running request needs a block to grow and none can be freed or evicted, the most
 admitted running request is preempted by recompute: its published blocks stay in the tree, so
 its resume is mostly a prefix hit (counted apart from first-admission hits).
 
+With a store tier (``radixkv.cache.store``), a request whose device match ends before its hit
+cap first *loads*: it leaves the waiting queue for ``loading`` (holding only its matched path)
+while the tier looks the next blocks up off the step loop; other requests keep stepping. Once
+its load is done (or past its deadline) it is admitted ahead of the waiting queue with the
+loaded blocks in the tree.
+
 The scheduler talks only to the ``CacheManager`` facade, never to the tree or the pool.
 """
 
@@ -66,10 +72,11 @@ class Scheduler:
         self.stats = stats
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # begun, waiting for their store load
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -118,19 +125,49 @@ class Scheduler:
         # Longest cached prefix first; arrival order breaks ties (max keeps the first).
         return max(window, key=lambda r: self.cache.peek(r.cache_root, bytes(r.token_bytes)))
 
+    def _next_loaded(self) -> Request | None:
+        """The oldest request whose store load is done (or past its deadline)."""
+        for req in self.loading:
+            if self.cache.store_ready(req.request_id):
+                return req
+        return None
+
     def _admit(self, scheduled: list[ScheduledChunk], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._next_waiting()
-            num_cached = self.cache.begin(req.request_id, req.cache_root, bytes(req.token_bytes))
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._next_loaded() if self.loading else None
+            if req is not None:
+                self.loading.remove(req)
+                num_cached, req.num_store_tokens = self.cache.store_finish(
+                    req.request_id, bytes(req.token_bytes))
+            elif self.waiting:
+                req = self._next_waiting()
+                num_cached = self.cache.begin(req.request_id, req.cache_root,
+                                              bytes(req.token_bytes))
+                if not req.store_checked and self.cache.store_begin(req.request_id,
+                                                                    bytes(req.token_bytes)):
+                    req.store_checked = True
+                    self.waiting.remove(req)
+                    req.status = RequestStatus.LOADING
+                    self.loading.append(req)
+                    continue
+            else:
+                break
             num_tokens = self._chunk_size(req, num_cached, budget)
             if not self.cache.allocate(req.request_id, num_cached + num_tokens):
-                self.cache.release(req.request_id)
+                self.cache.release(req.request_id)  # loaded blocks stay cached (evictable)
+                if req.status is RequestStatus.LOADING:
+                    req.status = RequestStatus.WAITING
+                    self.waiting.appendleft(req)
                 break
-            for older in self.waiting:
-                if older is req:
-                    break
-                older.num_bypassed += 1
-            self.waiting.remove(req)
+            if req.status is RequestStatus.LOADING:
+                req.status = RequestStatus.WAITING
+            else:
+                for older in self.waiting:
+                    if older is req:
+                        break
+                    older.num_bypassed += 1
+                self.waiting.remove(req)
+            req.store_checked = False  # a resume after preemption may load again
             req.num_computed_tokens = num_cached
             if req.admitted:  # a resume after preemption: not a new lookup
                 self.stats.record_resume(num_cached)
@@ -138,7 +175,9 @@ class Scheduler:
                 req.admitted = True
                 req.num_cached_tokens = num_cached
                 self.stats.record_admission(req.num_prompt_tokens, num_cached,
-                                            num_sequences=req.params.n, tenant=req.tenant)
+                                            num_sequences=req.params.n, tenant=req.tenant,
+                                            num_store_tokens=min(req.num_store_tokens,
+                                                                 num_cached))
                 self.cache.record_admission(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -168,16 +207,16 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request in any phase; returns it, or None if it is not here (finished)."""
-        for req in self.waiting:
-            if req.request_id == request_id:
-                self.waiting.remove(req)
+        for queue in (self.waiting, self.loading):
+            req = next((r for r in queue if r.request_id == request_id), None)
+            if req is not None:
+                if queue is self.loading:
+                    self.cache.release(request_id)  # drops its load too
+                queue.remove(req)
                 req.status = RequestStatus.ABORTED
-                break
-        else:
-            for req in self.running:
-                if req.request_id == request_id:
-                    self.finish(req, RequestStatus.ABORTED)
-                    break
-            else:
-                return None
-        return req
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self.finish(req, RequestStatus.ABORTED)
+                return req
+        return None

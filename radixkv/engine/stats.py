@@ -146,6 +146,13 @@ class EngineStats:
         self.resumed_cached_tokens_total = 0
         self.saved_prefill_flops_total = 0.0  # FLOPs, from eviction.cost_model
         self.cost_shape = cost_shape
+        self.store_cached_prompt_tokens_total = 0  # part of cached_prompt_tokens_total
+        self.store_fetch_latency = LatencyHistogram()  # store tier loads: backend seconds
+
+    def observe_store_fetch(self, seconds: float) -> None:
+        """One store load's backend time (exists + get), from the tier's loader thread."""
+        with self._lock:
+            self.store_fetch_latency.observe(seconds)
 
     def _views(self, tenant: str | None) -> tuple[Counters, ...]:
         """The global counters, and the tenant's (created on first use) when there is one."""
@@ -157,10 +164,13 @@ class EngineStats:
         return (self.totals, counters)
 
     def record_admission(self, num_prompt_tokens: int, num_cached_tokens: int, *,
-                         num_sequences: int = 1, tenant: str | None = None) -> None:
+                         num_sequences: int = 1, tenant: str | None = None,
+                         num_store_tokens: int = 0) -> None:
         """A request's one prefix-cache lookup, at its first admission (``num_sequences``:
-        its choices, ``n``)."""
+        its choices, ``n``; ``num_store_tokens``: the part of ``num_cached_tokens`` the store
+        tier loaded)."""
         with self._lock:
+            self.store_cached_prompt_tokens_total += num_store_tokens
             for view in self._views(tenant):
                 view.requests_total += 1
                 view.sequences_total += num_sequences
@@ -255,6 +265,16 @@ class EngineStats:
             out["preemptions_total"] = self.preemptions_total
             out["resumed_cached_tokens_total"] = self.resumed_cached_tokens_total
             out["saved_prefill_flops_total"] = self.saved_prefill_flops_total
+            store_tokens = self.store_cached_prompt_tokens_total
+            fetch = list(self.store_fetch_latency.recent), self.store_fetch_latency.count
+        out["cached_prompt_tokens_by_tier"] = {
+            "device": out["cached_prompt_tokens_total"] - store_tokens, "store": store_tokens}
+        store = getattr(cache, "store", None)
+        if store is not None:
+            out["store"] = store.snapshot()
+            out["store"]["fetches_total"] = fetch[1]
+            out["store"]["fetch_ms_p50"] = _percentile_ms(fetch[0], 0.5)
+            out["store"]["fetch_ms_p90"] = _percentile_ms(fetch[0], 0.9)
         out["evicted_blocks_total"] = cache.evicted_blocks_total
         out["miss_tokens"] = dict(cache.miss_tokens)
         out["pool"] = {

@@ -191,6 +191,21 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def kv_segment_bases(self) -> list[int]:
+        """Host addresses of every layer's K and V pool (K0, V0, K1, V1, …): block ``b``'s K/V
+        in pool ``i`` is the ``segment_bytes = B * Hkv * D * itemsize`` bytes at
+        ``bases[i] + b * segment_bytes`` (the pools are contiguous ``[M, B, Hkv, D]``). The
+        store tier moves block bytes through them.
+
+        Raises:
+            ValueError: naming ``kv_store`` when the pools are not in host memory (a device
+                pool needs device copies, which the store tier does not do yet).
+        """
+        if self.device.type != "cpu":
+            raise ValueError(f"kv_store: the store tier needs the KV pool in host memory; this "
+                             f"runner's pool is on {self.device}")
+        return [int(pool.data_ptr()) for pair in zip(self.k_pools, self.v_pools) for pool in pair]
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy the K/V of whole blocks ``src -> dst`` in every layer's pools.
 

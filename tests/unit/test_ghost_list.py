@@ -42,7 +42,8 @@ def test_one_block_evictions_of_a_leaf_form_one_entry() -> None:
     before = cm.hasher.num_block_hashes
     assert cm.begin("b", root, prompt) == 0
     assert cm.miss_breakdown("b") == {"cold": 0, "evicted": 24, "isolated": 0,
-                                      "unaligned_tail": 1}
+                                      "unaligned_tail": 1, "store_timeout": 0,
+                                          "store_rejected": 0}
     assert cm.hasher.num_block_hashes == before
     assert cm.allocate("b", len(prompt))
     cm.publish("b", prompt, len(prompt))
@@ -62,7 +63,8 @@ def test_partially_evicted_leaf_and_prompt_diverging_inside_the_entry() -> None:
     other = prompt[:14] + [99] * 11  # agrees with the ghost entry for block 2 only
     assert cm.begin("c", root, other) == 8
     assert cm.miss_breakdown("c") == {"cold": 12, "evicted": 4, "isolated": 0,
-                                      "unaligned_tail": 1}
+                                      "unaligned_tail": 1, "store_timeout": 0,
+                                          "store_rejected": 0}
     cm.release("c")
 
 

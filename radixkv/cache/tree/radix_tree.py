@@ -63,6 +63,8 @@ class RadixTree:
         self.num_nodes = 0
         self.num_cached_blocks = 0
         self.num_locked_blocks = 0
+        #: Called as ``trim_hook(leaf, take)`` before ``evict`` trims a leaf's last ``take`` blocks.
+        self.trim_hook: Callable[[Node, int], None] | None = None
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -341,6 +343,8 @@ class RadixTree:
             keep = take < len(ids) and by_priority
             if not keep:
                 leaves.remove(victim)
+            if self.trim_hook is not None:
+                self.trim_hook(victim, take)
             run = trim_tail(victim, take, freed, record)
             self.num_cached_blocks -= take
             note = self.policy.on_evict(victim, take)

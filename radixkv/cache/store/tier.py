@@ -1,0 +1,379 @@
+"""The store tier under the radix tree: asynchronous block loads and writes through a backend.
+
+The engine thread calls :class:`StoreTier` (through the cache manager) and never waits on the
+backend. Two daemon threads do the backend calls:
+
+* **loader**: for a request whose device match ended early, ``exists`` on the next blocks' keys
+  (the longest run present), ``get_into`` staging slots, then the header and checksum check of
+  every value (``value.check_value``); the first block that fails ends the run. The engine thread
+  copies the verified blocks into pool blocks and inserts them into the tree; a load still
+  running at its deadline is abandoned (the request computes instead; the slots come back when
+  the backend call returns).
+* **writer**: the engine thread gathers a block's K/V out of the pool into a staging slot at
+  once (the block may be evicted and reused right after); the writer builds the header and
+  checksum, skips keys already present, and puts the rest. No free slot → the block is dropped
+  and counted (back-pressure never blocks a step).
+
+A backend call that raises ``StoreError`` marks the tier *down*: loads are skipped (counted)
+and the writer tries ``reconnect`` once per ``reconnect_interval_s`` until it succeeds. The
+server stays healthy meanwhile (``/stats`` shows ``store.down``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+from radixkv.cache.store.backend import WRITE_MODES, PutEntry, StoreBackend, StoreError
+from radixkv.cache.store.loads import LoadJob, run_load
+from radixkv.cache.store.staging import StagingArena, gather_block, scatter_block
+from radixkv.cache.store.value import (
+    BlockLayout,
+    encode_header,
+    payload_checksum,
+    store_key,
+)
+from radixkv.log import get_logger
+
+log = get_logger(__name__)
+
+#: Keys remembered as stored (the engine thread skips gathering them again).
+PRESENT_MEMO_SIZE = 1 << 16
+
+
+class StoreTier:
+    """Asynchronous loads and writes of block values between the KV pool and a backend.
+
+    Args:
+        backend: Where values live.
+        layout: The pool's block layout.
+        digest_bytes: Length of chained hashes (16 for xxh3-128).
+        write_mode: ``"all"`` (every published block once) or ``"evict"`` (what the device pool
+            evicts).
+        timeout_s: A load not answered within this many seconds is abandoned.
+        read_slots / write_slots: Staging slots (one block value each) for loads / writes;
+            also the most blocks one load fetches.
+        clock: Time source (seconds).
+        on_fetch_latency: Called with each load's backend time (seconds) from the loader thread.
+
+    Raises:
+        ValueError: naming ``write_mode`` or ``timeout_s``.
+        StoreError: the backend refused the staging registration.
+    """
+
+    def __init__(self, backend: StoreBackend, layout: BlockLayout, *, digest_bytes: int = 16,
+                 write_mode: str = "all", timeout_s: float = 2.0, read_slots: int = 128,
+                 write_slots: int = 256, clock: Callable[[], float] = time.monotonic,
+                 on_fetch_latency: Callable[[float], None] | None = None,
+                 reconnect_interval_s: float = 1.0) -> None:
+        if write_mode not in WRITE_MODES:
+            raise ValueError(f"kv_store_write: must be one of {WRITE_MODES}, got {write_mode!r}")
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < 3600):
+            raise ValueError(f"kv_store_timeout_s: must be in (0, 3600), got {timeout_s!r}")
+        self.backend = backend
+        self.layout = layout
+        self.write_mode = write_mode
+        self.timeout_s = float(timeout_s)
+        self.header_bytes = layout.header_bytes(digest_bytes)
+        self.value_bytes = layout.value_bytes(digest_bytes)
+        self._clock = clock
+        self.on_fetch_latency = on_fetch_latency
+        self._reconnect_interval_s = reconnect_interval_s
+        self.read_arena = StagingArena(self.value_bytes, read_slots)
+        self.write_arena = StagingArena(self.value_bytes, write_slots)
+        backend.register_buffer(self.read_arena.base_ptr, self.read_arena.nbytes)
+        backend.register_buffer(self.write_arena.base_ptr, self.write_arena.nbytes)
+        self.max_blocks_per_load = read_slots
+        self._bases: list[int] | None = None
+        self._jobs: dict[str, LoadJob] = {}  # engine thread only
+        self._present: OrderedDict[str, None] = OrderedDict()
+        self.lock = threading.Lock()
+        self._done = threading.Event()
+        self._down_since: float | None = None
+        self.counters = dict.fromkeys((
+            "lookup_blocks_total", "hit_blocks_total", "miss_blocks_total", "read_bytes_total",
+            "written_blocks_total", "written_bytes_total", "skipped_existing_blocks_total",
+            "rejected_blocks_total", "dropped_write_blocks_total", "errors_total",
+            "load_timeouts_total", "loads_skipped_down_total", "reconnects_total"), 0)
+        self.rejected_by_reason = {"header": 0, "checksum": 0, "size": 0}
+        self._loads: queue.SimpleQueue = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._load_loop, name="radixkv-store-loader",
+                                          daemon=True),
+                         threading.Thread(target=self._write_loop, name="radixkv-store-writer",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def attach_pool(self, segment_bases: Sequence[int]) -> None:
+        """Tell the tier where the pool's segments are (2·L addresses, K0, V0, K1, …).
+
+        Raises:
+            ValueError: naming ``segment_bases`` when there are not 2·L of them.
+        """
+        if len(segment_bases) != self.layout.num_segments:
+            raise ValueError(f"segment_bases: expected {self.layout.num_segments} addresses, "
+                             f"got {len(segment_bases)}")
+        self._bases = [int(b) for b in segment_bases]
+
+    @property
+    def down(self) -> bool:
+        """The last backend call failed and no reconnect succeeded since."""
+        return self._down_since is not None
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counters[name] += n
+
+    def mark_down(self, what: str, exc: BaseException) -> None:
+        with self.lock:
+            self.counters["errors_total"] += 1
+            first = self._down_since is None
+            if first:
+                self._down_since = self._clock()
+        if first:
+            log.warning("kv_store_down", backend=self.backend.name, during=what, error=str(exc))
+
+    # ---- loads (engine thread) -----------------------------------------------------------
+    def start_load(self, request_id: str, root: bytes, parent_hash: bytes, hashes: list[bytes],
+                   token_bytes: bytes, depth_blocks: int) -> bool:
+        """Queue a lookup of ``hashes`` (the blocks after the device match, token order).
+
+        Args:
+            request_id: The request (one load at a time each).
+            root: Its identity root hash.
+            parent_hash: Chained hash of the block before ``hashes[0]`` (the root at depth 0).
+            hashes: Chained hashes of the candidate blocks.
+            token_bytes: Their packed tokens (4·B bytes per block).
+            depth_blocks: Blocks before ``hashes[0]``.
+
+        Returns:
+            False when nothing was queued (tier down, or nothing to look up).
+        """
+        if not hashes or self._bases is None:
+            return False
+        if self._down_since is not None:
+            self.count("loads_skipped_down_total")
+            return False
+        job = LoadJob(request_id, root, parent_hash, hashes[: self.max_blocks_per_load],
+                      token_bytes, depth_blocks, self._clock() + self.timeout_s)
+        self._jobs[request_id] = job
+        self._loads.put(job)
+        return True
+
+    def is_ready(self, request_id: str) -> bool:
+        """The request's load finished or passed its deadline."""
+        job = self._jobs[request_id]
+        return job.done or self._clock() >= job.deadline_s
+
+    def wait(self, timeout_s: float) -> None:
+        """Block the engine thread until some load finishes (only when nothing else can run)."""
+        self._done.wait(timeout_s)
+        self._done.clear()
+
+    def finish(self, request_id: str) -> LoadJob:
+        """Take the request's load: finished, or abandoned now (``timed out``: ``done`` False).
+
+        The caller copies ``job.slots`` into blocks with :meth:`copy_into` or drops them with
+        :meth:`discard`.
+        """
+        job = self._jobs.pop(request_id)
+        with self.lock:
+            if not job.done:
+                job.abandoned = True
+                self.counters["load_timeouts_total"] += 1
+        return job
+
+    def cancel(self, request_id: str) -> None:
+        """Forget the request's load, if any (aborted while loading)."""
+        if request_id in self._jobs:
+            self.discard(self.finish(request_id))
+
+    def discard(self, job: LoadJob) -> None:
+        """Give back a finished job's slots unused."""
+        if job.done:
+            self.read_arena.give(job.slots)
+            job.slots = []
+
+    def copy_into(self, job: LoadJob, block_ids: Sequence[int]) -> None:
+        """Copy the job's verified values into pool blocks (one per slot, in order); the slots
+        go back and the keys are remembered as stored."""
+        bases, seg, arena = self._bases, self.layout.segment_bytes, self.read_arena
+        assert bases is not None and len(block_ids) == len(job.slots)
+        for slot, block_id in zip(job.slots, block_ids):
+            scatter_block(arena.ptr(slot) + self.header_bytes, bases, block_id, seg)
+        arena.give(job.slots)
+        with self.lock:
+            for h in job.hashes[: len(job.slots)]:
+                self._remember(store_key(self.layout, job.root, h))
+        job.slots = []
+
+    # ---- loads (loader thread) -----------------------------------------------------------
+    def _load_loop(self) -> None:
+        while True:
+            job = self._loads.get()
+            if job is None:
+                return
+            if not job.abandoned:
+                run_load(self, job)
+            with self.lock:
+                job.done = True
+                abandoned = job.abandoned
+            if abandoned:
+                self.read_arena.give(job.slots)
+                job.slots = []
+            self._done.set()
+
+    # ---- writes --------------------------------------------------------------------------
+    def _remember(self, key: str) -> None:
+        """(Under the lock.) ``key`` is stored: skip it next time."""
+        self._present[key] = None
+        self._present.move_to_end(key)
+        if len(self._present) > PRESENT_MEMO_SIZE:
+            self._present.popitem(last=False)
+
+    def write(self, root: bytes, parent_hash: bytes, hashes: Sequence[bytes],
+              token_bytes: bytes | memoryview, block_ids: Sequence[int], depth_blocks: int) -> int:
+        """Gather a run of published blocks into staging slots and queue their write.
+
+        Args:
+            root: Identity root hash.
+            parent_hash: Chained hash before ``hashes[0]`` (the root at depth 0).
+            hashes: The run's chained hashes, token order.
+            token_bytes: The run's packed tokens.
+            block_ids: The pool blocks holding them (valid until this call returns).
+            depth_blocks: Blocks before the run.
+
+        Returns:
+            Blocks queued (keys known stored are skipped, blocks without a slot dropped).
+        """
+        if self._bases is None or self._down_since is not None:
+            if self._down_since is not None:
+                self.count("dropped_write_blocks_total", len(hashes))
+            return 0
+        layout, seg, arena = self.layout, self.layout.segment_bytes, self.write_arena
+        items = []
+        parent = parent_hash
+        skipped = dropped = 0
+        for i, h in enumerate(hashes):
+            key = store_key(layout, root, h)
+            with self.lock:
+                known = key in self._present
+                if not known:
+                    self._remember(key)
+            if known:
+                skipped += 1
+            else:
+                slots = arena.take(1)
+                if not slots:
+                    dropped = len(hashes) - i
+                    with self.lock:
+                        self._present.pop(key, None)
+                    break
+                gather_block(arena.ptr(slots[0]) + self.header_bytes, self._bases, block_ids[i],
+                             seg)
+                items.append((key, root, h, parent, i, slots[0], depth_blocks + i))
+            parent = h
+        with self.lock:
+            self.counters["skipped_existing_blocks_total"] += skipped
+            self.counters["dropped_write_blocks_total"] += dropped
+        if items:
+            self._writes.put((bytes(token_bytes), items))
+        return len(items)
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                job = self._writes.get(timeout=self._reconnect_interval_s)
+            except queue.Empty:
+                job = ()
+            if job is None:
+                return
+            if self._down_since is not None and self._clock() - self._down_since >= \
+                    self._reconnect_interval_s:
+                self._try_reconnect()
+            if job:
+                self._write(*job)
+
+    def _try_reconnect(self) -> None:
+        try:
+            ok = self.backend.reconnect()
+        except StoreError:
+            ok = False
+        with self.lock:
+            if ok:  # the store may have lost everything (a restarted master): ask again
+                self.counters["reconnects_total"] += 1
+                self._down_since = None
+                self._present.clear()
+            else:
+                self._down_since = self._clock()
+        if ok:
+            log.info("kv_store_reconnected", backend=self.backend.name)
+
+    def _write(self, token_bytes: bytes, items: list) -> None:
+        layout, arena, hb, vb = self.layout, self.write_arena, self.header_bytes, self.value_bytes
+        bb = 4 * layout.block_size
+        entries = []
+        for key, root, h, parent, i, slot, depth in items:
+            view = arena.slot_view(slot, vb)
+            view[:hb] = encode_header(layout, root, h, parent, token_bytes[i * bb : (i + 1) * bb],
+                                      payload_checksum(view[hb:]))
+            entries.append(PutEntry(key, store_key(layout, root, parent) if depth else None,
+                                    depth * layout.block_size, arena.ptr(slot), vb))
+        stored: list[bool] = []
+        try:
+            present = self.backend.exists([e.key for e in entries]) if self._down_since is None \
+                else None
+            if present is not None:
+                todo = [e for e, p in zip(entries, present) if not p]
+                stored = self.backend.put(todo) if todo else []
+                with self.lock:
+                    self.counters["skipped_existing_blocks_total"] += len(entries) - len(todo)
+                    n = sum(stored)
+                    self.counters["written_blocks_total"] += n
+                    self.counters["written_bytes_total"] += n * vb
+                    for e, ok in zip(todo, stored):
+                        if not ok:
+                            self._present.pop(e.key, None)
+            else:
+                self._forget(entries, dropped=True)
+        except StoreError as exc:
+            self.mark_down("write", exc)
+            self._forget(entries, dropped=True)
+        finally:
+            arena.give([item[5] for item in items])
+
+    def _forget(self, entries: list[PutEntry], *, dropped: bool) -> None:
+        with self.lock:
+            for e in entries:
+                self._present.pop(e.key, None)
+            if dropped:
+                self.counters["dropped_write_blocks_total"] += len(entries)
+
+    def forget_all(self) -> None:
+        """Forget which keys are stored (after the backend lost them: reset, restart)."""
+        with self.lock:
+            self._present.clear()
+
+    # ---- gauges / shutdown ---------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The ``store`` object of ``/stats`` (counters in blocks and bytes)."""
+        with self.lock:
+            out = dict(self.counters)
+            out["rejected_blocks_by_reason"] = dict(self.rejected_by_reason)
+        out.update(backend=self.backend.name, write_mode=self.write_mode, down=self.down,
+                   value_bytes=self.value_bytes, timeout_s=self.timeout_s)
+        out.update(self.backend.stats())
+        return out
+
+    def close(self) -> None:
+        """Stop both threads (after their current call) and close the backend."""
+        self._loads.put(None)
+        self._writes.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        self.backend.close()

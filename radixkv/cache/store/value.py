@@ -1,0 +1,180 @@
+"""The store tier's keys and block values: a versioned header, then every layer's K and V.
+
+A block is stored under a key derived from its chained hash, its identity root and the KV layout
+(``store_key``); the chained hash already covers the model revision, LoRA adapter, multimodal
+extras and cache salt (DESIGN.md §3), the root and the layout tag make the key readable and keep
+layouts apart. The value is::
+
+    header (HEADER_ALIGN-padded)  magic "RKVB" | version u16 | layout tag | identity root |
+                                  block hash | parent hash | block tokens (uint32-LE) |
+                                  payload bytes u64 | payload checksum (xxh3-128)
+    payload                       K of layer 0, V of layer 0, K of layer 1, … (2·L segments of
+                                  B·Hkv·D·itemsize bytes each, the runner's pool layout)
+
+A reader builds the header it expects from what it knows (root, hashes, tokens, layout) and
+accepts a value only if every header byte but the checksum matches and the checksum of the
+payload it read matches the header's: a corrupt, colliding or stale entry costs a recompute,
+never a wrong answer. Everything here is bytes and ints: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import xxhash
+
+MAGIC = b"RKVB"
+#: Bump when the header or payload layout changes: older values are then rejected as stale.
+VALUE_VERSION = 1
+#: The payload starts at a multiple of this many bytes (cache-line aligned copies).
+HEADER_ALIGN = 64
+CHECKSUM_BYTES = 16
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """How one block's K/V sits in the runner's pools (and so in a store value).
+
+    Attributes:
+        num_layers: L, transformer layers.
+        num_kv_heads: Hkv, KV heads per layer.
+        head_dim: D.
+        dtype: KV dtype name (``"float32"``, ``"bfloat16"``, …).
+        itemsize: Bytes per element of ``dtype``.
+        block_size: B, tokens per block.
+
+    Raises:
+        ValueError: naming the field that is not a positive int (``dtype``: not a non-empty
+            str without ``:``).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    itemsize: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "itemsize", "block_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+        if not isinstance(self.dtype, str) or not self.dtype or ":" in self.dtype:
+            raise ValueError(f"dtype: must be a non-empty str without ':', got {self.dtype!r}")
+
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of one layer's K (or V) of one block: ``B * Hkv * D * itemsize``."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def num_segments(self) -> int:
+        """2·L: K and V of every layer."""
+        return 2 * self.num_layers
+
+    @property
+    def payload_bytes(self) -> int:
+        """K and V of every layer of one block."""
+        return self.num_segments * self.segment_bytes
+
+    @property
+    def tag(self) -> str:
+        """Short layout tag used in keys and headers, e.g. ``L30.H3.D64.float32.B16``."""
+        return (f"L{self.num_layers}.H{self.num_kv_heads}.D{self.head_dim}.{self.dtype}"
+                f".B{self.block_size}")
+
+    def header_bytes(self, digest_bytes: int) -> int:
+        """Size of the (padded) header for hashes of ``digest_bytes`` bytes."""
+        raw = (len(MAGIC) + 2 + 2 + len(self.tag) + 3 * (1 + digest_bytes)
+               + 4 * self.block_size + 8 + CHECKSUM_BYTES)
+        return -(-raw // HEADER_ALIGN) * HEADER_ALIGN
+
+    def value_bytes(self, digest_bytes: int) -> int:
+        """Header + payload of one stored block."""
+        return self.header_bytes(digest_bytes) + self.payload_bytes
+
+
+def store_key(layout: BlockLayout, root: bytes, block_hash: bytes) -> str:
+    """The store key of a block: ``rkv1:<layout tag>:<root hex>:<chained hash hex>`` (ASCII)."""
+    return f"rkv{VALUE_VERSION}:{layout.tag}:{root.hex()}:{block_hash.hex()}"
+
+
+def encode_header(layout: BlockLayout, root: bytes, block_hash: bytes, parent_hash: bytes,
+                  token_bytes: bytes | memoryview, checksum: bytes) -> bytes:
+    """The padded header of one block's value.
+
+    Args:
+        layout: KV layout of the payload.
+        root: Identity root hash; ``block_hash`` and ``parent_hash`` have its length.
+        block_hash: The block's chained hash.
+        parent_hash: The previous block's chained hash (``root`` for the first block).
+        token_bytes: The block's B tokens packed uint32-LE (4·B bytes).
+        checksum: ``payload_checksum`` of the payload (16 bytes; zeros in an expected header).
+
+    Raises:
+        ValueError: naming ``token_bytes``, ``block_hash``, ``parent_hash`` or ``checksum`` when
+            their lengths do not fit the layout and root.
+    """
+    n = len(root)
+    if not 1 <= n <= 255:
+        raise ValueError(f"root: must be 1..255 bytes, got {n}")
+    for name, value in (("block_hash", block_hash), ("parent_hash", parent_hash)):
+        if len(value) != n:
+            raise ValueError(f"{name}: must be {n} bytes like root, got {len(value)}")
+    if len(token_bytes) != 4 * layout.block_size:
+        raise ValueError(f"token_bytes: must be {4 * layout.block_size} bytes, got "
+                         f"{len(token_bytes)}")
+    if len(checksum) != CHECKSUM_BYTES:
+        raise ValueError(f"checksum: must be {CHECKSUM_BYTES} bytes, got {len(checksum)}")
+    tag = layout.tag.encode()
+    raw = b"".join((MAGIC, _U16.pack(VALUE_VERSION), _U16.pack(len(tag)), tag,
+                    bytes((n,)), root, bytes((n,)), block_hash, bytes((n,)), parent_hash,
+                    bytes(token_bytes), _U64.pack(layout.payload_bytes), checksum))
+    return raw.ljust(layout.header_bytes(n), b"\0")
+
+
+def payload_checksum(payload: bytes | memoryview) -> bytes:
+    """xxh3-128 digest of a payload (16 bytes); one C call over the contiguous bytes."""
+    return xxhash.xxh3_128_digest(payload)
+
+
+def check_value(expected_header: bytes, value: memoryview) -> str | None:
+    """Why ``value`` must be rejected, or None when it is the block the reader expects.
+
+    Args:
+        expected_header: ``encode_header(...)`` with a zero checksum for the block wanted.
+        value: The bytes read: header then payload (exactly ``value_bytes`` long).
+
+    Returns:
+        ``"header"`` (magic, version, layout, identity, hashes or tokens differ: a stale or
+        colliding entry), ``"size"`` (wrong length) or ``"checksum"`` (corrupt payload).
+    """
+    h = len(expected_header)
+    if len(value) < h:
+        return "size"
+    cut = _checksum_offset(expected_header)
+    if value[:cut] != expected_header[:cut]:
+        return "header"
+    end = cut + CHECKSUM_BYTES
+    if value[end:h] != expected_header[end:h]:
+        return "header"
+    (payload_len,) = _U64.unpack_from(expected_header, cut - 8)
+    if len(value) != h + payload_len:
+        return "size"
+    if payload_checksum(value[h:]) != bytes(value[cut:end]):
+        return "checksum"
+    return None
+
+
+def _checksum_offset(header: bytes) -> int:
+    """Offset of the checksum field in a header built by :func:`encode_header` (after the
+    tag, the three length-prefixed hashes, B tokens and the payload length)."""
+    (tag_len,) = _U16.unpack_from(header, 6)
+    n = header[8 + tag_len]
+    block_size = int(header[8 : 8 + tag_len].decode().rsplit(".B", 1)[1])
+    return 8 + tag_len + 3 * (1 + n) + 4 * block_size + 8
