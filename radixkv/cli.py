@@ -91,6 +91,25 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
                    help="ZMQ ROUTER endpoint that replays recent KV event batches to a "
                         "subscriber that missed some, e.g. tcp://*:5558")
+    p.add_argument("--kv-store", type=_kv_store_arg, default=None, metavar="SPEC",
+                   help="a store tier under the prefix cache: host:GIB (process memory) or "
+                        "mooncake://MASTER_HOST:PORT?metadata=URL[&local=HOST:PORT] (Mooncake "
+                        "Store, shared by the replicas on one master); README 'Store tier'")
+    p.add_argument("--kv-store-write", default="all", choices=["all", "evict"],
+                   help="write every published block once (all) or only what the device pool "
+                        "evicts (evict)")
+    p.add_argument("--kv-store-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="a store load not done by then is abandoned and its blocks computed")
+
+
+def _kv_store_arg(text: str) -> str:
+    from radixkv.cache.store.backend import parse_kv_store
+
+    try:
+        parse_kv_store(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -168,7 +187,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_memory_bytes=kv_bytes, eviction_policy=args.eviction_policy,
                           enable_prefix_caching=not args.no_prefix_cache,
                           hash_algo=args.hash_algo,
-                          publish_interval_blocks=args.publish_interval_blocks),
+                          publish_interval_blocks=args.publish_interval_blocks,
+                          kv_store=args.kv_store, kv_store_write=args.kv_store_write,
+                          kv_store_timeout_s=args.kv_store_timeout),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_chunk_tokens=args.prefill_chunk_tokens,
@@ -225,6 +246,7 @@ def _serve(args: argparse.Namespace) -> int:
     Returns 0 after a graceful shutdown, 130 when a second signal forced the exit, 2 for bad
     flags, an address that cannot be bound (e.g. a busy port: reported before the model
     loads) or a model that cannot be loaded."""
+    from radixkv.cache.store.backend import StoreError
     from radixkv.server.auth import load_api_keys
     from radixkv.server.listen import bind_listeners
 
@@ -256,7 +278,7 @@ def _serve(args: argparse.Namespace) -> int:
                              tokenizer_workers=args.tokenizer_workers,
                              max_tokenize_queue=args.max_tokenize_queue,
                              kv_events=publisher or kv_events)
-    except (ValueError, OSError) as exc:  # bad flag values, missing model files, KV event ports
+    except (ValueError, OSError, StoreError) as exc:  # bad flags, model files, ports, store
         for sock in sockets:
             sock.close()
         if publisher is not None:

@@ -313,6 +313,7 @@ class CacheManager(CacheGauges):
         req = self._requests[request_id]
         req.num_store_tokens = bridge.finish_load(
             self.store, req, request_id, self._take_blocks,  # type: ignore[arg-type]
+            lambda: self.pool.num_free_blocks + self.tree.num_evictable_blocks,
             lambda n: self.publish(request_id, prompt_token_ids, n), self.block_size)
         return req.num_cached_tokens, req.num_store_tokens
 

@@ -155,6 +155,7 @@ class RadixkvCollector:
         yield _histogram("radixkv_tokenize_queue_seconds",
                          "Time a templating/tokenizing job waited for a tokenizer worker.",
                          *engine.tokenize_pool.queue_seconds.cumulative())
+        yield from _store_families(stats, engine.engine_stats)
         tenants = engine.engine_stats.tenant_names()
         views = {tenant: engine.tenant_stats(tenant) for tenant in tenants}
         for name, key, doc in _TENANT_COUNTERS if views else ():
@@ -162,6 +163,48 @@ class RadixkvCollector:
             for tenant, view in views.items():
                 family.add_metric([tenant], view[key])
             yield family
+
+
+_STORE_COUNTERS = (
+    ("lookup_blocks_total", "Blocks looked up in the store tier (past the device match)."),
+    ("hit_blocks_total", "Blocks the store tier served (verified, inserted into the tree)."),
+    ("miss_blocks_total", "Blocks looked up that the store tier did not hold."),
+    ("read_bytes_total", "Bytes of verified block values read from the store tier."),
+    ("written_blocks_total", "Blocks written to the store tier."),
+    ("written_bytes_total", "Bytes written to the store tier."),
+    ("dropped_write_blocks_total", "Blocks not written: no staging slot, or the store down."),
+    ("errors_total", "Store tier calls that failed."),
+    ("load_timeouts_total", "Store loads abandoned at their deadline (blocks computed)."),
+)
+
+
+def _store_families(stats: dict, engine_stats: Any) -> Iterator[Any]:
+    """Cached tokens by tier, and the store tier's counters when one is configured."""
+    tiers = CounterMetricFamily("radixkv_cached_prompt_tokens_by_tier",
+                                "Prompt tokens served from the cache, by tier (device pool, "
+                                "store tier).", labels=["tier"])
+    for tier, value in stats["cached_prompt_tokens_by_tier"].items():
+        tiers.add_metric([tier], value)
+    yield tiers
+    store = stats.get("store")
+    if store is None:
+        return
+    for key, doc in _STORE_COUNTERS:
+        yield CounterMetricFamily(f"radixkv_kv_store_{key.removesuffix('_total')}", doc,
+                                  value=store[key])
+    rejected = CounterMetricFamily("radixkv_kv_store_rejected_blocks",
+                                   "Store values refused by their header or checksum check.",
+                                   labels=["reason"])
+    for reason, value in store["rejected_blocks_by_reason"].items():
+        rejected.add_metric([reason], value)
+    yield rejected
+    yield GaugeMetricFamily("radixkv_kv_store_down_bool",
+                            "1 while the store tier is unreachable (requests compute).",
+                            value=1 if store["down"] else 0)
+    hist = engine_stats.store_fetch_latency
+    yield _histogram("radixkv_kv_store_fetch_seconds",
+                     "Backend time of a store load (exists + get).", hist.cumulative(),
+                     hist.sum_s)
 
 
 def _ignored_parameters() -> Any:

@@ -58,12 +58,13 @@ def start_load(tier: StoreTier, req: RequestState, request_id: str, hash_blocks:
 
 
 def finish_load(tier: StoreTier, req: RequestState, request_id: str,
-                take_blocks: Callable[[int], list[int] | None],
+                take_blocks: Callable[[int], list[int] | None], room: Callable[[], int],
                 publish_tokens: Callable[[int], None], block_size: int) -> int:
     """Insert the request's verified store blocks into the pool and the tree.
 
     Args:
         take_blocks: The manager's allocator (evicts through the policy when short).
+        room: Blocks free or evictable now (when short, the leading run that fits is loaded).
         publish_tokens: Publishes the request's first n tokens (``CacheManager.publish``).
 
     Returns:
@@ -79,7 +80,10 @@ def finish_load(tier: StoreTier, req: RequestState, request_id: str,
     if num == 0:
         return 0
     ids = take_blocks(num)
-    if ids is None:  # the pool cannot hold them now: compute instead
+    while ids is None and num > 1:  # the pool is short: load the leading part it can hold
+        num = min(num - 1, room())
+        ids = take_blocks(num) if num > 0 else None
+    if ids is None:  # no room at all now: compute instead
         tier.discard(job)
         return 0
     tier.copy_into(job, ids)

@@ -61,6 +61,7 @@ INSTALL_HINT = (f"pip install '{MOONCAKE_PIP_PACKAGE}' (the radixkv[mooncake] ex
                 f"apt-get install {' '.join(MOONCAKE_DEBIAN_PACKAGES)}")
 
 # Mooncake ErrorCode values this module reasons about (see the module docstring).
+INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 RPC_FAIL = -900

@@ -92,6 +92,8 @@ class StoreTier:
         self._present: OrderedDict[str, None] = OrderedDict()
         self.lock = threading.Lock()
         self._done = threading.Event()
+        self._idle = threading.Condition()
+        self._pending_writes = 0
         self._down_since: float | None = None
         self.counters = dict.fromkeys((
             "lookup_blocks_total", "hit_blocks_total", "miss_blocks_total", "read_bytes_total",
@@ -200,15 +202,15 @@ class StoreTier:
             job.slots = []
 
     def copy_into(self, job: LoadJob, block_ids: Sequence[int]) -> None:
-        """Copy the job's verified values into pool blocks (one per slot, in order); the slots
-        go back and the keys are remembered as stored."""
+        """Copy the job's first ``len(block_ids)`` verified values into pool blocks (one per
+        slot, in order); every slot goes back and the copied keys are remembered as stored."""
         bases, seg, arena = self._bases, self.layout.segment_bytes, self.read_arena
-        assert bases is not None and len(block_ids) == len(job.slots)
+        assert bases is not None and len(block_ids) <= len(job.slots)
         for slot, block_id in zip(job.slots, block_ids):
             scatter_block(arena.ptr(slot) + self.header_bytes, bases, block_id, seg)
         arena.give(job.slots)
         with self.lock:
-            for h in job.hashes[: len(job.slots)]:
+            for h in job.hashes[: len(block_ids)]:
                 self._remember(store_key(self.layout, job.root, h))
         job.slots = []
 
@@ -282,8 +284,15 @@ class StoreTier:
             self.counters["skipped_existing_blocks_total"] += skipped
             self.counters["dropped_write_blocks_total"] += dropped
         if items:
+            with self._idle:
+                self._pending_writes += 1
             self._writes.put((bytes(token_bytes), items))
         return len(items)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued write was tried (tests, benchmarks); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending_writes == 0, timeout_s)
 
     def _write_loop(self) -> None:
         while True:
@@ -297,7 +306,12 @@ class StoreTier:
                     self._reconnect_interval_s:
                 self._try_reconnect()
             if job:
-                self._write(*job)
+                try:
+                    self._write(*job)
+                finally:
+                    with self._idle:
+                        self._pending_writes -= 1
+                        self._idle.notify_all()
 
     def _try_reconnect(self) -> None:
         try:

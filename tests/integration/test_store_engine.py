@@ -1,0 +1,290 @@
+"""The store tier under a real engine (tiny model, host backend): blocks evicted from the device
+pool come back from the store with the cold outputs, identities stay apart, bad values and slow
+or failing stores cost a recompute and are counted."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+
+from radixkv.cache.store.backend import StoreError
+from radixkv.cache.store.host import HostStore
+from radixkv.cache.store.tier import StoreTier
+from radixkv.cache.store.value import store_key
+from radixkv.engine.sampling import SamplingParams
+from radixkv.model.loader import load_model
+from tests.conftest import make_tiny_model_dir
+from tests.factories import make_engine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = [(37 * i) % 400 + 5 for i in range(41)]  # B = 4: hit cap 40 tokens = 10 blocks
+HOST = "host:0.01"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def cold(tiny):
+    return make_engine(tiny, prefix_cache=False).generate([PROMPT], GREEDY)[0].output_token_ids
+
+
+def run(engine, prompt=PROMPT, **kw):
+    (req,) = engine.generate([prompt], GREEDY, **kw)
+    engine.cache.check_integrity()
+    return req
+
+
+def warm_then_evict(engine, prompt=PROMPT, **kw):
+    """Run ``prompt``, wait for its blocks to be written, drop every cached device block."""
+    first = run(engine, prompt, **kw)
+    assert engine.store.flush()
+    engine.cache.evict(engine.num_blocks)
+    assert engine.cache.num_cached_blocks == 0
+    return first
+
+
+def test_an_evicted_prefix_comes_back_from_the_store_with_the_cold_output(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    try:
+        first = warm_then_evict(engine)
+        second = run(engine)
+        assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 40)
+        assert second.num_store_tokens == 40
+        assert first.output_token_ids == second.output_token_ids == cold
+        stats = engine.stats_snapshot()
+        assert stats["cached_prompt_tokens_by_tier"] == {"device": 0, "store": 40}
+        # The second lookup's 40 missed tokens were loaded: only the two unaligned tails miss.
+        assert stats["miss_tokens"]["cold"] == 40 and stats["miss_tokens"]["evicted"] == 0
+        assert stats["miss_tokens"]["unaligned_tail"] == 2
+        store = stats["store"]
+        value_bytes = engine.store.value_bytes
+        # Blocks of prompt + output: 46 tokens, 11 full blocks published (10 by the prompt).
+        assert store["written_blocks_total"] == 11
+        assert store["written_bytes_total"] == 11 * value_bytes
+        assert (store["hit_blocks_total"], store["read_bytes_total"]) == (10, 10 * value_bytes)
+        assert store["lookup_blocks_total"] == 20 and store["miss_blocks_total"] == 10
+        assert store["rejected_blocks_total"] == store["errors_total"] == 0
+        third = run(engine)  # now a device hit: the loaded blocks are in the tree
+        assert (third.num_cached_tokens, third.num_store_tokens) == (40, 0)
+        assert engine.stats_snapshot()["store"]["written_blocks_total"] == 11  # not re-written
+    finally:
+        engine.store.close()
+
+
+def test_a_partial_device_match_is_completed_from_the_store(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    try:
+        run(engine)
+        assert engine.store.flush()
+        # 11 blocks cached (10 prompt + 1 generated); trim the tail 6: 5 prompt blocks stay.
+        assert engine.cache.evict(6) == 6
+        again = run(engine)
+        assert (again.num_cached_tokens, again.num_store_tokens) == (40, 20)
+        assert again.output_token_ids == cold
+        assert engine.stats_snapshot()["cached_prompt_tokens_by_tier"] == {"device": 20,
+                                                                            "store": 20}
+    finally:
+        engine.store.close()
+
+
+def test_identities_stay_apart_through_the_store(tiny, tmp_path):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    other_model = load_model(str(make_tiny_model_dir(tmp_path / "other", seed=7)))
+    other = make_engine(other_model, num_blocks=24)
+    try:
+        warm_then_evict(engine, cache_salt="tenant-a")
+        assert run(engine, cache_salt="tenant-b").num_cached_tokens == 0
+        assert run(engine).num_cached_tokens == 0  # no salt: another identity too
+        engine.cache.evict(engine.num_blocks)
+        control = run(engine, cache_salt="tenant-a")
+        assert (control.num_cached_tokens, control.num_store_tokens) == (40, 40)
+        # Another model revision on the same store (same layout, other weights): 0 cached.
+        tier = StoreTier(engine.store.backend, engine.store.layout)
+        tier.attach_pool(other.runner.kv_segment_bases())
+        other.cache.attach_store(tier)
+        other.store = tier
+        assert run(other, cache_salt="tenant-a").num_cached_tokens == 0
+        assert tier.snapshot()["hit_blocks_total"] == 0
+    finally:
+        engine.store.close()
+
+
+def test_a_corrupted_value_is_rejected_and_the_output_stays_cold(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    backend = engine.store.backend
+    try:
+        warm_then_evict(engine)
+        # Block 3 of the prompt: read it, flip one payload byte, remove and put it again.
+        root = engine.cache_root(None)
+        block_hash = engine.cache.hasher.chain(root, PROMPT[:16], 4)[3]
+        key = store_key(engine.store.layout, root, block_hash)
+        size = engine.store.value_bytes
+        buf = ctypes.create_string_buffer(size)
+        assert backend.get_into([key], [ctypes.addressof(buf)], [size]) == [size]
+        buf[size - 5] = bytes([buf.raw[size - 5] ^ 0x01])
+        parent = store_key(engine.store.layout, root,
+                           engine.cache.hasher.chain(root, PROMPT[:12], 4)[2])
+        assert backend.remove([key]) == 1
+        from radixkv.cache.store.backend import PutEntry
+
+        assert backend.put([PutEntry(key, parent, 12, ctypes.addressof(buf), size)]) == [True]
+        again = run(engine)
+        assert (again.num_cached_tokens, again.num_store_tokens) == (12, 12)
+        assert again.output_token_ids == cold
+        stats = engine.stats_snapshot()
+        assert stats["store"]["rejected_blocks_by_reason"] == {"header": 0, "checksum": 1,
+                                                               "size": 0}
+        assert stats["miss_tokens"]["store_rejected"] == 28  # blocks 3..9 computed
+    finally:
+        engine.store.close()
+
+
+class SlowHostStore(HostStore):
+    """A host store whose reads take ``delay_s`` (a slow or distant store)."""
+
+    delay_s = 0.0
+
+    def get_into(self, keys, ptrs, sizes):
+        time.sleep(self.delay_s)
+        return super().get_into(keys, ptrs, sizes)
+
+
+class FailingHostStore(HostStore):
+    """A host store that is unreachable while ``failing`` is set."""
+
+    failing = False
+    reconnect_calls = 0
+
+    def exists(self, keys):
+        if self.failing:
+            raise StoreError("store unreachable")
+        return super().exists(keys)
+
+    def reconnect(self):
+        self.reconnect_calls += 1
+        return not self.failing
+
+
+def _swap_backend(engine, backend, **tier_kw):
+    """Replace the engine's tier with one over ``backend`` (same layout)."""
+    layout = engine.store.layout
+    engine.store.close()
+    tier = StoreTier(backend, layout, **tier_kw)
+    tier.attach_pool(engine.runner.kv_segment_bases())
+    engine.cache.attach_store(tier)
+    engine.store = tier
+    return tier
+
+
+def test_a_load_past_its_deadline_computes_and_is_counted(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    backend = SlowHostStore(1 << 24, block_size=4)
+    tier = _swap_backend(engine, backend, timeout_s=0.2)
+    try:
+        warm_then_evict(engine)
+        backend.delay_s = 1.0
+        started = time.monotonic()
+        again = run(engine)
+        assert time.monotonic() - started < 0.9  # did not wait for the slow read
+        assert (again.num_cached_tokens, again.num_store_tokens) == (0, 0)
+        assert again.output_token_ids == cold
+        stats = engine.stats_snapshot()
+        assert stats["miss_tokens"]["store_timeout"] == 40
+        assert stats["store"]["load_timeouts_total"] == 1
+        time.sleep(1.0)  # the abandoned read returns its staging slots
+        assert tier.read_arena.num_free_slots == tier.read_arena.num_slots
+    finally:
+        tier.close()
+
+
+def test_other_requests_keep_stepping_while_one_loads(tiny):
+    engine = make_engine(tiny, num_blocks=64, kv_store=HOST)
+    backend = SlowHostStore(1 << 24, block_size=4)
+    tier = _swap_backend(engine, backend, timeout_s=5.0)
+    try:
+        warm_then_evict(engine)
+        backend.delay_s = 0.5
+        other = engine.make_request([7, 8, 9], SamplingParams(max_tokens=20, temperature=0.0,
+                                                               ignore_eos=True))
+        loading = engine.make_request(PROMPT, GREEDY)
+        engine.add_request(other)
+        engine.step()  # `other` prefills and decodes from here on
+        engine.add_request(loading)
+        steps_while_loading = 0
+        for _ in range(10_000):
+            if loading.is_finished:
+                break
+            engine.step()
+            if not loading.admitted:
+                steps_while_loading += len(other.output_token_ids) < 20
+        assert other.is_finished and loading.num_store_tokens == 40
+        assert steps_while_loading >= 10  # `other` decoded while the read was slow
+        engine.cache.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_a_store_that_goes_down_costs_a_recompute_and_comes_back(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    backend = FailingHostStore(1 << 24, block_size=4)
+    tier = _swap_backend(engine, backend, reconnect_interval_s=0.05)
+    try:
+        warm_then_evict(engine)
+        backend.failing = True
+        down = run(engine)
+        assert (down.num_cached_tokens, down.output_token_ids) == (0, cold)
+        stats = engine.stats_snapshot()["store"]
+        assert stats["down"] is True and stats["errors_total"] == 1
+        engine.cache.evict(engine.num_blocks)
+        assert run(engine).num_cached_tokens == 0  # skipped while down: no wait, no error
+        assert engine.stats_snapshot()["store"]["loads_skipped_down_total"] == 1
+        backend.failing = False
+        deadline = time.monotonic() + 5
+        while tier.down and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not tier.down and backend.reconnect_calls >= 1
+        engine.cache.evict(engine.num_blocks)
+        back = run(engine)
+        assert (back.num_cached_tokens, back.num_store_tokens) == (40, 40)
+    finally:
+        tier.close()
+
+
+def test_evict_write_mode_writes_only_what_the_pool_evicts(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST, kv_store_write="evict")
+    try:
+        run(engine)
+        assert engine.store.flush()
+        assert engine.stats_snapshot()["store"]["written_blocks_total"] == 0
+        assert engine.cache.evict(engine.num_blocks) == 11
+        assert engine.store.flush()
+        assert engine.stats_snapshot()["store"]["written_blocks_total"] == 11
+        again = run(engine)
+        assert (again.num_cached_tokens, again.num_store_tokens) == (40, 40)
+        assert again.output_token_ids == cold
+    finally:
+        engine.store.close()
+
+
+def test_concurrent_loads_and_writes_keep_the_cache_consistent(tiny):
+    engine = make_engine(tiny, num_blocks=64, kv_store=HOST)
+    prompts = [[(11 * i + j) % 300 + 3 for i in range(33)] for j in range(6)]
+    try:
+        for p in prompts:
+            run(engine, p)
+        assert engine.store.flush()
+        engine.cache.evict(engine.num_blocks)
+        reqs = engine.generate(prompts, GREEDY)
+        engine.cache.check_integrity()
+        assert [r.num_cached_tokens for r in reqs] == [32] * 6
+        assert sum(r.num_store_tokens for r in reqs) == engine.stats_snapshot()[
+            "cached_prompt_tokens_by_tier"]["store"]
+    finally:
+        engine.store.close()
+    assert threading.active_count() < 50
