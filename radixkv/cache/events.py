@@ -38,6 +38,10 @@ from radixkv.cache.tree.node import Node
 _U32_CODE = next(code for code in ("I", "L") if array(code).itemsize == 4)
 _BIG_ENDIAN = sys.byteorder == "big"
 _MISSING = object()
+#: The ``medium`` of blocks in the device pool (the tree): vLLM's name for its primary pool on
+#: any device ("CPU" would earn the router's host-tier discount, which the host store tier's
+#: blocks get).
+DEVICE_MEDIUM = "GPU"
 
 #: Recorded event: ``("stored", hashes, parent_hash | None, token_bytes, lora_name | None)``,
 #: ``("removed", hashes)`` or ``("cleared",)``.
@@ -64,13 +68,16 @@ def _tokens(packed: bytes | bytearray) -> list[int]:
 
 def decode_event(event: Event) -> Event:
     """An entry with event ids and token ids: ``("stored", ids, parent_id | None, token_ids,
-    lora_name)``, ``("removed", ids)`` or ``("cleared",)``."""
+    lora_name, medium)``, ``("removed", ids, medium)`` or ``("cleared",)``; ``medium`` is
+    ``"GPU"`` for the device pool (entries recorded without one) or the store tier's."""
     if event[0] == "stored":
-        _, hashes, parent, tb, lora_name = event
+        _, hashes, parent, tb, lora_name, *medium = event
         return ("stored", [event_block_id(h) for h in hashes],
-                None if parent is None else event_block_id(parent), _tokens(tb), lora_name)
+                None if parent is None else event_block_id(parent), _tokens(tb), lora_name,
+                medium[0] if medium else DEVICE_MEDIUM)
     if event[0] == "removed":
-        return ("removed", [event_block_id(h) for h in event[1]])
+        return ("removed", [event_block_id(h) for h in event[1]],
+                event[2] if len(event) > 2 else DEVICE_MEDIUM)
     return event
 
 
@@ -88,6 +95,7 @@ class KVEventLog:
         self.block_size = block_size
         self._roots: dict[bytes, str | None] = {}  # publishable identity root -> lora_name
         self._published: set[bytes] = set()  # hashes of the blocks a subscriber holds now
+        self._published_tier: set[bytes] = set()  # ... in the store tier (``tier_stored``)
         self._pending: list[Event] = []
 
     def allow_root(self, root_hash: bytes, lora_name: str | None) -> None:
@@ -139,6 +147,28 @@ class KVEventLog:
                 dropped += hit
         if dropped:
             self._pending.append(("removed", dropped))
+
+    def tier_stored(self, root_hash: bytes, parent_hash: bytes, hashes: list[bytes],
+                    token_bytes: bytes, medium: str) -> None:
+        """The store tier (a per-replica one: ``host``) now holds this run (chained from
+        ``parent_hash``, the root hash at depth 0): published with ``medium`` when its identity
+        is published and its parent is (in the pool or the tier)."""
+        lora_name = self._roots.get(root_hash, _MISSING)
+        if lora_name is _MISSING or not hashes:
+            return
+        parent = None if parent_hash == root_hash else parent_hash
+        if parent is not None and parent not in self._published and \
+                parent not in self._published_tier:
+            return
+        self._published_tier.update(hashes)
+        self._pending.append(("stored", list(hashes), parent, token_bytes, lora_name, medium))
+
+    def tier_removed(self, hashes: list[bytes], medium: str) -> None:
+        """The store tier dropped these blocks (its own eviction)."""
+        dropped = self._published_tier.intersection(hashes)
+        if dropped:
+            self._published_tier.difference_update(dropped)
+            self._pending.append(("removed", list(dropped), medium))
 
     def mark(self) -> int:
         """A position in the pending events, for :meth:`cleared`."""

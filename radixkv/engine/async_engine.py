@@ -342,6 +342,7 @@ class AsyncEngine(AsyncLoRAMixin):
                     self._publish_events()
                     continue
                 self._stats = engine.stats_snapshot()
+                self._publish_events()  # the store tier's writes finish between steps
                 if self._check_integrity:
                     engine.cache.check_integrity()
                 self._wake.wait(timeout=0.5)
@@ -397,6 +398,8 @@ class AsyncEngine(AsyncLoRAMixin):
     def _publish_events(self) -> None:
         """One batch per step that stored or removed blocks (engine thread)."""
         if self.kv_events is not None:
+            if self._engine.store is not None:
+                self._engine.store.drain_kv_events(self._engine.cache.events)
             events = self._engine.cache.events.drain()
             if events:
                 self.kv_events.publish(events)

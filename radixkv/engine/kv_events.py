@@ -44,9 +44,6 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVE
            "KVEventsConfig", "encode_batch", "parse_kv_events_config"]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-#: What the device pool is called on the wire (vLLM's name for its primary pool on any device;
-#: "CPU" would earn the router's host-tier discount).
-DEVICE_MEDIUM = "GPU"
 _POLL_S = 0.05  # the publisher thread's wait between replay checks when no batch arrives
 
 
@@ -168,14 +165,14 @@ def to_wire(event: tuple, block_size: int) -> KVCacheEvent:
     event = decode_event(event)
     kind = event[0]
     if kind == "stored":
-        _, ids, parent, tokens, lora_name = event
+        _, ids, parent, tokens, lora_name, medium = event
         return BlockStored(block_hashes=ids, parent_block_hash=parent, token_ids=tokens,
-                           block_size=block_size, lora_id=None, medium=DEVICE_MEDIUM,
+                           block_size=block_size, lora_id=None, medium=medium,
                            lora_name=lora_name,
                            extra_keys=[[lora_name] if lora_name else None] * len(ids),
                            group_idx=0)
     if kind == "removed":
-        return BlockRemoved(block_hashes=event[1], medium=DEVICE_MEDIUM, group_idx=0)
+        return BlockRemoved(block_hashes=event[1], medium=event[2], group_idx=0)
     if kind == "cleared":
         return AllBlocksCleared()
     raise ValueError(f"event: unknown kind {kind!r}")

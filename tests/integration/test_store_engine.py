@@ -288,3 +288,36 @@ def test_concurrent_loads_and_writes_keep_the_cache_consistent(tiny):
     finally:
         engine.store.close()
     assert threading.active_count() < 50
+
+
+def test_host_tier_blocks_are_kv_events_with_medium_cpu(tiny):
+    from radixkv.cache.events import KVEventLog, decode_event
+
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    engine.cache.events = KVEventLog(4)
+    try:
+        run(engine)  # (identity_root allows the unsalted root once events are on)
+        assert engine.store.flush()
+        engine.store.drain_kv_events(engine.cache.events)
+        events = [decode_event(e) for e in engine.cache.events.drain()]
+        device = [e for e in events if e[0] == "stored" and e[5] == "GPU"]
+        host = [e for e in events if e[0] == "stored" and e[5] == "CPU"]
+        assert sum(len(e[1]) for e in device) == sum(len(e[1]) for e in host) == 11
+        assert [i for e in host for i in e[1]] == [i for e in device for i in e[1]]
+        assert host[0][2] is None and host[0][3] == PROMPT[:len(host[0][1]) * 4]
+        # A host tier of 12 values evicts under pressure: BlockRemoved with medium CPU.
+        value_bytes = engine.store.value_bytes
+        tier = _swap_backend(engine, HostStore(12 * value_bytes, block_size=4))
+        other = [p + 1 for p in PROMPT]
+        for prompt in (PROMPT, other):
+            engine.cache.evict(engine.num_blocks)
+            run(engine, prompt)
+            assert tier.flush()
+        tier.drain_kv_events(engine.cache.events)
+        events = [decode_event(e) for e in engine.cache.events.drain()]
+        removed = [i for e in events if e[0] == "removed" and e[2] == "CPU" for i in e[1]]
+        first = [i for e in events if e[0] == "stored" and e[5] == "CPU" for i in e[1]][:11]
+        assert len(removed) == 10 and set(removed) <= set(first)
+        assert tier.backend.stats()["num_blocks"] == 12
+    finally:
+        engine.store.close()

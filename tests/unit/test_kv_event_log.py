@@ -60,19 +60,19 @@ def test_stored_runs_are_exact_and_chain_through_parents() -> None:
     first = list(range(1, 11))  # 2 full blocks + a partial tail (never published)
     run(cm, root, "a", first)
     ids = ids_of(cm, root, first)
-    assert drained(cm) == [("stored", ids, None, list(range(1, 9)), None)]
+    assert drained(cm) == [("stored", ids, None, list(range(1, 9)), None, "GPU")]
     # Diverging after block 1: the node is split; the new run's parent is block 0.
     second = [1, 2, 3, 4, 50, 51, 52, 53, 54, 55, 56, 57]
     run(cm, root, "b", second)
     new_ids = ids_of(cm, root, second)
     assert new_ids[0] == ids[0] and new_ids[1] != ids[1]
-    assert drained(cm) == [("stored", new_ids[1:], ids[0], list(range(50, 58)), None)]
+    assert drained(cm) == [("stored", new_ids[1:], ids[0], list(range(50, 58)), None, "GPU")]
     # Extending a cached prefix (the fast path: a request's own leaf) chains on its last block.
     cm.begin("c", root, second + [60, 61, 62, 63])
     assert cm.allocate("c", 16)
     cm.publish("c", second + [60, 61, 62, 63], 16)
     last = ids_of(cm, root, second + [60, 61, 62, 63])
-    assert drained(cm) == [("stored", last[3:], new_ids[2], [60, 61, 62, 63], None)]
+    assert drained(cm) == [("stored", last[3:], new_ids[2], [60, 61, 62, 63], None, "GPU")]
     cm.release("c")
     # Blocks already in the tree are not stored again.
     run(cm, root, "d", first)
@@ -88,10 +88,10 @@ def test_salted_identities_are_never_published_and_adapters_carry_lora_name() ->
     lora_root = root_of(cm, adapter=("sql", "d1"))
     run(cm, lora_root, "l", list(range(1, 5)))
     (event,) = drained(cm)
-    assert event[0] == "stored" and event[2:] == (None, [1, 2, 3, 4], "sql")
+    assert event[0] == "stored" and event[2:] == (None, [1, 2, 3, 4], "sql", "GPU")
     # Evicting salted blocks publishes nothing; the adapter's block is removed.
     assert cm.evict(16) == 5
-    assert drained(cm) == [("removed", event[1])]
+    assert drained(cm) == [("removed", event[1], "GPU")]
 
 
 def test_evictions_publish_removed_for_exactly_the_dropped_blocks() -> None:
@@ -103,7 +103,7 @@ def test_evictions_publish_removed_for_exactly_the_dropped_blocks() -> None:
     drained(cm)
     run(cm, root, "b", list(range(200, 212)))  # needs 3 blocks: 2 free, so a's tail goes
     events = drained(cm)
-    assert events[0] == ("removed", [a_ids[3]])
+    assert events[0] == ("removed", [a_ids[3]], "GPU")
     assert events[1][0] == "stored" and events[1][2] is None
 
 
@@ -116,7 +116,7 @@ def test_reset_publishes_one_cleared_then_the_blocks_still_held() -> None:
     held_ids = ids_of(cm, root, held)
     drained(cm)
     assert cm.reset_prefix_cache() == 2
-    assert drained(cm) == [("cleared",), ("stored", held_ids, None, list(range(20, 28)), None)]
+    assert drained(cm) == [("cleared",), ("stored", held_ids, None, list(range(20, 28)), None, "GPU")]
     assert cm.events.num_published_blocks == 2
     cm.release("h")
     cm.check_integrity()
@@ -131,7 +131,7 @@ def test_multimodal_blocks_and_their_descendants_are_not_published() -> None:
     cm.publish("m", tokens, 12)
     cm.release("m")
     (event,) = drained(cm)  # block 0 only: block 1 has extras, block 2 chains on it
-    assert event == ("stored", ids_of(cm, root, tokens)[:1], None, [1, 2, 3, 4], None)
+    assert event == ("stored", ids_of(cm, root, tokens)[:1], None, [1, 2, 3, 4], None, "GPU")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
 from radixkv.cache.store.backend import WRITE_MODES, PutEntry, StoreBackend, StoreError
@@ -101,6 +101,9 @@ class StoreTier:
             "rejected_blocks_total", "dropped_write_blocks_total", "errors_total",
             "load_timeouts_total", "loads_skipped_down_total", "reconnects_total"), 0)
         self.rejected_by_reason = {"header": 0, "checksum": 0, "size": 0}
+        #: Runs the tier stored, for KV events (a per-replica backend only): ``(root, parent
+        #: hash, hashes, token bytes)``; appended by the writer, drained by the engine thread.
+        self._stored_runs: deque = deque(maxlen=1 << 16)
         self._loads: queue.SimpleQueue = queue.SimpleQueue()
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._load_loop, name="radixkv-store-loader",
@@ -353,6 +356,9 @@ class StoreTier:
                     for e, ok in zip(todo, stored):
                         if not ok:
                             self._present.pop(e.key, None)
+                if self.backend.kv_event_medium is not None:
+                    self._record_stored(token_bytes, items, {e.key for e, ok in zip(todo, stored)
+                                                             if ok})
             else:
                 self._forget(entries, dropped=True)
         except StoreError as exc:
@@ -360,6 +366,35 @@ class StoreTier:
             self._forget(entries, dropped=True)
         finally:
             arena.give([item[5] for item in items])
+
+    def _record_stored(self, token_bytes: bytes, items: list, stored: set[str]) -> None:
+        """Queue the newly stored blocks of a write, as contiguous runs, for KV events."""
+        bb = 4 * self.layout.block_size
+        run: list = []
+        for key, root, h, parent, i, _slot, _depth in (*items, (None,) * 7):
+            if run and (key not in stored or parent != run[-1][2]):
+                first = run[0][4]
+                self._stored_runs.append((run[0][1], run[0][3], [it[2] for it in run],
+                                          token_bytes[first * bb : (first + len(run)) * bb]))
+                run = []
+            if key is not None and key in stored:
+                run.append((key, root, h, parent, i))
+
+    def drain_kv_events(self, log: object) -> None:
+        """Hand what the tier stored and evicted since the last call to the engine's
+        ``KVEventLog`` (engine thread), with the backend's medium; nothing for a backend whose
+        blocks are not published (Mooncake: a shared pool)."""
+        medium = self.backend.kv_event_medium
+        if medium is None:
+            return
+        while self._stored_runs:
+            root, parent, hashes, tb = self._stored_runs.popleft()
+            log.tier_stored(root, parent, hashes, tb, medium)  # type: ignore[attr-defined]
+        drain = getattr(self.backend, "drain_evicted", None)
+        evicted = drain() if drain is not None else []
+        if evicted:
+            log.tier_removed([bytes.fromhex(k.rsplit(":", 1)[1]) for k in evicted],  # type: ignore[attr-defined]
+                             medium)
 
     def _forget(self, entries: list[PutEntry], *, dropped: bool) -> None:
         with self.lock:
