@@ -313,6 +313,7 @@ BENCHES = {
     "eviction": "replay a trace through the real tree for each eviction policy x capacity",
     "tree": "cache-index throughput (hash, match, insert, evict) against the raw-hashing floor",
     "kernels": "attention kernels against torch SDPA, a bf16 matmul and a device copy (GPU)",
+    "store": "store-tier hit vs recompute of the same blocks, per block (host, mooncake)",
 }
 
 

@@ -307,15 +307,22 @@ class CacheManager(CacheGauges):
         """The request's store load finished or passed its deadline."""
         return self.store.is_ready(request_id)  # type: ignore[union-attr]
 
-    def store_finish(self, request_id: str, prompt_token_ids: bytes) -> tuple[int, int]:
-        """Insert what the load verified (pool blocks + tree, as published); return the
-        request's cached tokens now (device + store, the new m) and the part the store loaded."""
+    def store_finish(self, request_id: str, prompt_token_ids: bytes) -> tuple[int, int, bool]:
+        """Insert what the load verified (pool blocks + tree, as published). Returns the
+        request's cached tokens now (device + store, the new m), the tokens this load added,
+        and whether a further load was queued (the load was full: the store may hold more;
+        wait for ``store_ready`` again)."""
         req = self._requests[request_id]
-        req.num_store_tokens = bridge.finish_load(
-            self.store, req, request_id, self._take_blocks,  # type: ignore[arg-type]
+        tier = self.store
+        loaded = bridge.finish_load(
+            tier, req, request_id, self._take_blocks,  # type: ignore[arg-type]
             lambda: self.pool.num_free_blocks + self.tree.num_evictable_blocks,
             lambda n: self.publish(request_id, prompt_token_ids, n), self.block_size)
-        return req.num_cached_tokens, req.num_store_tokens
+        req.num_store_tokens += loaded
+        more = loaded == tier.max_blocks_per_load * self.block_size and bridge.start_load(  # type: ignore[union-attr]
+            tier, req, request_id, self.hasher.hash_blocks, prompt_token_ids,  # type: ignore[arg-type]
+            len(prompt_token_ids) >> 2, self.block_size)
+        return req.num_cached_tokens, loaded, more
 
     def store_wait(self, timeout_s: float) -> None:
         """Block until a store load finishes or ``timeout_s`` passes (nothing else can run)."""

@@ -137,8 +137,12 @@ class Scheduler:
             req = self._next_loaded() if self.loading else None
             if req is not None:
                 self.loading.remove(req)
-                num_cached, req.num_store_tokens = self.cache.store_finish(
-                    req.request_id, bytes(req.token_bytes))
+                num_cached, loaded, more = self.cache.store_finish(req.request_id,
+                                                                   bytes(req.token_bytes))
+                req.num_store_tokens += loaded
+                if more:  # a full load: the next blocks are being looked up too
+                    self.loading.append(req)
+                    continue
             elif self.waiting:
                 req = self._next_waiting()
                 num_cached = self.cache.begin(req.request_id, req.cache_root,

@@ -155,6 +155,17 @@ class SlowHostStore(HostStore):
         return super().get_into(keys, ptrs, sizes)
 
 
+class GatedHostStore(HostStore):
+    """A host store whose reads wait for ``gate`` (a store that answers when the test says)."""
+
+    gate: threading.Event | None = None
+
+    def get_into(self, keys, ptrs, sizes):
+        if self.gate is not None:
+            self.gate.wait(30)
+        return super().get_into(keys, ptrs, sizes)
+
+
 class FailingHostStore(HostStore):
     """A host store that is unreachable while ``failing`` is set."""
 
@@ -205,28 +216,33 @@ def test_a_load_past_its_deadline_computes_and_is_counted(tiny, cold):
 
 def test_other_requests_keep_stepping_while_one_loads(tiny):
     engine = make_engine(tiny, num_blocks=64, kv_store=HOST)
-    backend = SlowHostStore(1 << 24, block_size=4)
-    tier = _swap_backend(engine, backend, timeout_s=5.0)
+    backend = GatedHostStore(1 << 24, block_size=4)
+    tier = _swap_backend(engine, backend, timeout_s=30.0)
     try:
         warm_then_evict(engine)
-        backend.delay_s = 0.5
+        backend.gate = threading.Event()  # reads wait until the test opens it
         other = engine.make_request([7, 8, 9], SamplingParams(max_tokens=20, temperature=0.0,
                                                                ignore_eos=True))
         loading = engine.make_request(PROMPT, GREEDY)
         engine.add_request(other)
         engine.step()  # `other` prefills and decodes from here on
         engine.add_request(loading)
-        steps_while_loading = 0
+        for _ in range(200):
+            if other.is_finished:
+                break
+            engine.step()
+        # `other` ran all its 20 tokens while the load was held up; `loading` never ran.
+        assert other.is_finished and len(other.output_token_ids) == 20
+        assert not loading.admitted and loading.status.value == "loading"
+        backend.gate.set()
         for _ in range(10_000):
             if loading.is_finished:
                 break
             engine.step()
-            if not loading.admitted:
-                steps_while_loading += len(other.output_token_ids) < 20
-        assert other.is_finished and loading.num_store_tokens == 40
-        assert steps_while_loading >= 10  # `other` decoded while the read was slow
+        assert loading.num_store_tokens == 40 and len(loading.output_token_ids) == 6
         engine.cache.check_integrity()
     finally:
+        backend.gate.set()
         tier.close()
 
 
@@ -321,3 +337,20 @@ def test_host_tier_blocks_are_kv_events_with_medium_cpu(tiny):
         assert tier.backend.stats()["num_blocks"] == 12
     finally:
         engine.store.close()
+
+
+def test_a_run_longer_than_one_load_is_loaded_in_several(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    tier = _swap_backend(engine, HostStore(1 << 24, block_size=4), read_slots=4)
+    try:
+        warm_then_evict(engine)
+        again = run(engine)
+        assert (again.num_cached_tokens, again.num_store_tokens) == (40, 40)
+        assert again.output_token_ids == cold
+        stats = engine.stats_snapshot()
+        # The cold run looked up 4 blocks (a load's most); then loads of 4 + 4 + 2 blocks.
+        assert (stats["store"]["lookup_blocks_total"], stats["store"]["hit_blocks_total"]) \
+            == (4 + 10, 10)
+        assert stats["cached_prompt_tokens_by_tier"]["store"] == 40
+    finally:
+        tier.close()

@@ -35,9 +35,7 @@ client's own reconnect attempt); a new client's ``setup`` blocks ~4.4 s with an 
 master up and 6–16 s with it down. So after a -9xx answer this backend fails every call at once
 for ``PROBE_INTERVAL_S``, then lets a call through only when a TCP connect to the master's RPC
 port succeeds (``PROBE_TIMEOUT_S``); ``reconnect`` probes first and never calls ``setup``
-against a dead master. The tier's loader keeps its own timeout on top. After a restart the old
-client re-mounts its segment by itself within ~2 s (``health_check`` back to 0); ``reconnect``
-keeps such a client and replaces one that has not recovered.
+against a dead master. The tier's loader keeps its own timeout on top.
 
 Calls run concurrently (the client is thread-safe: a 64-value put takes ~60 ms and must not hold
 up a fetch); ``reconnect`` and ``close`` wait for the calls in flight and hold new ones back.
@@ -346,9 +344,10 @@ class MooncakeStore(StoreBackend):
             self._lock.release_shared()
 
     def reconnect(self) -> bool:
-        """Make the backend usable again: keep the client if it recovered by itself (it does
-        after a master restart), else close it and set up a new one with every buffer
-        registered again. Returns at once with False while the master's port is closed.
+        """Make the backend usable again: when it is not healthy, close the client and set up a
+        new one with every buffer registered again (the old client would re-mount by itself
+        after a master restart, but its ``health_check`` says 0 for seconds before it has, and
+        its puts fail meanwhile). Returns at once with False while the master's port is closed.
 
         Returns:
             True when calls may go through again.
@@ -364,20 +363,16 @@ class MooncakeStore(StoreBackend):
             if self._closed:
                 return False
             old, self._client = self._client, None
-            if old is not None and old.health_check() == HEALTHY:
-                self._client = old
-            else:
-                if old is not None:
-                    with contextlib.suppress(Exception):  # the old one is being dropped anyway
-                        old.close()
-                try:
-                    self._client = self._new_client()
-                except StoreError:
-                    self._mark_down()
-                    return False
-                with self._state_lock:
-                    self._reconnects_total += 1
+            if old is not None:
+                with contextlib.suppress(Exception):  # the old one is being dropped anyway
+                    old.close()
+            try:
+                self._client = self._new_client()
+            except StoreError:
+                self._mark_down()
+                return False
             with self._state_lock:
+                self._reconnects_total += 1
                 self._down = False
         return True
 
