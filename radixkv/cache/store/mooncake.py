@@ -47,6 +47,9 @@ import contextlib
 import socket
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -75,6 +78,17 @@ PROBE_TIMEOUT_S = 0.5
 def _unreachable(code: int) -> bool:
     """Mooncake's RPC error range (-900..-999): the master did not answer."""
     return -999 <= code <= -900
+
+
+def _fresh_local(local: str) -> str:
+    """``local`` with a free port on the same host (unchanged when it names no port: Mooncake
+    picks one itself then)."""
+    host, sep, port = local.rpartition(":")
+    if not sep or not port.isdigit() or host.count(":") and not host.endswith("]"):
+        return local
+    with socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET) as sock:
+        sock.bind((host.strip("[]"), 0))
+        return f"{host}:{sock.getsockname()[1]}"
 
 
 def import_client_class() -> type:
@@ -182,8 +196,11 @@ class MooncakeStore(StoreBackend):
         self._down = False  # the master failed a call; fail fast until a probe succeeds
         self._next_probe_s = 0.0
         self._reconnects_total = 0
+        self.last_put_error: int | None = None
+        self._last_healthy = True  # what healthy() last found (stats() must not block)
         self._unreachable_total = 0
         self._closed = False
+        self._local = spec.local_hostname  # this client's transfer-engine address
         self._client: Any = self._new_client()
 
     # -- connection ----------------------------------------------------------------------------
@@ -199,12 +216,12 @@ class MooncakeStore(StoreBackend):
     def _new_client(self) -> Any:
         """A set-up client with every known buffer registered (caller holds no shared lock)."""
         spec = self._spec
-        where = f"master {spec.master}, metadata {spec.metadata_url}, local {spec.local_hostname}"
+        where = f"master {spec.master}, metadata {spec.metadata_url}, local {self._local}"
         # setup() against a dead master blocks 4–90 s: probe first.
         if not self._master_reachable():
             raise StoreError(f"kv_store mooncake: master unreachable ({where})")
         client = self._client_class()
-        rc = client.setup(spec.local_hostname, spec.metadata_url, spec.segment_bytes,
+        rc = client.setup(self._local, spec.metadata_url, spec.segment_bytes,
                           spec.buffer_bytes, spec.protocol, "", spec.master)
         if rc != 0:
             raise StoreError(f"kv_store mooncake: setup failed with {rc} ({where})")
@@ -303,6 +320,9 @@ class MooncakeStore(StoreBackend):
         ptrs = [e.ptr for e in entries]
         sizes = [e.nbytes for e in entries]
         codes = self._call("put", lambda c: c.batch_put_from(keys, ptrs, sizes))
+        refused = [code for code in codes if code not in (0, OBJECT_ALREADY_EXISTS)]
+        if refused:
+            self.last_put_error = refused[-1]
         return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
 
     def get_into(self, keys: Sequence[str], ptrs: Sequence[int],
@@ -332,16 +352,41 @@ class MooncakeStore(StoreBackend):
         return sum(1 for code in codes if code == 0)
 
     def healthy(self) -> bool:
-        """Not known down and the client's heartbeat reaches the master; False while a
-        reconnect or close is under way (never blocks on one)."""
+        """Not known down, the client's heartbeat reaches the master, and the metadata server
+        still has this client's transfer-engine registration; False while a reconnect or close
+        is under way (never blocks on one). Up to ``PROBE_TIMEOUT_S`` (a local HTTP GET): the
+        tier calls it from its writer thread, never from the engine's.
+
+        Why the registration: a restarted master forgets every client; an old client re-mounts
+        its segment and re-publishes its ``ram`` entry by itself, but not its ``rpc_meta``, so
+        transfers to or from its segment fail ("metadata not found") while it reports healthy.
+        """
         if not self._lock.acquire_shared(blocking=False):
             return False
         try:
             with self._state_lock:
                 down = self._down
-            return not down and self._client is not None and self._client.health_check() == HEALTHY
+            ok = (not down and self._client is not None
+                  and self._client.health_check() == HEALTHY and self._registered())
         finally:
             self._lock.release_shared()
+        self._last_healthy = ok
+        return ok
+
+    def _registered(self) -> bool:
+        """Whether the HTTP metadata server knows this client's ``rpc_meta`` (True for other
+        metadata services: nothing to ask)."""
+        url = self._spec.metadata_url
+        if not url.startswith(("http://", "https://")):
+            return True
+        key = urllib.parse.quote(f"mooncake/rpc_meta/{self._client.get_hostname()}", safe="")
+        try:
+            with urllib.request.urlopen(f"{url}?key={key}", timeout=PROBE_TIMEOUT_S):
+                return True
+        except urllib.error.HTTPError as exc:
+            return exc.code != 404
+        except OSError:
+            return False
 
     def reconnect(self) -> bool:
         """Make the backend usable again: when it is not healthy, close the client and set up a
@@ -366,6 +411,9 @@ class MooncakeStore(StoreBackend):
             if old is not None:
                 with contextlib.suppress(Exception):  # the old one is being dropped anyway
                     old.close()
+            # A new address: peers cache a segment's transport endpoint by its name, so a new
+            # client under the old name would be unreachable to them ("connection refused").
+            self._local = _fresh_local(self._local)
             try:
                 self._client = self._new_client()
             except StoreError:
@@ -377,16 +425,17 @@ class MooncakeStore(StoreBackend):
         return True
 
     def stats(self) -> dict:
-        """``master``, ``healthy``, ``reconnects_total`` (clients replaced),
+        """``master``, ``healthy``, ``clients_replaced_total``,
         ``unreachable_errors_total`` (calls the master did not answer),
-        ``registered_buffer_bytes``, ``segment_bytes`` (memory this client adds to the pool)."""
-        healthy = self.healthy()
+        ``registered_buffer_bytes``, ``segment_bytes`` (memory this client adds to the pool),
+        ``last_put_error`` (the last Mooncake code a put was refused with, or None)."""
         with self._state_lock:
-            return {"master": self._spec.master, "healthy": healthy,
-                    "reconnects_total": self._reconnects_total,
+            return {"master": self._spec.master, "healthy": self._last_healthy,
+                    "clients_replaced_total": self._reconnects_total,
                     "unreachable_errors_total": self._unreachable_total,
                     "registered_buffer_bytes": sum(self._buffers.values()),
-                    "segment_bytes": self._spec.segment_bytes}
+                    "segment_bytes": self._spec.segment_bytes,
+                    "last_put_error": self.last_put_error}
 
     def close(self) -> None:
         """Close the client after the calls in flight. Blocks 1–2 s (6–16 s with the master

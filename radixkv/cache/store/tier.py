@@ -40,6 +40,8 @@ from radixkv.log import get_logger
 
 log = get_logger(__name__)
 
+#: Seconds between the writer's ``backend.healthy()`` checks while the tier is up.
+HEALTH_CHECK_INTERVAL_S = 2.0
 #: Keys remembered as stored (the engine thread skips gathering them again).
 PRESENT_MEMO_SIZE = 1 << 16
 
@@ -98,7 +100,8 @@ class StoreTier:
         self.counters = dict.fromkeys((
             "lookup_blocks_total", "hit_blocks_total", "miss_blocks_total", "read_bytes_total",
             "written_blocks_total", "written_bytes_total", "skipped_existing_blocks_total",
-            "rejected_blocks_total", "dropped_write_blocks_total", "errors_total",
+            "rejected_blocks_total", "dropped_write_blocks_total", "refused_write_blocks_total",
+            "errors_total",
             "load_timeouts_total", "loads_skipped_down_total", "reconnects_total"), 0)
         self.rejected_by_reason = {"header": 0, "checksum": 0, "size": 0}
         #: Runs the tier stored, for KV events (a per-replica backend only): ``(root, parent
@@ -298,6 +301,7 @@ class StoreTier:
             return self._idle.wait_for(lambda: self._pending_writes == 0, timeout_s)
 
     def _write_loop(self) -> None:
+        next_check_s = self._clock() + HEALTH_CHECK_INTERVAL_S
         while True:
             try:
                 job = self._writes.get(timeout=self._reconnect_interval_s)
@@ -305,7 +309,14 @@ class StoreTier:
                 job = ()
             if job is None:
                 return
-            if self._down_since is not None and self._clock() - self._down_since >= \
+            now = self._clock()
+            if self._down_since is None and now >= next_check_s:
+                # A store can lose this client without any call failing (a restarted
+                # Mooncake master): ask the backend itself now and then.
+                next_check_s = now + HEALTH_CHECK_INTERVAL_S
+                if not self.backend.healthy():
+                    self.mark_down("health check", StoreError("backend reports unhealthy"))
+            if self._down_since is not None and now - self._down_since >= \
                     self._reconnect_interval_s:
                 self._try_reconnect()
             if job:
@@ -352,6 +363,7 @@ class StoreTier:
                     self.counters["skipped_existing_blocks_total"] += len(entries) - len(todo)
                     n = sum(stored)
                     self.counters["written_blocks_total"] += n
+                    self.counters["refused_write_blocks_total"] += len(todo) - n
                     self.counters["written_bytes_total"] += n * vb
                     for e, ok in zip(todo, stored):
                         if not ok:
