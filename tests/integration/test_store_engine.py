@@ -115,6 +115,21 @@ def test_identities_stay_apart_through_the_store(tiny, tmp_path):
         engine.store.close()
 
 
+def test_an_adapter_and_the_base_model_stay_apart_through_the_store(tiny, tmp_path):
+    from tests.lora_files import write_adapter
+
+    adapter = write_adapter(tmp_path / "A", tiny.shape, r=4, alpha=8, seed=1)
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST, lora_adapters=(("A", str(adapter)),))
+    try:
+        warm_then_evict(engine, lora_name="A")
+        assert run(engine).num_cached_tokens == 0  # the base model: another identity
+        engine.cache.evict(engine.num_blocks)
+        control = run(engine, lora_name="A")
+        assert (control.num_cached_tokens, control.num_store_tokens) == (40, 40)
+    finally:
+        engine.store.close()
+
+
 def test_a_corrupted_value_is_rejected_and_the_output_stays_cold(tiny, cold):
     engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
     backend = engine.store.backend
