@@ -180,6 +180,7 @@ class KVEventLog:
         in the tree (held by running requests), parents first."""
         self._pending[since:] = [e for e in self._pending[since:] if e[0] != "removed"]
         self._published.clear()
+        self._published_tier.clear()  # a subscriber drops every claim of this replica
         self._pending.append(("cleared",))
         for root_hash, root in roots.items():
             if root_hash not in self._roots:

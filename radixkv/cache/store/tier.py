@@ -183,8 +183,9 @@ class StoreTier:
         self._done.wait(timeout_s)
         self._done.clear()
 
-    def finish(self, request_id: str) -> LoadJob:
-        """Take the request's load: finished, or abandoned now (``timed out``: ``done`` False).
+    def finish(self, request_id: str, *, timed_out: bool = True) -> LoadJob:
+        """Take the request's load: finished, or abandoned now (``done`` False; counted as a
+        timeout unless ``timed_out`` is False: the request went away).
 
         The caller copies ``job.slots`` into blocks with :meth:`copy_into` or drops them with
         :meth:`discard`.
@@ -193,13 +194,13 @@ class StoreTier:
         with self.lock:
             if not job.done:
                 job.abandoned = True
-                self.counters["load_timeouts_total"] += 1
+                self.counters["load_timeouts_total"] += timed_out
         return job
 
     def cancel(self, request_id: str) -> None:
         """Forget the request's load, if any (aborted while loading)."""
         if request_id in self._jobs:
-            self.discard(self.finish(request_id))
+            self.discard(self.finish(request_id, timed_out=False))
 
     def discard(self, job: LoadJob) -> None:
         """Give back a finished job's slots unused."""
