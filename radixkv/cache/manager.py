@@ -291,8 +291,7 @@ class CacheManager(CacheGauges):
         """Put ``tier`` under the tree: lookups past the device match ask it, published (or,
         in ``evict`` write mode, evicted) blocks are written to it."""
         self.store = tier
-        if tier.write_mode == "evict":
-            self.tree.trim_hook = lambda node, take: bridge.write_trimmed(tier, node, take)
+        self.tree.trim_hook = lambda node, take: bridge.write_trimmed(tier, node, take)
 
     def store_begin(self, request_id: str, prompt_token_ids: bytes) -> bool:
         """After ``begin``: queue the store lookup of the blocks past the device match (packed
@@ -399,9 +398,12 @@ class CacheManager(CacheGauges):
         """Mark a forward step in flight: blocks released from now on are freed at ``end_step``.
 
         The engine calls it after scheduling and before launching the forward (after
-        ``allocate``, which cannot hand out a deferred block anyway).
+        ``allocate``, which cannot hand out a deferred block anyway). Published blocks waiting
+        for a store write slot are gathered here.
         """
         self.pool.begin_step()
+        if self.store is not None:
+            self.store.pump()
 
     def end_step(self) -> int:
         """The in-flight step's K/V writes are complete: free the deferred blocks.

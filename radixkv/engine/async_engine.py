@@ -342,6 +342,8 @@ class AsyncEngine(AsyncLoRAMixin):
                     self._publish_events()
                     continue
                 self._stats = engine.stats_snapshot()
+                if engine.store is not None:  # blocks still waiting for a write slot
+                    engine.store.pump()
                 self._publish_events()  # the store tier's writes finish between steps
                 if self._check_integrity:
                     engine.cache.check_integrity()

@@ -369,3 +369,21 @@ def test_a_run_longer_than_one_load_is_loaded_in_several(tiny, cold):
         assert stats["cached_prompt_tokens_by_tier"]["store"] == 40
     finally:
         tier.close()
+
+
+def test_published_blocks_wait_for_a_write_slot_instead_of_being_dropped(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    tier = _swap_backend(engine, HostStore(1 << 24, block_size=4), write_slots=2)
+    try:
+        run(engine)  # 11 blocks published, 2 write slots
+        deadline = time.monotonic() + 10
+        while not tier.flush(0.05):  # the engine's steps pump; here the test does
+            assert time.monotonic() < deadline, tier.snapshot()
+            tier.pump()
+        stats = tier.snapshot()
+        assert (stats["written_blocks_total"], stats["dropped_write_blocks_total"]) == (11, 0)
+        engine.cache.evict(engine.num_blocks)
+        again = run(engine)
+        assert (again.num_store_tokens, again.output_token_ids) == (40, cold)
+    finally:
+        tier.close()

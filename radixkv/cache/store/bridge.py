@@ -110,19 +110,24 @@ def _relabel(req: RequestState, num_tokens: int, cause: str | None) -> None:
             return
 
 
-def write_published(tier: StoreTier, root_hash: bytes, node: Node, count: int) -> None:
+def write_published(tier: StoreTier, root_hash: bytes, node: Node, count: int, *,
+                    defer: bool = True) -> None:
     """Write the last ``count`` blocks of ``node`` (just published) to the store."""
     bb = 4 * node.block_size
     n = len(node.block_ids)
     first = n - count
     parent = node.hashes[first - 1] if first else node.parent.end_hash  # type: ignore[union-attr]
     tier.write(root_hash, parent, node.hashes[first:], bytes(node.tokens[first * bb :]),
-               node.block_ids[first:], node.depth_tokens // node.block_size + first)
+               node.block_ids[first:], node.depth_tokens // node.block_size + first, defer=defer)
 
 
 def write_trimmed(tier: StoreTier, node: Node, take: int) -> None:
-    """Write the last ``take`` blocks of ``node`` before an eviction trims them."""
+    """The last ``take`` blocks of ``node`` are about to be evicted: write them (``evict``
+    mode), or gather the ones still waiting for a write slot (``all`` mode)."""
+    if tier.write_mode == "all":
+        tier.on_trim(node.block_ids[-take:])
+        return
     root = node
     while root.parent is not None:
         root = root.parent
-    write_published(tier, root.root_hash, node, take)
+    write_published(tier, root.root_hash, node, take, defer=False)

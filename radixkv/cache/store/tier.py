@@ -32,16 +32,17 @@ from radixkv.cache.store.loads import LoadJob, run_load
 from radixkv.cache.store.staging import StagingArena, gather_block, scatter_block
 from radixkv.cache.store.value import (
     BlockLayout,
-    encode_header,
-    payload_checksum,
     store_key,
 )
+from radixkv.cache.store.writes import WriteItem, run_write
 from radixkv.log import get_logger
 
 log = get_logger(__name__)
 
 #: Seconds between the writer's ``backend.healthy()`` checks while the tier is up.
 HEALTH_CHECK_INTERVAL_S = 2.0
+#: Published blocks that may wait for a write slot (beyond: dropped, counted).
+MAX_DEFERRED_BLOCKS = 1 << 14
 #: Keys remembered as stored (the engine thread skips gathering them again).
 PRESENT_MEMO_SIZE = 1 << 16
 
@@ -92,6 +93,7 @@ class StoreTier:
         self._bases: list[int] | None = None
         self._jobs: dict[str, LoadJob] = {}  # engine thread only
         self._present: OrderedDict[str, None] = OrderedDict()
+        self._deferred: dict[int, WriteItem] = {}  # block id -> its write (engine thread)
         self.lock = threading.Lock()
         self._done = threading.Event()
         self._idle = threading.Condition()
@@ -106,7 +108,7 @@ class StoreTier:
         self.rejected_by_reason = {"header": 0, "checksum": 0, "size": 0}
         #: Runs the tier stored, for KV events (a per-replica backend only): ``(root, parent
         #: hash, hashes, token bytes)``; appended by the writer, drained by the engine thread.
-        self._stored_runs: deque = deque(maxlen=1 << 16)
+        self.stored_runs: deque = deque(maxlen=1 << 16)
         self._loads: queue.SimpleQueue = queue.SimpleQueue()
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._load_loop, name="radixkv-store-loader",
@@ -246,30 +248,36 @@ class StoreTier:
             self._present.popitem(last=False)
 
     def write(self, root: bytes, parent_hash: bytes, hashes: Sequence[bytes],
-              token_bytes: bytes | memoryview, block_ids: Sequence[int], depth_blocks: int) -> int:
+              token_bytes: bytes | memoryview, block_ids: Sequence[int], depth_blocks: int, *,
+              defer: bool = True) -> int:
         """Gather a run of published blocks into staging slots and queue their write.
+
+        Blocks that find no free slot wait (``defer``, at most ``MAX_DEFERRED_BLOCKS``) for
+        :meth:`pump` — the engine calls it every step — or for their eviction
+        (:meth:`on_trim`), whichever comes first; the rest are dropped and counted.
 
         Args:
             root: Identity root hash.
             parent_hash: Chained hash before ``hashes[0]`` (the root at depth 0).
             hashes: The run's chained hashes, token order.
             token_bytes: The run's packed tokens.
-            block_ids: The pool blocks holding them (valid until this call returns).
+            block_ids: The pool blocks holding them (published: unchanged until evicted).
             depth_blocks: Blocks before the run.
+            defer: False when the blocks are about to be freed (gather now or drop).
 
         Returns:
-            Blocks queued (keys known stored are skipped, blocks without a slot dropped).
+            Blocks gathered now (keys known stored are skipped).
         """
         if self._bases is None or self._down_since is not None:
             if self._down_since is not None:
                 self.count("dropped_write_blocks_total", len(hashes))
             return 0
-        layout, seg, arena = self.layout, self.layout.segment_bytes, self.write_arena
-        items = []
+        bb = 4 * self.layout.block_size
+        items: list[WriteItem] = []
         parent = parent_hash
         skipped = dropped = 0
         for i, h in enumerate(hashes):
-            key = store_key(layout, root, h)
+            key = store_key(self.layout, root, h)
             with self.lock:
                 known = key in self._present
                 if not known:
@@ -277,29 +285,75 @@ class StoreTier:
             if known:
                 skipped += 1
             else:
-                slots = arena.take(1)
-                if not slots:
-                    dropped = len(hashes) - i
-                    with self.lock:
-                        self._present.pop(key, None)
-                    break
-                gather_block(arena.ptr(slots[0]) + self.header_bytes, self._bases, block_ids[i],
-                             seg)
-                items.append((key, root, h, parent, i, slots[0], depth_blocks + i))
+                item = WriteItem(key, root, h, parent, bytes(token_bytes[i * bb : (i + 1) * bb]),
+                                 -1, depth_blocks + i)
+                if self._deferred or not self._gather(item, block_ids[i], items):
+                    if defer and len(self._deferred) < MAX_DEFERRED_BLOCKS:
+                        self._deferred[block_ids[i]] = item
+                    else:
+                        dropped += 1
+                        with self.lock:
+                            self._present.pop(key, None)
             parent = h
         with self.lock:
             self.counters["skipped_existing_blocks_total"] += skipped
             self.counters["dropped_write_blocks_total"] += dropped
+        self._queue(items)
+        return len(items)
+
+    def _gather(self, item: WriteItem, block_id: int, items: list[WriteItem]) -> bool:
+        """Copy block ``block_id`` into a free write slot for ``item``; False: no free slot."""
+        slots = self.write_arena.take(1)
+        if not slots:
+            return False
+        gather_block(self.write_arena.ptr(slots[0]) + self.header_bytes, self._bases,  # type: ignore[arg-type]
+                     block_id, self.layout.segment_bytes)
+        items.append(item._replace(slot=slots[0]))
+        return True
+
+    def _queue(self, items: list[WriteItem]) -> None:
         if items:
             with self._idle:
                 self._pending_writes += 1
-            self._writes.put((bytes(token_bytes), items))
+            self._writes.put(items)
+
+    def pump(self) -> int:
+        """Gather deferred blocks into the slots freed since (engine thread, every step);
+        returns how many were gathered."""
+        items: list[WriteItem] = []
+        while self._deferred:
+            block_id, item = next(iter(self._deferred.items()))
+            if not self._gather(item, block_id, items):
+                break
+            del self._deferred[block_id]
+        self._queue(items)
         return len(items)
 
+    def on_trim(self, block_ids: Sequence[int]) -> None:
+        """These blocks are being evicted: gather the deferred ones among them now, or drop
+        them (counted)."""
+        if not self._deferred:
+            return
+        items: list[WriteItem] = []
+        for block_id in block_ids:
+            item = self._deferred.pop(block_id, None)
+            if item is not None and not self._gather(item, block_id, items):
+                self.count("dropped_write_blocks_total")
+                with self.lock:
+                    self._present.pop(item.key, None)
+        self._queue(items)
+
+    @property
+    def num_deferred_blocks(self) -> int:
+        """Published blocks waiting for a write slot."""
+        return len(self._deferred)
+
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued write was tried (tests, benchmarks); False on timeout."""
+        """Wait until every queued write was tried and none is deferred (tests, benchmarks;
+        deferred blocks move on at the engine's next step); False on timeout."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._pending_writes == 0, timeout_s)
+            return self._idle.wait_for(
+                lambda: self._pending_writes == 0 and not self._deferred, timeout_s)
 
     def _write_loop(self) -> None:
         next_check_s = self._clock() + HEALTH_CHECK_INTERVAL_S
@@ -322,7 +376,7 @@ class StoreTier:
                 self._try_reconnect()
             if job:
                 try:
-                    self._write(*job)
+                    run_write(self, job)
                 finally:
                     with self._idle:
                         self._pending_writes -= 1
@@ -343,56 +397,6 @@ class StoreTier:
         if ok:
             log.info("kv_store_reconnected", backend=self.backend.name)
 
-    def _write(self, token_bytes: bytes, items: list) -> None:
-        layout, arena, hb, vb = self.layout, self.write_arena, self.header_bytes, self.value_bytes
-        bb = 4 * layout.block_size
-        entries = []
-        for key, root, h, parent, i, slot, depth in items:
-            view = arena.slot_view(slot, vb)
-            view[:hb] = encode_header(layout, root, h, parent, token_bytes[i * bb : (i + 1) * bb],
-                                      payload_checksum(view[hb:]))
-            entries.append(PutEntry(key, store_key(layout, root, parent) if depth else None,
-                                    depth * layout.block_size, arena.ptr(slot), vb))
-        stored: list[bool] = []
-        try:
-            present = self.backend.exists([e.key for e in entries]) if self._down_since is None \
-                else None
-            if present is not None:
-                todo = [e for e, p in zip(entries, present) if not p]
-                stored = self.backend.put(todo) if todo else []
-                with self.lock:
-                    self.counters["skipped_existing_blocks_total"] += len(entries) - len(todo)
-                    n = sum(stored)
-                    self.counters["written_blocks_total"] += n
-                    self.counters["refused_write_blocks_total"] += len(todo) - n
-                    self.counters["written_bytes_total"] += n * vb
-                    for e, ok in zip(todo, stored):
-                        if not ok:
-                            self._present.pop(e.key, None)
-                if self.backend.kv_event_medium is not None:
-                    self._record_stored(token_bytes, items, {e.key for e, ok in zip(todo, stored)
-                                                             if ok})
-            else:
-                self._forget(entries, dropped=True)
-        except StoreError as exc:
-            self.mark_down("write", exc)
-            self._forget(entries, dropped=True)
-        finally:
-            arena.give([item[5] for item in items])
-
-    def _record_stored(self, token_bytes: bytes, items: list, stored: set[str]) -> None:
-        """Queue the newly stored blocks of a write, as contiguous runs, for KV events."""
-        bb = 4 * self.layout.block_size
-        run: list = []
-        for key, root, h, parent, i, _slot, _depth in (*items, (None,) * 7):
-            if run and (key not in stored or parent != run[-1][2]):
-                first = run[0][4]
-                self._stored_runs.append((run[0][1], run[0][3], [it[2] for it in run],
-                                          token_bytes[first * bb : (first + len(run)) * bb]))
-                run = []
-            if key is not None and key in stored:
-                run.append((key, root, h, parent, i))
-
     def drain_kv_events(self, log: object) -> None:
         """Hand what the tier stored and evicted since the last call to the engine's
         ``KVEventLog`` (engine thread), with the backend's medium; nothing for a backend whose
@@ -400,8 +404,8 @@ class StoreTier:
         medium = self.backend.kv_event_medium
         if medium is None:
             return
-        while self._stored_runs:
-            root, parent, hashes, tb = self._stored_runs.popleft()
+        while self.stored_runs:
+            root, parent, hashes, tb = self.stored_runs.popleft()
             log.tier_stored(root, parent, hashes, tb, medium)  # type: ignore[attr-defined]
         drain = getattr(self.backend, "drain_evicted", None)
         evicted = drain() if drain is not None else []
@@ -409,17 +413,13 @@ class StoreTier:
             log.tier_removed([bytes.fromhex(k.rsplit(":", 1)[1]) for k in evicted],  # type: ignore[attr-defined]
                              medium)
 
-    def _forget(self, entries: list[PutEntry], *, dropped: bool) -> None:
+    def forget(self, entries: list[PutEntry], *, dropped: bool) -> None:
+        """These keys are not stored after all (``dropped``: counted as dropped writes)."""
         with self.lock:
             for e in entries:
                 self._present.pop(e.key, None)
             if dropped:
                 self.counters["dropped_write_blocks_total"] += len(entries)
-
-    def forget_all(self) -> None:
-        """Forget which keys are stored (after the backend lost them: reset, restart)."""
-        with self.lock:
-            self._present.clear()
 
     # ---- gauges / shutdown ---------------------------------------------------------------
     def snapshot(self) -> dict:
