@@ -323,6 +323,10 @@ class CacheManager(CacheGauges):
             len(prompt_token_ids) >> 2, self.block_size)
         return req.num_cached_tokens, loaded, more
 
+    def store_loaded_blocks(self, request_id: str) -> int:
+        """Verified blocks the request's finished load holds in staging (0 while running)."""
+        return self.store.loaded_blocks(request_id) if self.store is not None else 0
+
     def store_wait(self, timeout_s: float) -> None:
         """Block until a store load finishes or ``timeout_s`` passes (nothing else can run)."""
         if self.store is not None:

@@ -327,7 +327,7 @@ class AsyncEngine(AsyncLoRAMixin):
         """Sequences running and waiting in the scheduler now (read across threads)."""
         sched = self._engine.scheduler
         return {"running": len(sched.running),
-                "waiting": len(sched.waiting) + len(sched.loading)}
+                "waiting": len(sched.waiting) + len(sched.loading) + len(sched.loaded)}
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

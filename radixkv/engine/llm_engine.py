@@ -260,7 +260,7 @@ class LLMEngine:
         """
         chunks = self.scheduler.schedule()
         if not chunks:
-            if self.scheduler.loading:  # only store loads pending: wait for one, not spin
+            if self.scheduler.loading and not self.scheduler.loaded:  # wait for a load, not spin
                 self.cache.store_wait(0.005)
             return []
         try:

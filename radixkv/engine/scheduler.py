@@ -20,7 +20,9 @@ With a store tier (``radixkv.cache.store``), a request whose device match ends b
 cap first *loads*: it leaves the waiting queue for ``loading`` (holding only its matched path)
 while the tier looks the next blocks up off the step loop; other requests keep stepping. Once
 its load is done (or past its deadline) it is admitted ahead of the waiting queue with the
-loaded blocks in the tree.
+loaded blocks in the tree. If the pool cannot take its next chunk yet, it keeps those blocks
+(locked, in ``loaded``) until running requests free room, or gives them back to the pool
+(cached, evictable) and waits when nothing is running.
 
 The scheduler talks only to the ``CacheManager`` facade, never to the tree or the pool.
 """
@@ -73,10 +75,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # begun, waiting for their store load
+        self.loaded: deque[Request] = deque()  # loaded blocks in the tree, waiting for room
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or self.loaded)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -132,10 +135,24 @@ class Scheduler:
                 return req
         return None
 
+    def _room_for_load(self, req: Request, budget: int) -> bool:
+        """Whether the pool can take the request's verified store blocks and its first chunk
+        after them (else ``store_finish`` would load only what fits and compute the rest)."""
+        cache, bs = self.cache, self.cache.block_size
+        loaded = cache.store_loaded_blocks(req.request_id)
+        start = cache.num_cached_tokens(req.request_id) + loaded * bs
+        chunk = self._chunk_size(req, start, budget)
+        need = loaded + -(-(start + chunk) // bs) - start // bs
+        return need <= cache.num_free_blocks + cache.num_cached_evictable_blocks
+
     def _admit(self, scheduled: list[ScheduledChunk], budget: int) -> None:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._next_loaded() if self.loading else None
+            req = self.loaded[0] if self.loaded else None
             if req is not None:
+                num_cached = self.cache.num_cached_tokens(req.request_id)
+            elif self.loading and (req := self._next_loaded()) is not None:
+                if self.running and not self._room_for_load(req, budget):
+                    break  # running requests will free room; loading it now would cut it short
                 self.loading.remove(req)
                 num_cached, loaded, more = self.cache.store_finish(req.request_id,
                                                                    bytes(req.token_bytes))
@@ -143,6 +160,7 @@ class Scheduler:
                 if more:  # a full load: the next blocks are being looked up too
                     self.loading.append(req)
                     continue
+                self.loaded.append(req)
             elif self.waiting:
                 req = self._next_waiting()
                 num_cached = self.cache.begin(req.request_id, req.cache_root,
@@ -158,12 +176,19 @@ class Scheduler:
                 break
             num_tokens = self._chunk_size(req, num_cached, budget)
             if not self.cache.allocate(req.request_id, num_cached + num_tokens):
-                self.cache.release(req.request_id)  # loaded blocks stay cached (evictable)
-                if req.status is RequestStatus.LOADING:
+                if req.status is not RequestStatus.LOADING:
+                    self.cache.release(req.request_id)
+                elif not self.running:
+                    # Nothing running will free blocks: give the loaded blocks back to the
+                    # pool (they stay cached, evictable) and wait like any request.
+                    self.loaded.popleft()
+                    self.cache.release(req.request_id)
                     req.status = RequestStatus.WAITING
                     self.waiting.appendleft(req)
+                # else: it keeps its loaded blocks (locked) until running requests free room
                 break
             if req.status is RequestStatus.LOADING:
+                self.loaded.popleft()
                 req.status = RequestStatus.WAITING
             else:
                 for older in self.waiting:
@@ -211,10 +236,10 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request in any phase; returns it, or None if it is not here (finished)."""
-        for queue in (self.waiting, self.loading):
+        for queue in (self.waiting, self.loading, self.loaded):
             req = next((r for r in queue if r.request_id == request_id), None)
             if req is not None:
-                if queue is self.loading:
+                if queue is not self.waiting:
                     self.cache.release(request_id)  # drops its load too
                 queue.remove(req)
                 req.status = RequestStatus.ABORTED

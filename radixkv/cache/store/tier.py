@@ -180,6 +180,11 @@ class StoreTier:
         job = self._jobs[request_id]
         return job.done or self._clock() >= job.deadline_s
 
+    def loaded_blocks(self, request_id: str) -> int:
+        """Verified blocks of the request's load, once it is done (else 0)."""
+        job = self._jobs.get(request_id)
+        return len(job.slots) if job is not None and job.done else 0
+
     def wait(self, timeout_s: float) -> None:
         """Block the engine thread until some load finishes (only when nothing else can run)."""
         self._done.wait(timeout_s)
