@@ -27,6 +27,7 @@ import json
 import random
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ class Sample:
     request: dict
     prompt_token_ids: list[int]
     dispatch_index: int = -1
+    url: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -162,8 +164,30 @@ async def stream_one(http: aiohttp.ClientSession, url: str, model: str, sample: 
                 sample.cached_tokens = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
+DISPATCH_MODES = ("session", "alternate")
+
+
+def target_url(urls: list[str], dispatch: str, session_id: str, position: int) -> str:
+    """The server a turn goes to: ``session`` keeps a session on one URL (CRC-32 of its id mod
+    ``len(urls)``, stable across runs); ``alternate`` sends the session's turn at ``position``
+    (0-based, among its replayed turns) to ``urls[position % len(urls)]``, so consecutive turns
+    never share a server when there are several (no affinity).
+
+    Raises:
+        ValueError: ``dispatch`` is not one of ``DISPATCH_MODES`` or ``urls`` is empty.
+    """
+    if not urls:
+        raise ValueError("no URLs to dispatch to")
+    if dispatch == "session":
+        return urls[zlib.crc32(session_id.encode()) % len(urls)]
+    if dispatch == "alternate":
+        return urls[position % len(urls)]
+    raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
+
+
 async def _send(http, url, model, sample, max_tokens, cache_salt, dispatched, bar) -> None:
     sample.dispatch_index = len(dispatched)
+    sample.url = url
     dispatched.append(sample)
     try:
         await stream_one(http, url, model, sample, max_tokens, cache_salt)
@@ -223,7 +247,8 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
                  max_tokens: int, request_rate: float | None = None, seed: int = 0,
                  warmup_requests: int = 0, cache_salt: str | None = None,
                  request_timeout_s: float = 900.0, progress: bool | None = None,
-                 tokenize_url: str | None = None) -> dict[str, Any]:
+                 tokenize_url: str | None = None, more_urls: tuple[str, ...] = (),
+                 dispatch: str = "session") -> dict[str, Any]:
     """Replay ``sessions`` against the server at ``url`` and summarise.
 
     Args:
@@ -246,6 +271,11 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
         tokenize_url: A replica behind the router at ``url``: the model id, token ids, context
             length, block size and ``/stats`` counters come from it; the chat requests still
             go to ``url``. None: all from ``url``.
+        more_urls: Further servers (replicas) next to ``url``; each turn goes to one of
+            ``[url, *more_urls]`` per ``dispatch`` (see ``target_url``). Their ``/stats`` are
+            summed for the server counters.
+        dispatch: ``session`` (a session stays on one server) or ``alternate`` (a session's
+            turns go round the servers).
 
     Returns:
         The result keys of DESIGN.md §8 plus run facts, ``computed_tokens``, ITL / TTFT
@@ -254,8 +284,11 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
         latter is None unless the former equals the requests dispatched, i.e. when ``/stats``
         did not see exactly this run: a router spread it over replicas, other clients sent
         requests, or some were refused before admission), ``prefix_caching`` (the server's own
-        report) and ``per_request`` (dispatch order: session, turn, prompt / cached / ideal
-        tokens, TTFT ms; failed ones with ``error``).
+        report), ``urls``, ``dispatch``, ``per_url`` (per server: requests, prompt / cached /
+        ideal tokens of this run, and the increase of its ``/stats`` counters, including
+        ``cached_prompt_tokens_by_tier`` where the server has it) and ``per_request`` (dispatch
+        order: session, turn, server URL, prompt / cached / ideal tokens, TTFT ms; failed ones
+        with ``error``).
 
     Raises:
         ValueError: concurrency < 1, request_rate <= 0 or warmup_requests < 0.
@@ -269,7 +302,11 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
     if warmup_requests < 0:
         raise ValueError(f"warmup_requests must be >= 0, got {warmup_requests}")
     url = url.rstrip("/")
+    urls = [url, *(u.rstrip("/") for u in more_urls)]
+    target_url(urls, dispatch, "", 0)  # ValueError for an unknown mode, before any request
     info_url = (tokenize_url or url).rstrip("/")
+    # Counters come from every replica, or only from the one behind a router.
+    stats_urls = [info_url] if tokenize_url else urls
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         model = (await get_json(http, f"{info_url}/v1/models"))["data"][0]["id"]
@@ -281,17 +318,20 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
                 for ss in plan]
         skipped = sum(len(ss) for ss in plan) - sum(len(ss) for ss in fits)
         runnable = [s for ss in fits for s in ss]
+        position = {id(s): i for ss in fits for i, s in enumerate(ss)}
         for sample in runnable[:warmup_requests]:
             warm = Sample(sample.session_id, sample.turn, sample.request, [])
-            await stream_one(http, url, model, warm, max_tokens,
-                             cache_salt=WARMUP_SALT_PREFIX + uuid.uuid4().hex)
-        stats_before = await get_stats(http, info_url)
+            for each in urls:
+                await stream_one(http, each, model, warm, max_tokens,
+                                 cache_salt=WARMUP_SALT_PREFIX + uuid.uuid4().hex)
+        stats_before = {u: await get_stats(http, u) for u in stats_urls}
         dispatched: list[Sample] = []
         bar = tqdm(total=len(runnable), desc=f"replay {url}", unit="req",
                    disable=None if progress is None else not progress)
 
         async def send(sample: Sample) -> None:
-            await _send(http, url, model, sample, max_tokens, cache_salt, dispatched, bar)
+            to = target_url(urls, dispatch, sample.session_id, position[id(sample)])
+            await _send(http, to, model, sample, max_tokens, cache_salt, dispatched, bar)
 
         start = time.perf_counter()
         if request_rate is None:
@@ -300,14 +340,16 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
             await _open_loop(fits, request_rate, concurrency, seed, send)
         wall_s = time.perf_counter() - start
         bar.close()
-        stats_after = await get_stats(http, info_url)
-    out = summarise(dispatched, stats_before["pool"]["block_size_tokens"])
-    server_requests = stats_after["requests_total"] - stats_before["requests_total"]
-    server_cached = (stats_after["cached_prompt_tokens_total"]
-                     - stats_before["cached_prompt_tokens_total"])
+        stats_after = {u: await get_stats(http, u) for u in stats_urls}
+    out = summarise(dispatched, stats_before[info_url]["pool"]["block_size_tokens"])
+    deltas = {u: _stats_delta(stats_before[u], stats_after[u]) for u in stats_urls}
+    server_requests = sum(d["requests_total"] for d in deltas.values())
+    server_cached = sum(d["cached_prompt_tokens_total"] for d in deltas.values())
+    out["per_url"] = _per_url(urls, dispatched, out["per_request"], deltas)
     out.update({
-        "url": url, "tokenize_url": tokenize_url, "model": model, "max_model_len": max_model_len,
-        "prefix_caching": stats_after.get("prefix_caching"), "sessions": len(sessions),
+        "url": url, "urls": urls, "dispatch": dispatch, "tokenize_url": tokenize_url,
+        "model": model, "max_model_len": max_model_len,
+        "prefix_caching": stats_after[info_url].get("prefix_caching"), "sessions": len(sessions),
         "mode": "closed-loop" if request_rate is None else "poisson",
         "concurrency": concurrency if request_rate is not None else (concurrency or 1),
         "request_rate": request_rate, "max_tokens": max_tokens, "cache_salt": cache_salt,
@@ -318,6 +360,33 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
         "requests_per_s": out["requests"] / wall_s if wall_s > 0 else None,
         "output_tokens_per_s": out["output_tokens"] / wall_s if wall_s > 0 else None,
     })
+    return out
+
+
+def _stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The increase of a server's request and cached-token counters over the run (by tier
+    where ``/stats`` has ``cached_prompt_tokens_by_tier``)."""
+    out = {key: after[key] - before[key]
+           for key in ("requests_total", "cached_prompt_tokens_total")}
+    tiers = after.get("cached_prompt_tokens_by_tier")
+    if isinstance(tiers, dict):
+        was = before.get("cached_prompt_tokens_by_tier") or {}
+        out["cached_prompt_tokens_by_tier"] = {k: v - was.get(k, 0) for k, v in tiers.items()}
+    return out
+
+
+def _per_url(urls: list[str], dispatched: list[Sample], rows: list[dict[str, Any]],
+             deltas: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per server: this run's requests (ok and failed), prompt / cached / ideal tokens, and its
+    ``/stats`` deltas when they were read from it."""
+    out: dict[str, dict[str, Any]] = {}
+    for u in urls:
+        mine = [r for s, r in zip(dispatched, rows) if s.url == u]
+        ok = [r for r in mine if "error" not in r]
+        out[u] = {"requests": len(ok), "failed_requests": len(mine) - len(ok),
+                  **{k: sum(r[k] for r in ok)
+                     for k in ("prompt_tokens", "cached_tokens", "ideal_cached_tokens")},
+                  "server": deltas.get(u)}
     return out
 
 
@@ -337,7 +406,8 @@ def summarise(dispatched: list[Sample], block_size: int) -> dict[str, Any]:
     itl = [x for s, _ in ok for x in s.itl_ms]
     per_request = []
     for s, i in zip(dispatched, ideal):
-        row = {"session_id": s.session_id, "turn": s.turn, "prompt_tokens": s.prompt_tokens,
+        row = {"session_id": s.session_id, "turn": s.turn, "url": s.url,
+               "prompt_tokens": s.prompt_tokens,
                "cached_tokens": s.cached_tokens, "ideal_cached_tokens": i,
                "ttft_ms": None if s.ttft_ms is None else round(s.ttft_ms, 3)}
         if s.error is not None:

@@ -4,7 +4,12 @@ Sessions come from ``--source`` (tau-bench, swe-agent, mini-swe-agent, crewai; f
 shared data folder's ``agent-transcripts/SOURCES.md``) read from ``--path``; by default from the
 small sample of the source shipped in the package (``radixkv/tools/data/``), or with ``--shared``
 from the source's full data under ``$RADIXKV_SHARED_DIR`` (default ``<repo>/../shared``). The
-server is ``--url`` (default http://127.0.0.1:8000). Each session is replayed turn by turn: a
+server is ``--url`` (default http://127.0.0.1:8000); ``--url`` given k times replays against k
+replicas with no router: ``--dispatch session`` keeps a session on one of them, ``--dispatch
+alternate`` sends a session's turn i to the i mod k-th (no affinity: what a shared store tier
+must make up for). The JSON then has ``urls``, ``dispatch`` and ``per_url`` (per server:
+requests, prompt / cached / ideal tokens, the increase of its ``/stats`` counters); the server
+counters are summed over the replicas. Each session is replayed turn by turn: a
 turn is sent after the previous reply ended, and carries the transcript's own history (the
 recorded assistant message is what the agent sends back, not the served model's reply).
 ``--concurrency`` sessions run in a closed loop, or ``--request-rate`` dispatches ready turns on
@@ -63,9 +68,26 @@ replay = _serve_replay.replay
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
+class _UrlAction(argparse.Action):
+    """The first ``--url`` replaces the default in ``url``; later ones go to ``more_urls``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is self.default:
+            setattr(namespace, self.dest, values)
+        else:
+            namespace.more_urls = (*getattr(namespace, "more_urls", ()), values)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the driver's flags on ``parser`` (used by ``radixkv bench serve``)."""
-    parser.add_argument("--url", default=DEFAULT_URL, help=f"server base URL (default {DEFAULT_URL})")
+    parser.add_argument("--url", action=_UrlAction, default=DEFAULT_URL,
+                        help=f"server base URL (default {DEFAULT_URL}); give it again for more "
+                             "replicas (args.more_urls), each turn going to one of them per "
+                             "--dispatch")
+    parser.add_argument("--dispatch", default="session", choices=_serve_replay.DISPATCH_MODES,
+                        help="with several --url: 'session' keeps each session on one server "
+                             "(CRC-32 of its id), 'alternate' sends a session's turn i to URL "
+                             "i mod k (no affinity); default session")
     parser.add_argument("--tokenize-url", default=None, metavar="REPLICA_URL",
                         help="with --url a router: one replica behind it, asked for the token "
                              "ids, context length, block size, model id and /stats (for routers "
@@ -117,9 +139,12 @@ _ROWS = [("requests", "requests", "{}"), ("skipped", "skipped_requests", "{}"),
 
 
 def label(result: dict[str, Any]) -> str:
-    """``cache on`` / ``cache off`` from the server's own /stats, else its URL."""
+    """``cache on`` / ``cache off`` from the server's own /stats, else its URL; with several
+    replicas, how many and the dispatch mode."""
     caching = result.get("prefix_caching")
-    return result["url"] if caching is None else ("cache on" if caching else "cache off")
+    name = result["url"] if caching is None else ("cache on" if caching else "cache off")
+    urls = result.get("urls") or [result["url"]]
+    return name if len(urls) < 2 else f"{name}, {len(urls)} replicas {result.get('dispatch')}"
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
@@ -170,7 +195,8 @@ def plot_ttft(results: list[dict[str, Any]], path: str | Path, title: str) -> No
 
 
 def _replay_or_exit(url: str, sessions: list, args: argparse.Namespace,
-                    tokenize_url: str | None = None) -> dict[str, Any]:
+                    tokenize_url: str | None = None,
+                    more_urls: tuple[str, ...] = ()) -> dict[str, Any]:
     salt = {"random": f"bench-{uuid.uuid4().hex[:16]}", "none": None}.get(args.cache_salt,
                                                                          args.cache_salt)
     try:
@@ -178,7 +204,8 @@ def _replay_or_exit(url: str, sessions: list, args: argparse.Namespace,
                                   max_tokens=args.max_tokens, request_rate=args.request_rate,
                                   seed=args.seed, warmup_requests=args.warmup_requests,
                                   cache_salt=salt, request_timeout_s=args.request_timeout,
-                                  tokenize_url=tokenize_url))
+                                  tokenize_url=tokenize_url, more_urls=more_urls,
+                                  dispatch=getattr(args, "dispatch", "session")))
     except _serve_replay.NotServed as exc:
         if tokenize_url is not None:
             raise SystemExit(f"bench serve: --tokenize-url {tokenize_url} answered {exc.status} "
@@ -238,6 +265,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--request-rate must be > 0")
     if args.warmup_requests < 0:
         raise SystemExit("--warmup-requests must be >= 0")
+    urls = [args.url, *getattr(args, "more_urls", ())]
+    if len(set(urls)) != len(urls):
+        raise SystemExit("bench serve: the same --url twice")
     path = default_path(args.source, shared=True) if args.shared else args.path
     try:
         sessions = load_source(args.source, path)[: args.sessions]
@@ -247,7 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sessions = [s[: args.max_turns] for s in sessions]
     json_path, plot = _output_paths(args)
     try:
-        results = _replay_or_exit(args.url, sessions, args, args.tokenize_url)
+        results = _replay_or_exit(urls[0], sessions, args, args.tokenize_url, tuple(urls[1:]))
         compare = _replay_or_exit(args.compare_url, sessions, args) if args.compare_url else None
     except SystemExit:
         _remove_default_folder(args, json_path)
@@ -261,6 +291,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         on, off = results["ttft_ms_p50"], compare["ttft_ms_p50"]
         results["ttft_ms_p50_ratio"] = off / on if on and off else None
     print(format_table(shown))
+    if len(urls) > 1:
+        for url, per in results["per_url"].items():
+            ratio = per["cached_tokens"] / per["ideal_cached_tokens"] if per["ideal_cached_tokens"] else 0
+            print(f"  {url}: {per['requests']} requests, {per['cached_tokens']} cached of "
+                  f"{per['ideal_cached_tokens']} ideal ({ratio:.3f})")
     if results.get("ttft_ms_p50_ratio"):
         print(f"TTFT p50 {label(compare)} / {label(results)}: {results['ttft_ms_p50_ratio']:.2f}x")
     try:  # first: a failing plot must not lose the results
