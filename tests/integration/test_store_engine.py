@@ -387,3 +387,26 @@ def test_published_blocks_wait_for_a_write_slot_instead_of_being_dropped(tiny, c
         assert (again.num_store_tokens, again.output_token_ids) == (40, cold)
     finally:
         tier.close()
+
+
+def test_a_finished_load_waits_for_room_instead_of_loading_part(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    try:
+        warm_then_evict(engine)
+        big = engine.make_request([(13 * i) % 300 + 7 for i in range(57)],
+                                  SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        engine.add_request(big)
+        engine.step()  # `big` holds 15 of the 24 blocks and grows to 20
+        loading = engine.make_request(PROMPT, GREEDY)
+        engine.add_request(loading)
+        for _ in range(10_000):
+            if loading.is_finished:
+                break
+            engine.step()
+            # 10 verified blocks + 1 for its chunk do not fit beside `big`: it waits whole.
+            assert loading.admitted is False or big.is_finished
+        assert (loading.num_cached_tokens, loading.num_store_tokens) == (40, 40)
+        assert loading.output_token_ids == cold
+        engine.cache.check_integrity()
+    finally:
+        engine.store.close()
