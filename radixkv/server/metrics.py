@@ -175,6 +175,10 @@ _STORE_COUNTERS = (
     ("dropped_write_blocks_total", "Blocks not written: no staging slot, or the store down."),
     ("errors_total", "Store tier calls that failed."),
     ("load_timeouts_total", "Store loads abandoned at their deadline (blocks computed)."),
+    ("loads_skipped_down_total", "Store loads not tried: the store was down or not answering."),
+    ("skipped_existing_blocks_total", "Blocks not written: the store held them already."),
+    ("refused_write_blocks_total", "Blocks the store refused to take (no space)."),
+    ("reconnects_total", "Times the store tier came back after being down."),
 )
 
 

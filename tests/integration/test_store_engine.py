@@ -410,3 +410,65 @@ def test_a_finished_load_waits_for_room_instead_of_loading_part(tiny, cold):
         engine.cache.check_integrity()
     finally:
         engine.store.close()
+
+
+class SlowPutHostStore(HostStore):
+    """A host store whose writes take 0.3 s."""
+
+    def put(self, entries):
+        time.sleep(0.3)
+        return super().put(entries)
+
+
+def test_a_lookup_right_after_an_eviction_finds_the_blocks_being_written(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST, kv_store_write="evict")
+    tier = _swap_backend(engine, SlowPutHostStore(1 << 24, block_size=4), write_mode="evict")
+    try:
+        run(engine)
+        assert engine.cache.evict(engine.num_blocks) == 11  # queued for writing, not put yet
+        again = run(engine)  # its lookup waits for those writes (within its deadline)
+        assert (again.num_cached_tokens, again.num_store_tokens) == (40, 40)
+        assert again.output_token_ids == cold
+    finally:
+        tier.close()
+
+
+class FrozenHostStore(HostStore):
+    """A host store whose ``exists`` hangs until ``gate`` opens (a frozen master)."""
+
+    gate: threading.Event | None = None
+
+    def exists(self, keys):
+        if self.gate is not None:
+            self.gate.wait(30)
+        return super().exists(keys)
+
+
+def test_a_store_that_stops_answering_costs_one_timeout_then_is_skipped(tiny, cold):
+    engine = make_engine(tiny, num_blocks=24, kv_store=HOST)
+    backend = FrozenHostStore(1 << 24, block_size=4)
+    tier = _swap_backend(engine, backend, timeout_s=0.3)
+    try:
+        warm_then_evict(engine)
+        backend.gate = threading.Event()
+        first = run(engine)
+        assert (first.num_cached_tokens, first.output_token_ids) == (0, cold)
+        engine.cache.evict(engine.num_blocks)
+        started = time.monotonic()
+        second = run(engine)  # the loader is still stuck: no second wait
+        assert time.monotonic() - started < 0.3 and second.num_cached_tokens == 0
+        stats = engine.stats_snapshot()
+        # The first lookup never learned what the store held: all 10 blocks it asked for.
+        assert stats["miss_tokens"]["store_timeout"] == 40
+        assert (tier.snapshot()["load_timeouts_total"],
+                tier.snapshot()["loads_skipped_down_total"]) == (1, 1)
+        backend.gate.set()
+        deadline = time.monotonic() + 5
+        while tier._stuck:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.cache.evict(engine.num_blocks)
+        assert run(engine).num_store_tokens == 40
+    finally:
+        backend.gate.set()
+        tier.close()

@@ -71,8 +71,9 @@ def finish_load(tier: StoreTier, req: RequestState, request_id: str,
         Tokens served from the store (0 on a timeout, an error, a miss or no room).
     """
     job = tier.finish(request_id)
-    if not job.done:  # timed out: what the store held is recomputed
-        _relabel(req, max(job.num_present, 0) * block_size, "store_timeout")
+    if not job.done:  # timed out: what the store held (all it was asked, if it never said)
+        asked = job.num_present if job.num_present >= 0 else len(job.hashes)
+        _relabel(req, asked * block_size, "store_timeout")
         return 0
     if job.num_rejected:
         _relabel(req, job.num_rejected * block_size, "store_rejected")

@@ -53,6 +53,7 @@ def run_load(tier: Any, job: LoadJob) -> None:
     keys = [store_key(layout, job.root, h) for h in job.hashes]
     started = time.perf_counter()
     slots: list[int] = []
+    tier.wait_written(keys, job.deadline_s)
     try:
         present = tier.backend.exists(keys)
         run = 0

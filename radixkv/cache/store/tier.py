@@ -34,7 +34,7 @@ from radixkv.cache.store.value import (
     BlockLayout,
     store_key,
 )
-from radixkv.cache.store.writes import WriteItem, run_write
+from radixkv.cache.store.writes import WriteItem, drain_kv_events, run_write
 from radixkv.log import get_logger
 
 log = get_logger(__name__)
@@ -98,6 +98,8 @@ class StoreTier:
         self._done = threading.Event()
         self._idle = threading.Condition()
         self._pending_writes = 0
+        self._inflight: set[str] = set()  # keys queued for writing, not yet put
+        self._stuck = False  # the loader is still inside a load that was abandoned
         self._down_since: float | None = None
         self.counters = dict.fromkeys((
             "lookup_blocks_total", "hit_blocks_total", "miss_blocks_total", "read_bytes_total",
@@ -166,7 +168,9 @@ class StoreTier:
         """
         if not hashes or self._bases is None:
             return False
-        if self._down_since is not None:
+        if self._down_since is not None or self._stuck:
+            # (stuck: the store did not answer a load in time; the loader is still waiting on
+            # it, and a new load would only queue behind it until its own deadline)
             self.count("loads_skipped_down_total")
             return False
         job = LoadJob(request_id, root, parent_hash, hashes[: self.max_blocks_per_load],
@@ -201,6 +205,7 @@ class StoreTier:
         with self.lock:
             if not job.done:
                 job.abandoned = True
+                self._stuck = self._stuck or timed_out
                 self.counters["load_timeouts_total"] += timed_out
         return job
 
@@ -239,6 +244,7 @@ class StoreTier:
             with self.lock:
                 job.done = True
                 abandoned = job.abandoned
+                self._stuck = False
             if abandoned:
                 self.read_arena.give(job.slots)
                 job.slots = []
@@ -320,7 +326,15 @@ class StoreTier:
         if items:
             with self._idle:
                 self._pending_writes += 1
+                self._inflight.update(item.key for item in items)
             self._writes.put(items)
+
+    def wait_written(self, keys: list[str], deadline_s: float) -> None:
+        """(Loader thread.) Wait, until ``deadline_s`` at most, for queued writes of ``keys``
+        to finish: a block evicted (and queued for writing) just before its lookup is found."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight.isdisjoint(keys),
+                                max(0.0, deadline_s - self._clock()))
 
     def pump(self) -> int:
         """Gather deferred blocks into the slots freed since (engine thread, every step);
@@ -385,6 +399,7 @@ class StoreTier:
                 finally:
                     with self._idle:
                         self._pending_writes -= 1
+                        self._inflight.difference_update(item.key for item in job)
                         self._idle.notify_all()
 
     def _try_reconnect(self) -> None:
@@ -403,20 +418,9 @@ class StoreTier:
             log.info("kv_store_reconnected", backend=self.backend.name)
 
     def drain_kv_events(self, log: object) -> None:
-        """Hand what the tier stored and evicted since the last call to the engine's
-        ``KVEventLog`` (engine thread), with the backend's medium; nothing for a backend whose
-        blocks are not published (Mooncake: a shared pool)."""
-        medium = self.backend.kv_event_medium
-        if medium is None:
-            return
-        while self.stored_runs:
-            root, parent, hashes, tb = self.stored_runs.popleft()
-            log.tier_stored(root, parent, hashes, tb, medium)  # type: ignore[attr-defined]
-        drain = getattr(self.backend, "drain_evicted", None)
-        evicted = drain() if drain is not None else []
-        if evicted:
-            log.tier_removed([bytes.fromhex(k.rsplit(":", 1)[1]) for k in evicted],  # type: ignore[attr-defined]
-                             medium)
+        """Hand what the tier stored and evicted to the engine's ``KVEventLog`` (engine
+        thread; ``writes.drain_kv_events``)."""
+        drain_kv_events(self, log)
 
     def forget(self, entries: list[PutEntry], *, dropped: bool) -> None:
         """These keys are not stored after all (``dropped``: counted as dropped writes)."""

@@ -85,3 +85,19 @@ def stored_runs(items: list[WriteItem], stored: set[str]) -> list[tuple]:
         if item is not None and item.key in stored:
             run.append(item)
     return runs
+
+
+def drain_kv_events(tier: Any, log: Any) -> None:
+    """Hand what the tier stored (``tier.stored_runs``) and its backend evicted since the last
+    call to the engine's ``KVEventLog`` with the backend's medium (engine thread); nothing for
+    a backend whose blocks are not published (Mooncake: a shared pool)."""
+    medium = tier.backend.kv_event_medium
+    if medium is None:
+        return
+    while tier.stored_runs:
+        root, parent, hashes, tb = tier.stored_runs.popleft()
+        log.tier_stored(root, parent, hashes, tb, medium)
+    drain = getattr(tier.backend, "drain_evicted", None)
+    evicted = drain() if drain is not None else []
+    if evicted:  # keys end in the block's chained hash (value.store_key)
+        log.tier_removed([bytes.fromhex(k.rsplit(":", 1)[1]) for k in evicted], medium)
