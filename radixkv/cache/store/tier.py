@@ -11,12 +11,12 @@ backend. Two daemon threads do the backend calls:
   the backend call returns).
 * **writer**: the engine thread gathers a block's K/V out of the pool into a staging slot at
   once (the block may be evicted and reused right after); the writer builds the header and
-  checksum, skips keys already present, and puts the rest. No free slot → the block is dropped
-  and counted (back-pressure never blocks a step).
+  checksum, skips keys already present, and puts the rest. No free slot → the block waits for
+  one (or its eviction), then is dropped, counted: back-pressure never blocks a step.
 
-A backend call that raises ``StoreError`` marks the tier *down*: loads are skipped (counted)
-and the writer tries ``reconnect`` once per ``reconnect_interval_s`` until it succeeds. The
-server stays healthy meanwhile (``/stats`` shows ``store.down``).
+A backend call that raises ``StoreError`` marks the tier *down* (so does a backend reporting
+itself unhealthy): loads are skipped (counted) and the writer tries ``reconnect`` once per
+``reconnect_interval_s``. A load past its deadline skips later loads until its call returns.
 """
 
 from __future__ import annotations
