@@ -106,10 +106,29 @@ def _kv_store_arg(text: str) -> str:
     from radixkv.cache.store.backend import parse_kv_store
 
     try:
-        parse_kv_store(text)
+        spec = parse_kv_store(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    problem = None if spec.policy is None else eviction_policy_problem(spec.policy)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"kv_store: host tier policy: {problem}")
     return text
+
+
+def _connect_kv_store(args: argparse.Namespace):
+    """A Mooncake backend, connected before the model loads (a dead master or a bad address
+    fails in seconds, not after the load); None for no store or the host tier (built with the
+    engine). Raises StoreError."""
+    if args.kv_store is None or args.no_prefix_cache:
+        return None
+    from radixkv.cache.store.backend import parse_kv_store
+
+    spec = parse_kv_store(args.kv_store)
+    if spec.kind != "mooncake":
+        return None
+    from radixkv.cache.store.factory import make_backend
+
+    return make_backend(spec, block_size=args.block_size, default_policy=args.eviction_policy)
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -264,8 +283,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"radixkv serve: cannot listen on {args.host}:{args.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 2
-    publisher = None
+    publisher = store_backend = None
     try:
+        store_backend = _connect_kv_store(args)
         if kv_events is not None and not args.no_prefix_cache:
             from radixkv.engine.kv_events import KVEventPublisher
 
@@ -277,12 +297,14 @@ def _serve(args: argparse.Namespace) -> int:
         engine = AsyncEngine(engine_config_from_args(args), max_queue=args.max_queue,
                              tokenizer_workers=args.tokenizer_workers,
                              max_tokenize_queue=args.max_tokenize_queue,
-                             kv_events=publisher or kv_events)
+                             kv_events=publisher or kv_events, store_backend=store_backend)
     except (ValueError, OSError, StoreError) as exc:  # bad flags, model files, ports, store
         for sock in sockets:
             sock.close()
         if publisher is not None:
             publisher.close()
+        if store_backend is not None:
+            store_backend.close()
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
     from radixkv.server.app import run_server

@@ -87,6 +87,7 @@ class AsyncEngine(AsyncLoRAMixin):
         kv_events: publish KV cache events (``radixkv.engine.kv_events``) when enabled; the
             sockets are bound by ``start``. A ``KVEventPublisher`` (started or not, same block
             size) is used as is: ``radixkv serve`` binds it before loading the model.
+        store_backend: the store tier's backend, built already (see ``LLMEngine``).
 
     Attributes:
         instance_id: Unique per engine (a restarted replica gets a new one).
@@ -97,10 +98,11 @@ class AsyncEngine(AsyncLoRAMixin):
                  check_integrity_when_idle: bool = False, max_queue: int | None = None,
                  tokenizer_workers: int | None = None,
                  max_tokenize_queue: int = DEFAULT_MAX_TOKENIZE_QUEUE,
-                 kv_events: KVEventsConfig | KVEventPublisher | None = None) -> None:
+                 kv_events: KVEventsConfig | KVEventPublisher | None = None,
+                 store_backend: object | None = None) -> None:
         if max_queue is not None:
             check_int("max_queue", max_queue, minimum=0)
-        self._engine = LLMEngine(config, model)
+        self._engine = LLMEngine(config, model, store_backend=store_backend)
         self.tokenizer = self._engine.tokenizer
         self.model_name = self._engine.model_name
         self.max_model_len = self._engine.max_model_len

@@ -81,9 +81,12 @@ class LLMEngine:
     Args:
         config: engine configuration.
         model: an already loaded model (tests share one); None loads ``config.model``.
+        store_backend: the ``config.cache.kv_store`` backend, built already (``radixkv serve``
+            connects to Mooncake before loading the model); None builds it here.
     """
 
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *,
+                 store_backend: object | None = None) -> None:
         self.config = config
         self.model = model if model is not None else load_model(config.model)
         self.tokenizer = self.model.tokenizer
@@ -105,7 +108,8 @@ class LLMEngine:
                                   hash_algo=config.cache.hash_algo,
                                   model_shape=cost_shape)
         self.stats = EngineStats(cost_shape)
-        self.store = attach_store(config.cache, self.runner, self.cache, self.stats, cost_shape)
+        self.store = attach_store(config.cache, self.runner, self.cache, self.stats, cost_shape,
+                                  backend=store_backend)
         self.scheduler = Scheduler(config.scheduler, self.cache, self.stats)
         self.model_name = config.served_model_name or self.model.name
         self.max_model_len = shape.max_position_embeddings

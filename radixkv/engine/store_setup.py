@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from radixkv.cache.store.backend import parse_kv_store
+from radixkv.cache.store.backend import StoreBackend, parse_kv_store
 from radixkv.cache.store.factory import make_backend
 from radixkv.cache.store.tier import StoreTier
 from radixkv.cache.store.value import BlockLayout
@@ -25,8 +25,10 @@ log = get_logger(__name__)
 
 
 def attach_store(config: CacheConfig, runner: ModelRunner, cache: CacheManager,
-                 stats: EngineStats, cost_shape: object | None = None) -> StoreTier | None:
+                 stats: EngineStats, cost_shape: object | None = None, *,
+                 backend: StoreBackend | None = None) -> StoreTier | None:
     """Create the configured store tier and attach it to ``cache``; None when not configured.
+    ``backend``: the spec's backend, built already (None: built here).
 
     Raises:
         ValueError: naming ``kv_store`` for a malformed spec or a pool not in host memory.
@@ -37,6 +39,8 @@ def attach_store(config: CacheConfig, runner: ModelRunner, cache: CacheManager,
     spec = parse_kv_store(config.kv_store)
     if not cache.enable_prefix_caching:
         log.warning("kv_store_off_without_prefix_caching", kv_store=spec.describe())
+        if backend is not None:
+            backend.close()
         return None
     bases = runner.kv_segment_bases()
     shape = runner.shape
@@ -45,8 +49,9 @@ def attach_store(config: CacheConfig, runner: ModelRunner, cache: CacheManager,
     layout = BlockLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
                          head_dim=shape.head_dim, dtype=str(runner.dtype).removeprefix("torch."),
                          itemsize=itemsize, block_size=runner.block_size)
-    backend = make_backend(spec, block_size=runner.block_size,
-                           default_policy=config.eviction_policy, model_shape=cost_shape)
+    if backend is None:
+        backend = make_backend(spec, block_size=runner.block_size,
+                               default_policy=config.eviction_policy, model_shape=cost_shape)
     digest_bytes = len(cache.hasher.hash_fn(b""))
     tier = StoreTier(backend, layout, digest_bytes=digest_bytes,
                      write_mode=config.kv_store_write, timeout_s=config.kv_store_timeout_s,
