@@ -158,7 +158,7 @@ class HostStore(StoreBackend):
                 if entry is None:
                     values.append(None)
                     continue
-                self._touch(entry, now)
+                self._leaves.record_hit(entry, now)  # type: ignore[arg-type]
                 values.append(entry.value)
         out: list[int] = []
         for value, ptr, size in zip(values, ptrs, sizes):
@@ -170,19 +170,6 @@ class HostStore(StoreBackend):
                 ctypes.memmove(ptr, value, len(value))
                 out.append(len(value))
         return out
-
-    def _touch(self, entry: _Entry, now: float) -> None:
-        """Record a hit, re-keying the entry if it is evictable (as ``RadixTree._touch``)."""
-        if entry.leaf_entry is None:
-            entry.last_access_s = now
-            entry.hit_count += 1
-        else:
-            self._leaves.remove(entry)
-            entry.last_access_s = now
-            entry.hit_count += 1
-            self._leaves.add(entry)
-        if self._notify_policy:
-            self.policy.on_hit(entry)
 
     # ---- writes -------------------------------------------------------------------------
     def put(self, entries: Sequence[PutEntry]) -> list[bool]:

@@ -75,6 +75,19 @@ class LeafIndex:
             self.remove(node)
             self.add(node)
 
+    def record_hit(self, node: Node, now: float) -> None:
+        """A lookup matched ``node`` (indexed or not): bump ``hit_count``, set
+        ``last_access_s``, re-key it if indexed, and tell a victim-naming policy."""
+        indexed = node.leaf_entry is not None
+        if indexed:
+            self.remove(node)
+        node.last_access_s = now
+        node.hit_count += 1
+        if indexed:
+            self.add(node)
+        if not self.by_priority:
+            self.policy.on_hit(node)
+
     def first(self) -> Node | None:
         """The next victim, or None when no leaf is evictable."""
         if self.by_priority:

@@ -142,7 +142,7 @@ class RadixTree:
         if touch:
             now = self._clock()
             for node, _ in path:
-                self._touch(node, now)
+                self.leaves.record_hit(node, now)
         return MatchResult(last, block_ids, last.end_hash)
 
     def match_length(self, root: Node, token_ids: Sequence[int] | bytes, max_blocks: int, *,
@@ -151,19 +151,6 @@ class RadixTree:
         pb = as_token_bytes(token_ids)
         return walk(root, pb, extras, min(max_blocks, len(pb) // self.block_bytes),
                     self.block_bytes)[1]
-
-    def _touch(self, node: Node, now: float) -> None:
-        """Record a hit on ``node``; re-key it if it sits in the leaf index."""
-        if node.leaf_entry is None:
-            node.last_access_s = now
-            node.hit_count += 1
-        else:
-            self.leaves.remove(node)
-            node.last_access_s = now
-            node.hit_count += 1
-            self.leaves.add(node)
-        if self._notify_policy:
-            self.policy.on_hit(node)
 
     def touch_path(self, node: Node) -> None:
         """Record a hit on ``node`` and every ancestor (a deferred ``match(touch=True)``)."""
@@ -176,7 +163,7 @@ class RadixTree:
                 if notify is not None:
                     notify(node)
             else:
-                self._touch(node, now)
+                self.leaves.record_hit(node, now)
             node = node.parent
 
     def _split(self, node: Node, j: int) -> Node:
