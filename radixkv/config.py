@@ -16,6 +16,7 @@ from radixkv.eviction import available_policies, make_policy
 
 GIB = 1 << 30
 MAX_BLOCK_SIZE = 1024  # tokens per KV block (B), the largest accepted
+DTYPES = ("float32", "bfloat16")  # --dtype: the model's weights, activations and KV pool
 
 
 def _require(cond: bool, field: str, msg: str) -> None:
@@ -214,10 +215,15 @@ class EngineConfig:
         model: None for the embedded SmolLM2-135M-Instruct, a Hugging Face directory, or a
             ``.gguf`` file.
         device: ``cpu`` or ``cuda``.
-        attention_backend: ``auto`` | ``torch`` | ``triton`` (auto = triton on CUDA).
+        attention_backend: ``auto`` | ``torch`` | ``reference`` | ``triton`` (auto = triton
+            on CUDA, torch elsewhere).
         served_model_name: the id clients send as ``model``; None = the model's own name.
         lora_adapters: ``(name, path)`` of PEFT LoRA adapters loaded at start (``--lora``);
             a request's ``model`` = name selects one.
+        dtype: weights, activations and KV pool: ``float32`` or ``bfloat16`` (half the bytes
+            read per decoded token; part of the cache identity, so the two never share KV).
+        num_threads: torch intra-op threads of the forward; None leaves torch's setting.
+        compile: ``torch.compile`` the decoder layers' dense math (attention stays eager).
     """
 
     model: str | None = None
@@ -227,6 +233,9 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     lora_adapters: tuple[tuple[str, str], ...] = ()
+    dtype: str = "float32"
+    num_threads: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_adapters", tuple(tuple(p) for p in self.lora_adapters))
@@ -237,8 +246,11 @@ class EngineConfig:
                  f"adapter names must be unique, got {names}")
         _require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
                  "device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _require(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
-                 f"must be one of auto, torch, triton, got {self.attention_backend!r}")
+        _require(self.attention_backend in ("auto", "torch", "reference", "triton"), "attention_backend",
+                 f"must be one of auto, torch, reference, triton, got {self.attention_backend!r}")
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+                 "num_threads", f"must be an integer >= 1, got {self.num_threads!r}")
 
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":

@@ -88,7 +88,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *,
                  store_backend: object | None = None) -> None:
         self.config = config
-        self.model = model if model is not None else load_model(config.model)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.model = model if model is not None else load_model(
+            config.model, dtype=getattr(torch, config.dtype))
+        if str(self.model.dtype).removeprefix("torch.") != config.dtype:
+            raise ValueError(f"dtype: the model given is {self.model.dtype}, the config asks for "
+                             f"{config.dtype}")
         self.tokenizer = self.model.tokenizer
         shape = self.model.shape
         block_size = config.cache.block_size
@@ -96,7 +102,10 @@ class LLMEngine:
         num_blocks = _num_blocks_for(config, bytes_per_block)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size,
                                   device=config.device,
-                                  attention_backend=config.resolved_attention_backend())
+                                  attention_backend=config.resolved_attention_backend(),
+                                  compile=config.compile)
+        if config.compile:
+            log.info("model_compiled", compile_s=round(self.runner.warm_up(), 2))
         self.prefix_caching_disabled_reason = _prefix_caching_refusal(config, shape)
         if self.prefix_caching_disabled_reason is not None:
             log.warning("prefix_caching_refused", reason=self.prefix_caching_disabled_reason)
@@ -125,7 +134,8 @@ class LLMEngine:
         log.info("engine_ready", model=self.model_name, revision=self.model.revision[:16],
                  num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
                  prefix_caching=config.cache.enable_prefix_caching,
-                 eviction_policy=config.cache.eviction_policy)
+                 eviction_policy=config.cache.eviction_policy, dtype=config.dtype,
+                 num_threads=torch.get_num_threads(), compile=config.compile)
 
     # ------------------------------------------------------------------ requests
     def cache_root(self, cache_salt: str | None, adapter: LoRAAdapter | None = None) -> bytes:

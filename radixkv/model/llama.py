@@ -70,14 +70,18 @@ class LlamaForward:
         shape: model shape.
         state_dict: HF Llama-named tensors; ``lm_head.weight`` may be absent when tied.
         device: torch device for the weights.
-        dtype: weight / activation dtype (fp32 on CPU).
+        dtype: weight / activation dtype (fp32 by default; bf16 halves the bytes read).
+        compile: ``torch.compile`` the per-layer dense math (norms, projections, RoPE, MLP)
+            with dynamic shapes; attention and LoRA batches stay eager. The first steps of
+            each new shape class compile (tens of seconds on a CPU).
 
     Raises:
         ValueError: if a tensor is missing or has the wrong shape (names the tensor).
     """
 
     def __init__(self, shape: ModelShape, state_dict: dict[str, torch.Tensor], *,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 compile: bool = False) -> None:
         self.shape = shape
         self.device = torch.device(device)
         self.dtype = dtype
@@ -127,6 +131,12 @@ class LlamaForward:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.rope_cos = emb.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = emb.sin().to(device=self.device, dtype=dtype)
+        self.compiled = compile
+        self._attn_in_fn, self._attn_out_fn = self._attn_in, self._attn_out
+        if compile:
+            # dynamic=True: one graph for every packed length T (no recompile per batch shape).
+            self._attn_in_fn = torch.compile(self._attn_in, dynamic=True)
+            self._attn_out_fn = torch.compile(self._attn_out, dynamic=True)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the activation dtype, then scale in the model dtype.
@@ -140,6 +150,57 @@ class LlamaForward:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def _split_rope(self, qkv: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused ``[T, (Hq + 2 Hkv) D]`` projections -> rotated q ``[T, Hq, D]``, rotated k and
+        v ``[T, Hkv, D]``."""
+        shape = self.shape
+        head_dim, num_tokens = shape.head_dim, qkv.shape[0]
+        q_dim, kv_dim = shape.num_q_heads * head_dim, shape.num_kv_heads * head_dim
+        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = self._rotate(q.view(num_tokens, shape.num_q_heads, head_dim), cos, sin)
+        k = self._rotate(k.view(num_tokens, shape.num_kv_heads, head_dim), cos, sin)
+        return q, k, v.reshape(num_tokens, shape.num_kv_heads, head_dim)
+
+    def _attn_in(self, hidden: torch.Tensor, input_norm: torch.Tensor, qkv_weight: torch.Tensor,
+                 qkv_bias: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, fused q/k/v projection and RoPE of ``[T, hidden]`` (see :meth:`_split_rope`).
+        Weights come in as arguments, so one compiled graph serves every layer."""
+        return self._split_rope(F.linear(self._rms_norm(hidden, input_norm), qkv_weight, qkv_bias),
+                                cos, sin)
+
+    def _attn_out(self, hidden: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor,
+                  post_norm: torch.Tensor, gate_up_weight: torch.Tensor,
+                  down_weight: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual and the SwiGLU MLP: the next ``[T, hidden]``."""
+        hidden = hidden + F.linear(attn.reshape(hidden.shape[0], -1), o_weight)
+        gate, up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, down_weight)
+
+    def _layers_with_lora(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          attention: AttentionFn, lora: LoRABatch) -> torch.Tensor:
+        """The decoder layers with each adapter's delta added to the fused projections (eager:
+        the deltas need the projections' inputs)."""
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(hidden, layer.input_norm)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            lora.add(qkv, x, i, "qkv")
+            q, k, v = self._split_rope(qkv, cos, sin)
+            attn = attention(i, q, k, v).reshape(hidden.shape[0], -1)
+            o = F.linear(attn, layer.o_weight)
+            lora.add(o, attn, i, "o")
+            hidden = hidden + o
+            x = self._rms_norm(hidden, layer.post_norm)
+            gate_up = F.linear(x, layer.gate_up_weight)
+            lora.add(gate_up, x, i, "gate_up")
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, layer.down_weight)
+            lora.add(down, act, i, "down")
+            hidden = hidden + down
+        return hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                 logit_rows: torch.Tensor | None = None,
@@ -164,40 +225,21 @@ class LlamaForward:
         Raises:
             ValueError: if ``positions`` and ``input_ids`` differ in shape (host metadata: no sync).
         """
-        shape = self.shape
-        num_tokens = input_ids.shape[0]
         if positions.shape != input_ids.shape:
             raise ValueError(f"positions: shape {tuple(positions.shape)} != input_ids "
                              f"{tuple(input_ids.shape)}")
-        head_dim = shape.head_dim
-        q_dim, kv_dim = shape.num_q_heads * head_dim, shape.num_kv_heads * head_dim
         cos = self.rope_cos[positions][:, None, :]  # [T, 1, D], broadcast over heads
         sin = self.rope_sin[positions][:, None, :]
         hidden = self.embed[input_ids]
-        for i, layer in enumerate(self.layers):
-            x = self._rms_norm(hidden, layer.input_norm)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            if lora is not None:
-                lora.add(qkv, x, i, "qkv")
-            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-            q = self._rotate(q.view(num_tokens, shape.num_q_heads, head_dim), cos, sin)
-            k = self._rotate(k.view(num_tokens, shape.num_kv_heads, head_dim), cos, sin)
-            v = v.reshape(num_tokens, shape.num_kv_heads, head_dim)
-            attn = attention(i, q, k, v).reshape(num_tokens, q_dim)
-            o = F.linear(attn, layer.o_weight)
-            if lora is not None:
-                lora.add(o, attn, i, "o")
-            hidden = hidden + o
-            x = self._rms_norm(hidden, layer.post_norm)
-            gate_up = F.linear(x, layer.gate_up_weight)
-            if lora is not None:
-                lora.add(gate_up, x, i, "gate_up")
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            down = F.linear(act, layer.down_weight)
-            if lora is not None:
-                lora.add(down, act, i, "down")
-            hidden = hidden + down
+        if lora is None:
+            attn_in, attn_out = self._attn_in_fn, self._attn_out_fn
+            for i, layer in enumerate(self.layers):
+                q, k, v = attn_in(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias, cos, sin)
+                attn = attention(i, q, k, v)
+                hidden = attn_out(hidden, attn, layer.o_weight, layer.post_norm,
+                                  layer.gate_up_weight, layer.down_weight)
+        else:
+            hidden = self._layers_with_lora(hidden, cos, sin, attention, lora)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         hidden = self._rms_norm(hidden, self.final_norm)

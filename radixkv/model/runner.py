@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -21,6 +22,7 @@ import torch
 
 from radixkv.config import check_block_size, check_int
 from radixkv.kernels import reference
+from radixkv.kernels.paged_sdpa import plan_attention
 
 from .config import ModelShape
 from .llama import LlamaForward
@@ -31,7 +33,7 @@ __all__ = ["ForwardBatch", "ModelRunner"]
 
 log = structlog.get_logger(__name__)
 
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "torch", "reference", "triton")
 
 
 @dataclass
@@ -82,9 +84,12 @@ class ModelRunner:
         num_blocks: M, blocks per pool.
         block_size: B, token slots per block.
         device: torch device for weights and pools.
-        attention_backend: ``"torch"`` (reference, any device), ``"triton"`` (the
-            ``radixkv.kernels`` Triton kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``) or
-            ``"auto"`` (triton on CUDA, torch on CPU).
+        attention_backend: ``"torch"`` (``radixkv.kernels.paged_sdpa``: one plan per step,
+            one batched SDPA per layer; any device), ``"reference"`` (the per-sequence torch
+            oracle, ``radixkv.kernels.reference``), ``"triton"`` (the ``radixkv.kernels``
+            Triton kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (triton
+            on CUDA, torch elsewhere).
+        compile: ``torch.compile`` the decoder layers' dense math (see ``LlamaForward``).
 
     Attributes:
         k_pools / v_pools: per layer ``[M, B, Hkv, D]`` tensors of the model dtype.
@@ -97,7 +102,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int,
-                 device: str = "cpu", attention_backend: str = "torch") -> None:
+                 device: str = "cpu", attention_backend: str = "torch", compile: bool = False) -> None:
         check_int("num_blocks", num_blocks, minimum=1)
         check_block_size(block_size)
         if attention_backend not in _BACKENDS:
@@ -109,7 +114,8 @@ class ModelRunner:
         self.dtype = model.dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype)
+        self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
+                                          compile=compile)
         pool_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
         # Zeroed, not empty: stale memory could hold NaN, and a bug reading an unwritten slot
         # should show up as a wrong logit rather than poison a whole batch.
@@ -190,6 +196,20 @@ class ModelRunner:
             lora=LoRABatch.build(adapters, indptr, self.device),
         )
 
+    def warm_up(self) -> float:
+        """Run a 2-token prefill and a 1-token decode in block 0, so a compiled model builds
+        its graphs (T = 1 is specialised apart from T >= 2) before a request waits on them.
+
+        Only call while block 0 holds nothing cached (at start): its slots are overwritten.
+
+        Returns:
+            Seconds spent (the compile time when ``compile`` is on).
+        """
+        started = time.perf_counter()
+        self.forward(self.build_batch([([0, 0], 0, [0])]))
+        self.forward(self.build_batch([([0], 0, [0])]))
+        return time.perf_counter() - started
+
     @torch.inference_mode()
     def kv_segment_bases(self) -> list[int]:
         """Host addresses of every layer's K and V pool (K0, V0, K1, V1, …): block ``b``'s K/V
@@ -235,8 +255,25 @@ class ModelRunner:
             ``[T, vocab]`` when ``all_logits``.
         """
         batch = batch.to(self.device)
-        max_q_len = int((batch.qo_indptr[1:] - batch.qo_indptr[:-1]).max())
         window_left = self.shape.window_left
+        if self.attention_backend == "torch":
+            # Metadata-only work (slots, masks, padding) once per step, not once per layer.
+            plan = plan_attention(batch.block_tables, batch.prefix_lens, batch.qo_indptr,
+                                  batch.slot_mapping, block_size=self.block_size,
+                                  num_pool_slots=self.num_blocks * self.block_size,
+                                  head_dim=self.shape.head_dim, window_left=window_left)
+
+            def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return plan.attend(q, k, v, self.k_pools[layer], self.v_pools[layer])
+        else:
+            attention = self._kernel_attention(batch, window_left)
+        rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
+        return self.forward_model.forward(batch.input_ids, batch.positions, attention, rows,
+                                          lora=batch.lora)
+
+    def _kernel_attention(self, batch: ForwardBatch, window_left: int):
+        """The attention callback over the three-function backends (reference, triton)."""
+        max_q_len = int((batch.qo_indptr[1:] - batch.qo_indptr[:-1]).max())
         ops = self._attn_ops
         # A pure decode step on the Triton backend takes the split-KV decode kernel: the extend
         # kernel would spend a whole BLOCK_M row tile on each single query. The new token's K/V
@@ -253,24 +290,23 @@ class ModelRunner:
                 q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens, batch.qo_indptr,
                 max_q_len=max_q_len, window_left=window_left)
 
-        rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
-        return self.forward_model.forward(batch.input_ids, batch.positions, attention, rows,
-                                          lora=batch.lora)
+        return attention
 
 
 def _select_attention_backend(name: str, device: torch.device) -> tuple[str, ModuleType]:
     """Resolve ``auto`` and return ``(backend name, module with the three attention ops)``.
 
-    ``auto`` is triton on CUDA and torch elsewhere. ``triton`` on a CPU needs the Triton
-    interpreter (``TRITON_INTERPRET=1`` set before the kernels are imported): tests use it,
-    serving should not.
+    ``auto`` is triton on CUDA and torch elsewhere (``torch`` builds ``paged_sdpa`` plans in
+    :meth:`ModelRunner.forward`; its module entry is the reference, unused). ``triton`` on a
+    CPU needs the Triton interpreter (``TRITON_INTERPRET=1`` set before the kernels are
+    imported): tests use it, serving should not.
 
     Raises:
         ValueError: naming ``attention_backend`` when triton cannot run here.
     """
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
+    if name in ("torch", "reference"):
         return name, reference
     interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
     if device.type == "cpu" and not interpret:

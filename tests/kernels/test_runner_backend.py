@@ -47,3 +47,48 @@ def test_triton_backend_matches_torch_backend(tiny_model: LoadedModel) -> None:
         logits[backend] = steps
     for want, got in zip(logits["torch"], logits["triton"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_reference_backend_is_selectable(tiny_model: LoadedModel) -> None:
+    runner = ModelRunner(tiny_model, num_blocks=8, block_size=BLOCK_SIZE, attention_backend="reference")
+    assert runner.attention_backend == "reference"
+
+
+def test_torch_plan_backend_matches_reference_backend_on_a_mixed_step(tiny_model: LoadedModel) -> None:
+    # One step holding a prefill (no prefix), an extend over an unaligned prefix and two
+    # decodes of different lengths, after the prefixes were written by per-sequence steps:
+    # the batched plan path gives the per-sequence reference's logits.
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (9, 19, 14, 7)]
+    tables = [_table(0, 9), _table(10, 19), _table(20, 14), _table(30, 7)]
+    prefix = [0, 13, 13, 6]  # sequence 0 prefills; 1 extends by 6; 2 and 3 decode one token
+    logits = {}
+    for backend in ("reference", "torch"):
+        runner = ModelRunner(tiny_model, num_blocks=40, block_size=BLOCK_SIZE, attention_backend=backend)
+        for i in (1, 2, 3):
+            runner.forward(runner.build_batch([(ids[i][:prefix[i]], 0, tables[i])]))
+        step = [(ids[0], 0, tables[0]), (ids[1][13:19], 13, tables[1]),
+                ([ids[2][13]], 13, tables[2]), ([ids[3][6]], 6, tables[3])]
+        logits[backend] = runner.forward(runner.build_batch(step), all_logits=True)
+    assert logits["torch"].shape == (9 + 6 + 1 + 1, 49152)
+    torch.testing.assert_close(logits["torch"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.compile
+def test_compiled_layers_match_eager(tiny_model: LoadedModel) -> None:
+    # --compile: torch.compile of the layers' dense math gives the eager logits for a prefill
+    # and for decodes of two batch sizes (dynamic shapes: no recompile per packed length).
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 49152, (11,), generator=gen).tolist()
+    tables = [_table(0, 12), _table(4, 12)]
+    logits = {}
+    for compile in (False, True):
+        runner = ModelRunner(tiny_model, num_blocks=8, block_size=BLOCK_SIZE, compile=compile)
+        assert runner.forward_model.compiled is compile
+        out = [runner.forward(runner.build_batch([(ids[:10], 0, tables[0])]), all_logits=True),
+               runner.forward(runner.build_batch([(ids[:10], 0, tables[1])]))]
+        out.append(runner.forward(runner.build_batch([([ids[10]], 10, tables[0])])))
+        out.append(runner.forward(runner.build_batch([([ids[10]], 10, t) for t in tables])))
+        logits[compile] = out
+    for want, got in zip(logits[False], logits[True]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
