@@ -10,15 +10,16 @@ agent cannot send turn k+1 before it read reply k). Two dispatch modes:
   at the start), or of the next session to become ready if none is. ``concurrency`` then
   caps the requests in flight (None: no cap).
 
-Every request streams with ``stream_options.include_usage``: TTFT is the time to the first
-chunk with content, ITL the gaps between content chunks, token counts come from ``usage``
-(``prompt_tokens_details.cached_tokens`` per response, which is also what a router in front of
-several replicas passes back).
+Every request streams with ``stream_options.include_usage`` at temperature 0: TTFT is the time
+to the first chunk with content, ITL the gaps between content chunks, decode ms/token a
+request's (last content - first content) / (completion tokens - 1); token counts come from
+``usage`` (``prompt_tokens_details.cached_tokens`` per response, which is also what a router in
+front of several replicas passes back) or llama.cpp's ``timings`` (``_serve_tokens.read_usage``).
 
-Token ids, the context length, the block size and the model id come from the server's
-``POST /tokenize``, ``GET /stats`` and ``GET /v1/models``, or from ``tokenize_url`` (one replica
-behind a router that does not forward those paths: sglang-router answers 404 for both, and
-``model`` ``"unknown"`` from its own ``/v1/models``; vllm-router forwards each to one worker).
+The caller (``bench/serve.py``) hands in the token ids (tokenized client side), the context
+length, the block size and the model id, so that every target is replayed with the same
+requests, skipped and idealised the same way; ``/stats`` counters are read only from the
+servers given as ``stats_urls`` (radixkv's).
 """
 
 # No ``from __future__ import annotations``: loaded by path (see bench/serve.py).
@@ -33,6 +34,8 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from _serve_targets import NotServed, get_json, get_stats, tokenize_all  # noqa: F401 - re-exported
+from _serve_tokens import read_usage
 from tqdm import tqdm
 
 from radixkv.tools.transcripts import ideal_cached_tokens
@@ -42,7 +45,8 @@ WARMUP_SALT_PREFIX = "radixkv-bench-warmup-"
 
 @dataclass
 class Sample:
-    """One replayed request. Token counts come from the server's ``usage``; times in ms."""
+    """One replayed request. Token counts come from the server's reply (``prompt_tokens``
+    falls back to the client-side count; ``cached_tokens`` None: not reported); times in ms."""
 
     session_id: str
     turn: int
@@ -51,11 +55,19 @@ class Sample:
     dispatch_index: int = -1
     url: str = ""
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = None
     completion_tokens: int = 0
     ttft_ms: float | None = None
     itl_ms: list[float] = field(default_factory=list)
+    decode_ms: float = 0.0  # first to last content chunk
     error: str | None = None
+
+    @property
+    def decode_ms_per_token(self) -> float | None:
+        """Decode time per generated token after the first; None below 2 tokens."""
+        if self.completion_tokens < 2 or self.ttft_ms is None:
+            return None
+        return self.decode_ms / (self.completion_tokens - 1)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -63,75 +75,16 @@ def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-class NotServed(RuntimeError):
-    """The server answered 404 or 405 for a path the replay needs (``/tokenize``, ``/stats``):
-    typically a router that does not forward it to its replicas. ``path`` and ``status`` say
-    which."""
-
-    def __init__(self, base_url: str, path: str, status: int) -> None:
-        super().__init__(f"{base_url} answered {status} to {path}")
-        self.base_url, self.path, self.status = base_url, path, status
-
-
-async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.get(url) as resp:
-        resp.raise_for_status()
-        return await resp.json(content_type=None)  # sglang-router's /v1/models says text/plain
-
-
-async def get_stats(http: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
-    """``GET /stats``; raises NotServed on 404/405, ClientResponseError on other errors."""
-    async with http.get(f"{base_url}/stats") as resp:
-        if resp.status in (404, 405):
-            raise NotServed(base_url, "GET /stats", resp.status)
-        resp.raise_for_status()
-        return await resp.json()
-
-
-async def tokenize_all(http: aiohttp.ClientSession, url: str, model: str,
-                       requests: list[dict], cache_salt: str | None = None
-                       ) -> tuple[list[list[int]], int]:
-    """Token ids of every request's prompt (via the server, as a chat request with the same
-    ``cache_salt`` would run it), and the server's context length.
-
-    Raises:
-        NotServed: ``/tokenize`` answered 404 or 405.
-        RuntimeError: it answered another non-200 status.
-    """
-    sem = asyncio.Semaphore(4)
-    max_model_len = 0
-
-    async def one(req: dict) -> list[int]:
-        nonlocal max_model_len
-        body = {"model": model, "messages": req["messages"]}
-        if req.get("tools"):
-            body["tools"] = req["tools"]
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        async with sem, http.post(f"{url}/tokenize", json=body) as resp:
-            if resp.status in (404, 405):
-                raise NotServed(url, "POST /tokenize", resp.status)
-            if resp.status != 200:
-                raise RuntimeError(f"/tokenize failed ({resp.status}): {await resp.text()}")
-            out = await resp.json()
-        max_model_len = out["max_model_len"]
-        return out["tokens"]
-
-    tokens = await asyncio.gather(*(one(r) for r in requests))
-    return list(tokens), max_model_len
-
-
 async def stream_one(http: aiohttp.ClientSession, url: str, model: str, sample: Sample,
                      max_tokens: int, cache_salt: str | None = None) -> None:
-    """Send ``sample.request`` as a streamed chat completion; fill in times and usage."""
-    req = sample.request
-    body = {"model": model, "messages": req["messages"], "max_tokens": max_tokens,
+    """Send ``sample.request`` (its ``messages`` only: requests come flattened, see
+    ``_serve_tokens``) as a streamed chat completion; fill in times and token counts."""
+    body = {"model": model, "messages": sample.request["messages"], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    if req.get("tools"):
-        body["tools"] = req["tools"]
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    start = last = time.perf_counter()
+    sample.prompt_tokens = len(sample.prompt_token_ids)
+    start = first = last = time.perf_counter()
     async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             sample.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
@@ -145,23 +98,30 @@ async def stream_one(http: aiohttp.ClientSession, url: str, model: str, sample: 
                 break
             chunk = json.loads(data)
             if "error" in chunk:
-                sample.error = chunk["error"].get("message", "stream error")
+                error = chunk["error"]
+                sample.error = error.get("message", "stream error") if isinstance(error, dict) else str(error)
                 return
             now = time.perf_counter()
             for choice in chunk.get("choices") or []:
                 if (choice.get("delta") or {}).get("content"):
                     if sample.ttft_ms is None:
                         sample.ttft_ms = (now - start) * 1e3
+                        first = now
                     else:
                         sample.itl_ms.append((now - last) * 1e3)
                     last = now
                 elif choice.get("finish_reason") and sample.ttft_ms is None:
                     sample.ttft_ms = (now - start) * 1e3  # finished without any text
-            if chunk.get("usage"):
-                use = chunk["usage"]
-                sample.prompt_tokens = use["prompt_tokens"]
-                sample.completion_tokens = use["completion_tokens"]
-                sample.cached_tokens = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    first = last = now
+            use = read_usage(chunk)
+            if use is not None:
+                if use["prompt_tokens"] is not None:
+                    sample.prompt_tokens = use["prompt_tokens"]
+                if use["completion_tokens"] is not None:
+                    sample.completion_tokens = use["completion_tokens"]
+                if use["cached_tokens"] is not None:
+                    sample.cached_tokens = use["cached_tokens"]
+    sample.decode_ms = (last - first) * 1e3
 
 
 DISPATCH_MODES = ("session", "alternate")
@@ -243,18 +203,24 @@ async def _open_loop(plan: list[list[Sample]], rate: float, cap: int | None, see
     await asyncio.gather(*tasks)
 
 
-async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | None,
+async def replay(url: str, sessions: list[list[dict]], tokens: list[list[list[int]]], *,
+                 model: str, max_model_len: int, block_size: int, concurrency: int | None,
                  max_tokens: int, request_rate: float | None = None, seed: int = 0,
                  warmup_requests: int = 0, cache_salt: str | None = None,
                  request_timeout_s: float = 900.0, progress: bool | None = None,
-                 tokenize_url: str | None = None, more_urls: tuple[str, ...] = (),
+                 stats_urls: list[str] | None = None, more_urls: tuple[str, ...] = (),
                  dispatch: str = "session") -> dict[str, Any]:
     """Replay ``sessions`` against the server at ``url`` and summarise.
 
     Args:
         url: Server base URL.
-        sessions: Normalised requests per session (``radixkv.tools.transcripts``), already cut to
-            the turns to replay.
+        sessions: Flattened requests per session (``_serve_tokens.flatten_request``), already
+            cut to the turns to replay.
+        tokens: Prompt token ids of each request, parallel to ``sessions`` (client side).
+        model: The model id sent in every request.
+        max_model_len: Context length, tokens: a request whose prompt plus ``max_tokens``
+            exceeds it is skipped and counted, never truncated.
+        block_size: The server's KV block size in tokens (the hit cap of the ideal).
         concurrency: Closed loop: sessions in flight (>= 1; None means 1). Open loop: most
             requests in flight (None: no cap).
         max_tokens: Output tokens requested per request (temperature 0).
@@ -264,35 +230,30 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
             the first runnable requests of the plan, each under its own throwaway
             ``cache_salt`` so they warm the server without caching anything the measured
             requests could hit.
-        cache_salt: Sent with every measured request (and ``/tokenize``): a fresh salt per
-            run keeps runs against the same server from hitting each other's blocks.
+        cache_salt: Sent with every measured request: a fresh salt per run keeps runs against
+            the same server from hitting each other's blocks.
         request_timeout_s: Seconds without data before a request fails.
         progress: Show a progress bar (None: only on a terminal).
-        tokenize_url: A replica behind the router at ``url``: the model id, token ids, context
-            length, block size and ``/stats`` counters come from it; the chat requests still
-            go to ``url``. None: all from ``url``.
+        stats_urls: Servers whose radixkv ``/stats`` counters are read before and after the run
+            (summed); None or empty: none (the server counters are then None).
         more_urls: Further servers (replicas) next to ``url``; each turn goes to one of
-            ``[url, *more_urls]`` per ``dispatch`` (see ``target_url``). Their ``/stats`` are
-            summed for the server counters.
+            ``[url, *more_urls]`` per ``dispatch`` (see ``target_url``).
         dispatch: ``session`` (a session stays on one server) or ``alternate`` (a session's
             turns go round the servers).
 
     Returns:
-        The result keys of DESIGN.md §8 plus run facts, ``computed_tokens``, ITL / TTFT
-        percentiles, ``server_requests`` and ``server_cached_prompt_tokens`` (the increase of
-        the ``/stats`` counters ``requests_total`` and ``cached_prompt_tokens_total``; the
-        latter is None unless the former equals the requests dispatched, i.e. when ``/stats``
-        did not see exactly this run: a router spread it over replicas, other clients sent
-        requests, or some were refused before admission), ``prefix_caching`` (the server's own
-        report), ``urls``, ``dispatch``, ``per_url`` (per server: requests, prompt / cached /
-        ideal tokens of this run, and the increase of its ``/stats`` counters, including
-        ``cached_prompt_tokens_by_tier`` where the server has it) and ``per_request`` (dispatch
-        order: session, turn, server URL, prompt / cached / ideal tokens, TTFT ms; failed ones
-        with ``error``).
+        ``summarise``'s keys plus run facts, ``server_requests`` and
+        ``server_cached_prompt_tokens`` (the increase of the ``/stats`` counters
+        ``requests_total`` and ``cached_prompt_tokens_total``; the latter is None unless the
+        former equals the requests dispatched, i.e. when ``/stats`` saw exactly this run),
+        ``prefix_caching`` (the server's own report, or None), ``urls``, ``dispatch`` and
+        ``per_url`` (per server: requests, prompt / cached / ideal tokens of this run, and the
+        increase of its ``/stats`` counters, including ``cached_prompt_tokens_by_tier`` where
+        the server has it).
 
     Raises:
-        ValueError: concurrency < 1, request_rate <= 0 or warmup_requests < 0.
-        NotServed: ``/tokenize`` or ``/stats`` answered 404 or 405.
+        ValueError: concurrency < 1, request_rate <= 0, warmup_requests < 0, or ``tokens``
+            not parallel to ``sessions``.
         aiohttp.ClientError: the server cannot be reached, or /stats fails.
     """
     if concurrency is not None and concurrency < 1:
@@ -301,24 +262,21 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
         raise ValueError(f"request_rate must be > 0, got {request_rate}")
     if warmup_requests < 0:
         raise ValueError(f"warmup_requests must be >= 0, got {warmup_requests}")
+    if [len(s) for s in sessions] != [len(t) for t in tokens]:
+        raise ValueError("tokens must hold one id list per request of sessions")
     url = url.rstrip("/")
     urls = [url, *(u.rstrip("/") for u in more_urls)]
     target_url(urls, dispatch, "", 0)  # ValueError for an unknown mode, before any request
-    info_url = (tokenize_url or url).rstrip("/")
-    # Counters come from every replica, or only from the one behind a router.
-    stats_urls = [info_url] if tokenize_url else urls
+    stats_urls = [u.rstrip("/") for u in stats_urls or ()]
+    plan = [[Sample(r["session_id"], r["turn"], r, t) for r, t in zip(ss, ts)]
+            for ss, ts in zip(sessions, tokens)]
+    fits = [[s for s in ss if len(s.prompt_token_ids) + max_tokens <= max_model_len]
+            for ss in plan]
+    skipped = sum(len(ss) for ss in plan) - sum(len(ss) for ss in fits)
+    runnable = [s for ss in fits for s in ss]
+    position = {id(s): i for ss in fits for i, s in enumerate(ss)}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        model = (await get_json(http, f"{info_url}/v1/models"))["data"][0]["id"]
-        flat = [req for session in sessions for req in session]
-        tokens, max_model_len = await tokenize_all(http, info_url, model, flat, cache_salt)
-        samples = iter([Sample(r["session_id"], r["turn"], r, t) for r, t in zip(flat, tokens)])
-        plan = [[next(samples) for _ in session] for session in sessions]
-        fits = [[s for s in ss if len(s.prompt_token_ids) + max_tokens <= max_model_len]
-                for ss in plan]
-        skipped = sum(len(ss) for ss in plan) - sum(len(ss) for ss in fits)
-        runnable = [s for ss in fits for s in ss]
-        position = {id(s): i for ss in fits for i, s in enumerate(ss)}
         for sample in runnable[:warmup_requests]:
             warm = Sample(sample.session_id, sample.turn, sample.request, [])
             for each in urls:
@@ -341,15 +299,16 @@ async def replay(url: str, sessions: list[list[dict]], *, concurrency: int | Non
         wall_s = time.perf_counter() - start
         bar.close()
         stats_after = {u: await get_stats(http, u) for u in stats_urls}
-    out = summarise(dispatched, stats_before[info_url]["pool"]["block_size_tokens"])
+    out = summarise(dispatched, block_size)
     deltas = {u: _stats_delta(stats_before[u], stats_after[u]) for u in stats_urls}
-    server_requests = sum(d["requests_total"] for d in deltas.values())
-    server_cached = sum(d["cached_prompt_tokens_total"] for d in deltas.values())
+    server_requests = sum(d["requests_total"] for d in deltas.values()) if deltas else None
+    server_cached = sum(d["cached_prompt_tokens_total"] for d in deltas.values()) if deltas else None
     out["per_url"] = _per_url(urls, dispatched, out["per_request"], deltas)
     out.update({
-        "url": url, "urls": urls, "dispatch": dispatch, "tokenize_url": tokenize_url,
-        "model": model, "max_model_len": max_model_len,
-        "prefix_caching": stats_after[info_url].get("prefix_caching"), "sessions": len(sessions),
+        "url": url, "urls": urls, "dispatch": dispatch, "model": model,
+        "max_model_len": max_model_len,
+        "prefix_caching": stats_after[stats_urls[0]].get("prefix_caching") if stats_urls else None,
+        "sessions": len(sessions),
         "mode": "closed-loop" if request_rate is None else "poisson",
         "concurrency": concurrency if request_rate is not None else (concurrency or 1),
         "request_rate": request_rate, "max_tokens": max_tokens, "cache_salt": cache_salt,
@@ -384,23 +343,35 @@ def _per_url(urls: list[str], dispatched: list[Sample], rows: list[dict[str, Any
         mine = [r for s, r in zip(dispatched, rows) if s.url == u]
         ok = [r for r in mine if "error" not in r]
         out[u] = {"requests": len(ok), "failed_requests": len(mine) - len(ok),
-                  **{k: sum(r[k] for r in ok)
-                     for k in ("prompt_tokens", "cached_tokens", "ideal_cached_tokens")},
+                  **{k: sum(r[k] for r in ok) for k in ("prompt_tokens", "ideal_cached_tokens")},
+                  "cached_tokens": _sum_reported(r["cached_tokens"] for r in ok),
                   "server": deltas.get(u)}
     return out
+
+
+def _sum_reported(values) -> int | None:
+    """Sum of the reported values (None: not reported); None when there were values and none
+    was reported (0 for no values)."""
+    values = list(values)
+    reported = [v for v in values if v is not None]
+    return sum(reported) if reported or not values else None
 
 
 def summarise(dispatched: list[Sample], block_size: int) -> dict[str, Any]:
     """Totals and percentiles over the requests that succeeded, in dispatch order.
 
     ``ideal_cached_tokens`` is what a perfect prefix cache could have reused for the same
-    dispatch order: per request, the longest common token prefix with any earlier dispatched
-    request, capped as the engine caps hits.
+    dispatch order: per request, the longest common token prefix (of the client-side token
+    ids) with any earlier dispatched request, capped as the engine caps hits at
+    ``block_size``. ``cached_tokens`` and the ratios built on it are None when the server
+    reported cached tokens for none of the requests (``cached_tokens_reported`` False);
+    ``decode_ms_per_token_p50`` is the median of the requests' decode ms/token.
     """
     ideal = ideal_cached_tokens([s.prompt_token_ids for s in dispatched], block_size)
     ok = [(s, i) for s, i in zip(dispatched, ideal) if s.error is None]
     prompt = sum(s.prompt_tokens for s, _ in ok)
-    cached = sum(s.cached_tokens for s, _ in ok)
+    cached = _sum_reported(s.cached_tokens for s, _ in ok)
+    decode = [d for s, _ in ok if (d := s.decode_ms_per_token) is not None]
     ideal_total = sum(i for _, i in ok)
     ttft = [s.ttft_ms for s, _ in ok if s.ttft_ms is not None]
     itl = [x for s, _ in ok for x in s.itl_ms]
@@ -417,13 +388,16 @@ def summarise(dispatched: list[Sample], block_size: int) -> dict[str, Any]:
         "block_size_tokens": block_size,
         "requests": len(ok), "failed_requests": len(dispatched) - len(ok),
         "errors": sorted({s.error for s in dispatched if s.error})[:5],
-        "prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "cached_tokens_reported": any(s.cached_tokens is not None for s, _ in ok),
+        "computed_tokens": None if cached is None else prompt - cached,
         "ideal_cached_tokens": ideal_total,
-        "cached_over_prompt": cached / prompt if prompt else None,
-        "cached_over_ideal": cached / ideal_total if ideal_total else None,
+        "cached_over_prompt": cached / prompt if prompt and cached is not None else None,
+        "cached_over_ideal": cached / ideal_total if ideal_total and cached is not None else None,
         "ttft_ms_mean": float(np.mean(ttft)) if ttft else None,
         "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p90": pct(ttft, 90), "ttft_ms_p99": pct(ttft, 99),
         "itl_ms_p50": pct(itl, 50), "itl_ms_p90": pct(itl, 90), "itl_ms_p99": pct(itl, 99),
+        "decode_ms_per_token_p50": pct(decode, 50),
         "output_tokens": sum(s.completion_tokens for s, _ in ok),
         "per_request": per_request,
     }

@@ -15,33 +15,54 @@ recorded assistant message is what the agent sends back, not the served model's 
 ``--concurrency`` sessions run in a closed loop, or ``--request-rate`` dispatches ready turns on
 a Poisson clock (see ``_serve_replay``).
 
-Token ids come from the server's ``POST /tokenize`` and the block size from ``GET /stats``
-(through a router: from ``--tokenize-url``, one replica behind it, when the router does not
-forward those paths; sglang-router 0.3.2 does not, vllm-router 0.1.17 forwards each to one
-worker); requests whose prompt plus ``--max-tokens`` exceed the server's ``max_model_len`` are skipped
-and counted, never truncated (cutting a prompt's head would destroy its prefix).
+Every target gets the same requests. Each transcript request is flattened to plain-text
+system / user / assistant messages (``_serve_tokens.flatten_request``: tool schemas and
+assistant tool calls rendered by radixkv's tool-call fallback, tool results as
+``<tool_response>`` user messages), sent as a streamed ``/v1/chat/completions`` with
+``max_tokens``, temperature 0 and ``stream_options.include_usage``. Token ids are computed
+client side with the served model's tokenizer and chat template (``--tokenizer DIR_OR_GGUF``,
+default the embedded SmolLM2 one), so skipping and the ideal are the same for every target:
+requests whose prompt plus ``--max-tokens`` exceed ``--max-model-len`` (default: the smallest
+``max_model_len`` the targets' ``GET /v1/models`` list, else 8192) are skipped and counted,
+never truncated (cutting a prompt's head would destroy its prefix). Where the first target is
+radixkv (it serves ``GET /stats``), its ``POST /tokenize`` is a cross-check:
+``tokenize_mismatches`` counts the requests whose ids differ (the run goes on).
 ``ideal_cached_tokens`` is what a perfect prefix cache could reuse: per request, the longest
-common prefix with any earlier dispatched request, capped like the engine's hit cap. Each
-run's requests carry a fresh ``cache_salt`` (``--cache-salt``), so runs against a server that
-is still warm from an earlier run start cold all the same (not through sglang-router, which
-drops the field: use fresh replicas and ``--cache-salt none``; KV-aware routing also needs
-``none``, since salted blocks are not published). Cached tokens are each response's
-``usage.prompt_tokens_details.cached_tokens``, which routers pass back unchanged.
+common prefix with any earlier dispatched request, capped like the engine's hit cap at the
+target's block size: from radixkv's ``/stats``, else ``--block-size N`` or ``LABEL=N``
+(vLLM-CPU: 128; llama.cpp's ``llama-server`` is token-granular: 1). Each target's model id is
+the first of its ``GET /v1/models`` (vLLM serves a model under its folder path). Through a
+router that forwards neither ``/tokenize`` nor ``/stats`` (sglang-router 0.3.2; vllm-router
+0.1.17 forwards each to one worker), ``--tokenize-url`` names one replica behind it for the
+model id, block size and ``/stats``, or ``--block-size`` treats the router as any server.
 
-With ``--compare-url`` (e.g. a second server started with ``--no-prefix-cache``) the same
-requests are replayed there after the first run ends, so the two never share the cores; the
-JSON then holds the second run under ``"compare"`` and ``ttft_ms_p50_ratio`` (compare ÷ this).
-A PNG of the TTFT distributions (histogram and CDF, one curve per server) is written next to
-``--json`` (or to ``--plot``). Without ``--json`` both go to a new folder
-``./radixkv-bench-results/serve-<timestamp>/`` (``results.json``, ``results.png``), named at the
-end. Missing parent folders are created before the run; the JSON is written first, and a plot
-that fails only warns (the JSON is kept).
+Each run's requests carry a fresh ``cache_salt`` (``--cache-salt``), so runs against a server
+that is still warm from an earlier run start cold all the same (not through sglang-router,
+which drops the field; nor vLLM-CPU or llama.cpp, which ignore or lack it: use fresh servers
+and ``--cache-salt none``; KV-aware routing also needs ``none``, since salted blocks are not
+published). Cached tokens are each response's ``usage.prompt_tokens_details.cached_tokens``
+(which routers pass back unchanged; vLLM only with ``--enable-prompt-tokens-details``), else
+llama.cpp's ``timings.cache_n``; a target that reports neither has ``cached_tokens_reported``
+false and no cached numbers, never zeros.
+
+``--compare-url [LABEL=]URL`` (repeatable) adds targets, replayed one after another after the
+first (never at once, so they never share the cores); ``--label`` names the first (default
+radixkv). The JSON is the first target's run, with ``targets`` (every run, each with
+``label``, ``url``, ``block_size`` and its summary), ``compare`` (the first compare run) and
+``ttft_ms_p50_ratio`` (that one's ÷ the first's). One table (a column per target), one PNG
+(TTFT histogram and CDF, a curve per target) next to ``--json`` (or to ``--plot``). Without
+``--json`` both go to a new folder ``./radixkv-bench-results/serve-<timestamp>/``
+(``results.json``, ``results.png``), named at the end. Missing parent folders are created
+before the run; the JSON is written first, and a plot that fails only warns (the JSON is kept).
 
 Usage::
 
     radixkv bench serve          # the shipped tau-bench sample against http://127.0.0.1:8000
     radixkv bench serve --url http://127.0.0.1:8000 --source tau-bench --shared --sessions 5 \\
         --concurrency 1 --json out.json [--compare-url http://127.0.0.1:8001]
+    radixkv bench serve --shared --sessions 5 --cache-salt none --label radixkv \
+        --compare-url vllm-cpu=http://127.0.0.1:8001 --compare-url llama.cpp=http://127.0.0.1:8002 \
+        --block-size vllm-cpu=128 --block-size llama.cpp=1 --max-model-len 8192
     radixkv bench serve --url http://127.0.0.1:30000 --tokenize-url http://127.0.0.1:8001 \\
         --cache-salt none --concurrency 3     # through a router, token ids from one replica
 """
@@ -59,13 +80,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _serve_replay  # noqa: E402
+import _serve_targets  # noqa: E402
+import _serve_tokens  # noqa: E402
 import aiohttp  # noqa: E402
+from _serve_report import format_table, label, plot_ttft  # noqa: E402, F401 - label re-exported
 
 from radixkv.tools.data import SHARED_DIR_ENV, default_results_dir  # noqa: E402
 from radixkv.tools.transcripts import SOURCES, default_path, load_source  # noqa: E402
 
 replay = _serve_replay.replay
 DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_MAX_MODEL_LEN = 8192  # when no target lists its max_model_len
 
 
 class _UrlAction(argparse.Action):
@@ -89,9 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(CRC-32 of its id), 'alternate' sends a session's turn i to URL "
                              "i mod k (no affinity); default session")
     parser.add_argument("--tokenize-url", default=None, metavar="REPLICA_URL",
-                        help="with --url a router: one replica behind it, asked for the token "
-                             "ids, context length, block size, model id and /stats (for routers "
-                             "that do not forward /tokenize and /stats, e.g. sglang-router)")
+                        help="with --url a router: one replica behind it, asked for the "
+                             "/tokenize cross-check, context length, block size, model id and "
+                             "/stats (for routers that do not forward /tokenize and /stats, e.g. "
+                             "sglang-router)")
     parser.add_argument("--source", default="tau-bench", choices=sorted(SOURCES))
     data = parser.add_mutually_exclusive_group()
     data.add_argument("--path", "--data-path", dest="path", default=None,
@@ -123,101 +149,115 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "./radixkv-bench-results/serve-<timestamp>/)")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="TTFT distribution PNG (default: the --json path with .png)")
-    parser.add_argument("--compare-url", default=None,
-                        help="a second server (e.g. --no-prefix-cache), replayed after the first")
+    parser.add_argument("--compare-url", action="append", default=None, metavar="[LABEL=]URL",
+                        help="another server to replay the same requests against, after the "
+                             "first (one at a time); repeatable; e.g. vllm-cpu=http://...:8001")
+    parser.add_argument("--label", default="radixkv", help="name of the first target (--url)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR_OR_GGUF",
+                        help="the served model's tokenizer and chat template: a Hugging Face "
+                             "folder or a .gguf file (default: the embedded SmolLM2 one)")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                        help="skip requests whose prompt + --max-tokens exceed this (default: "
+                             "the smallest max_model_len the targets' /v1/models list, else "
+                             f"{DEFAULT_MAX_MODEL_LEN})")
+    parser.add_argument("--block-size", action="append", default=None, metavar="[LABEL=]N",
+                        help="KV block size in tokens of a target without radixkv's /stats "
+                             "(vLLM-CPU 128, llama.cpp 1); N for all of them or LABEL=N; "
+                             "repeatable")
 
 
-_ROWS = [("requests", "requests", "{}"), ("skipped", "skipped_requests", "{}"),
-         ("failed", "failed_requests", "{}"), ("prompt tokens", "prompt_tokens", "{}"),
-         ("cached tokens", "cached_tokens", "{}"), ("computed tokens", "computed_tokens", "{}"),
-         ("cached/prompt", "cached_over_prompt", "{:.3f}"),
-         ("ideal cached", "ideal_cached_tokens", "{}"), ("cached/ideal", "cached_over_ideal", "{:.3f}"),
-         ("TTFT p50 ms", "ttft_ms_p50", "{:.1f}"), ("TTFT p90 ms", "ttft_ms_p90", "{:.1f}"),
-         ("TTFT p99 ms", "ttft_ms_p99", "{:.1f}"), ("ITL p50 ms", "itl_ms_p50", "{:.1f}"),
-         ("ITL p90 ms", "itl_ms_p90", "{:.1f}"), ("requests/s", "requests_per_s", "{:.3f}"),
-         ("output tok/s", "output_tokens_per_s", "{:.1f}")]
-
-
-def label(result: dict[str, Any]) -> str:
-    """``cache on`` / ``cache off`` from the server's own /stats, else its URL; with several
-    replicas, how many and the dispatch mode."""
-    caching = result.get("prefix_caching")
-    name = result["url"] if caching is None else ("cache on" if caching else "cache off")
-    urls = result.get("urls") or [result["url"]]
-    return name if len(urls) < 2 else f"{name}, {len(urls)} replicas {result.get('dispatch')}"
-
-
-def format_table(results: list[dict[str, Any]]) -> str:
-    """A plain-text table, one column per server."""
-    cols = [[f"{label(r)} ({r['url']})"] + [("-" if r.get(k) is None else fmt.format(r[k]))
-                                            for _, k, fmt in _ROWS] for r in results]
-    labels = [""] + [name for name, _, _ in _ROWS]
-    widths = [max(len(x) for x in labels)] + [max(len(x) for x in c) for c in cols]
-    lines = []
-    for i, name in enumerate(labels):
-        cells = [name.ljust(widths[0])] + [c[i].rjust(w) for c, w in zip(cols, widths[1:])]
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
-
-
-def plot_ttft(results: list[dict[str, Any]], path: str | Path, title: str) -> None:
-    """Histogram (log-spaced bins) and CDF of TTFT per server, written as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    series = [(label(r), [x["ttft_ms"] for x in r["per_request"]
-                          if x["ttft_ms"] is not None and "error" not in x]) for r in results]
-    series = [(name, values) for name, values in series if values]
-    fig, (hist, cdf) = plt.subplots(1, 2, figsize=(11, 4))
-    if series:
-        low = max(min(min(v) for _, v in series), 1e-3)
-        high = max(max(v) for _, v in series)
-        bins = np.geomspace(low, high * 1.0001, 40)
-        for name, values in series:
-            p50 = float(np.median(values))
-            hist.hist(values, bins=bins, alpha=0.55, label=f"{name} (p50 {p50:,.0f} ms)")
-            xs = np.sort(values)
-            cdf.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=name)
-        for ax in (hist, cdf):
-            ax.set_xscale("log")
-            ax.set_xlabel("TTFT (ms)")
-            ax.grid(alpha=0.3)
-            ax.legend()
-    hist.set_ylabel("requests")
-    cdf.set_ylabel("fraction of requests")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _replay_or_exit(url: str, sessions: list, args: argparse.Namespace,
-                    tokenize_url: str | None = None,
-                    more_urls: tuple[str, ...] = ()) -> dict[str, Any]:
-    salt = {"random": f"bench-{uuid.uuid4().hex[:16]}", "none": None}.get(args.cache_salt,
+def _salt(args: argparse.Namespace) -> str | None:
+    """A fresh ``cache_salt`` per target and run ('random'), none, or the one given."""
+    return {"random": f"bench-{uuid.uuid4().hex[:16]}", "none": None}.get(args.cache_salt,
                                                                          args.cache_salt)
+
+
+def _no_block_size(target: dict[str, Any]) -> str:
+    return (f"bench serve: {target['label']} ({target['url']}) serves no radixkv /stats to read "
+            f"its KV block size from: give --block-size {target['label']}=N (or N for every such "
+            "target; vLLM-CPU: 128, llama.cpp llama-server: 1)")
+
+
+async def _probe_targets(targets: list[dict[str, Any]], block_sizes: dict[str | None, int],
+                         first_request: dict) -> None:
+    """Fill in each target's model id, ``max_model_len``, ``stats_urls``, ``block_size`` and
+    its source, from what it serves; SystemExit naming the flag when a fact is missing."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        for i, t in enumerate(targets):
+            via = f" with --tokenize-url {t['tokenize_url']}" if t.get("tokenize_url") else ""
+            try:
+                info = await _serve_targets.probe(http, t["info_url"])
+            except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as exc:
+                raise SystemExit(f"bench serve: cannot use the server at {t['url']}{via}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            stats = info["stats"]
+            t.update(model=info["model"], listed_max_model_len=info["max_model_len"],
+                     stats_urls=([t["info_url"]] if t.get("tokenize_url") else t["urls"])
+                     if stats else [])
+            if t["label"] is None:
+                caching = None if stats is None else stats.get("prefix_caching")
+                t["label"] = t["url"] if caching is None else ("cache on" if caching else "cache off")
+            if stats is not None:
+                t["block_size"], t["block_size_source"] = stats["pool"]["block_size_tokens"], "/stats"
+                continue
+            if t.get("tokenize_url"):
+                raise SystemExit(f"bench serve: --tokenize-url {t['tokenize_url']} serves no "
+                                 "radixkv /stats: give a radixkv replica's URL")
+            size = block_sizes.get(t["label"], block_sizes.get(None))
+            if size is not None:
+                t["block_size"], t["block_size_source"] = size, "--block-size"
+                continue
+            if i == 0:  # a router that forwards neither path: name --tokenize-url first
+                try:
+                    await _serve_targets.tokenize_all(http, t["url"], t["model"], [first_request])
+                except _serve_targets.NotServed as exc:
+                    raise SystemExit(
+                        f"bench serve: {t['url']} answered {exc.status} to {exc.path}: a router "
+                        "that does not forward /tokenize and /stats to its replicas "
+                        "(sglang-router) needs --tokenize-url REPLICA_URL, one replica behind it "
+                        "(token ids, block size and model id come from there; the requests still "
+                        "go through the router)") from exc
+                except (RuntimeError, KeyError, aiohttp.ClientError):
+                    pass
+            raise SystemExit(_no_block_size(t))
+
+
+def _targets(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The first target (``--url``, its replicas, ``--tokenize-url``) and the compare ones."""
+    urls = [u.rstrip("/") for u in (args.url, *getattr(args, "more_urls", ()))]
+    first = {"label": args.label, "url": urls[0], "urls": urls, "tokenize_url": args.tokenize_url,
+             "info_url": (args.tokenize_url or urls[0]).rstrip("/")}
+    out = [first]
+    for value in args.compare_url or ():
+        try:
+            t = _serve_targets.parse_target(value)
+        except ValueError as exc:
+            raise SystemExit(f"bench serve: --compare-url: {exc}") from exc
+        out.append({"label": t.label, "url": t.url, "urls": [t.url], "info_url": t.url})
+    named = [t["label"] for t in out if t["label"] is not None]
+    if len(set(named)) != len(named):
+        raise SystemExit(f"bench serve: two targets labelled alike: {named}")
+    return out
+
+
+def _replay_target(t: dict[str, Any], sessions: list, tokens: list, max_model_len: int,
+                   args: argparse.Namespace) -> dict[str, Any]:
     try:
-        return asyncio.run(replay(url, sessions, concurrency=args.concurrency,
-                                  max_tokens=args.max_tokens, request_rate=args.request_rate,
-                                  seed=args.seed, warmup_requests=args.warmup_requests,
-                                  cache_salt=salt, request_timeout_s=args.request_timeout,
-                                  tokenize_url=tokenize_url, more_urls=more_urls,
-                                  dispatch=getattr(args, "dispatch", "session")))
-    except _serve_replay.NotServed as exc:
-        if tokenize_url is not None:
-            raise SystemExit(f"bench serve: --tokenize-url {tokenize_url} answered {exc.status} "
-                             f"to {exc.path}: give a radixkv replica's URL") from exc
-        raise SystemExit(
-            f"bench serve: {url} answered {exc.status} to {exc.path}: a router that does not "
-            "forward /tokenize and /stats to its replicas (sglang-router) needs --tokenize-url "
-            "REPLICA_URL, one replica behind it (token ids, block size and model id come from "
-            "there; the requests still go through the router)") from exc
-    except (aiohttp.ClientError, RuntimeError) as exc:  # unreachable, /stats or /tokenize fail
-        via = f" with --tokenize-url {tokenize_url}" if tokenize_url is not None else ""
-        raise SystemExit(f"bench serve: cannot use the server at {url}{via}: {exc}") from exc
+        result = asyncio.run(replay(
+            t["url"], sessions, tokens, model=t["model"], max_model_len=max_model_len,
+            block_size=t["block_size"], concurrency=args.concurrency, max_tokens=args.max_tokens,
+            request_rate=args.request_rate, seed=args.seed, warmup_requests=args.warmup_requests,
+            cache_salt=_salt(args), request_timeout_s=args.request_timeout,
+            stats_urls=t["stats_urls"], more_urls=tuple(t["urls"][1:]),
+            dispatch=getattr(args, "dispatch", "session")))
+    except (aiohttp.ClientError, RuntimeError) as exc:
+        raise SystemExit(f"bench serve: cannot use the server at {t['url']}: {exc}") from exc
+    result.update(label=t["label"], block_size=t["block_size"],
+                  block_size_source=t["block_size_source"])
+    if "tokenize_url" in t:
+        result["tokenize_url"] = t["tokenize_url"]
+    return result
 
 
 def _output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -255,10 +295,43 @@ def _remove_default_folder(args: argparse.Namespace, json_path: Path) -> None:
             pass
 
 
+def _prepare(args: argparse.Namespace, sessions: list) -> tuple[list, list, list, int, dict]:
+    """Flattened sessions, their client-side token ids, the probed targets, the context length
+    and the tokenizer facts (``tokenizer``, ``tokenize_mismatches``)."""
+    targets = _targets(args)
+    try:
+        block_sizes = _serve_targets.parse_block_sizes(args.block_size or [])
+        flat = [[_serve_tokens.flatten_request(r) for r in s] for s in sessions]
+        tokenizer, tokenizer_name = _serve_tokens.load_client_tokenizer(args.tokenizer)
+        tokens = [_serve_tokens.client_tokens(tokenizer, s) for s in flat]
+    except ValueError as exc:
+        raise SystemExit(f"bench serve: {exc}") from exc
+    requests = [r for s in flat for r in s]
+    asyncio.run(_probe_targets(targets, block_sizes, requests[0] if requests else {}))
+    listed = [t["listed_max_model_len"] for t in targets if t["listed_max_model_len"]]
+    max_model_len = args.max_model_len or (min(listed) if listed else DEFAULT_MAX_MODEL_LEN)
+    first = targets[0]
+    mismatches = None
+    if first["stats_urls"] and requests:  # radixkv: its /tokenize is the cross-check
+        mismatches = asyncio.run(_count_mismatches(first, requests,
+                                                   [t for s in tokens for t in s]))
+    facts = {"tokenizer": tokenizer_name, "max_model_len": max_model_len,
+             "tokenize_checked_url": first["info_url"] if mismatches is not None else None,
+             "tokenize_mismatches": mismatches}
+    return flat, tokens, targets, max_model_len, facts
+
+
+async def _count_mismatches(target: dict[str, Any], requests: list, tokens: list) -> int | None:
+    async with aiohttp.ClientSession() as http:
+        return await _serve_targets.count_mismatches(http, target["info_url"], target["model"],
+                                                     requests, tokens)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Replay per ``args``, print the table, write ``--json`` and the PNG; returns the results."""
-    for name in ("sessions", "concurrency", "max_tokens", "max_turns"):
-        value = getattr(args, name)
+    """Replay per ``args`` against every target in turn, print the table, write ``--json`` and
+    the PNG; returns the first target's results (with ``targets`` and ``compare``)."""
+    for name in ("sessions", "concurrency", "max_tokens", "max_turns", "max_model_len"):
+        value = getattr(args, name, None)
         if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.request_rate is not None and not args.request_rate > 0:
@@ -277,27 +350,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sessions = [s[: args.max_turns] for s in sessions]
     json_path, plot = _output_paths(args)
     try:
-        results = _replay_or_exit(urls[0], sessions, args, args.tokenize_url, tuple(urls[1:]))
-        compare = _replay_or_exit(args.compare_url, sessions, args) if args.compare_url else None
+        flat, tokens, targets, max_model_len, facts = _prepare(args, sessions)
+        shown = [_replay_target(t, flat, tokens, max_model_len, args) for t in targets]
     except SystemExit:
         _remove_default_folder(args, json_path)
         raise
-    results["source"] = args.source
-    results["data_path"] = str(path if path is not None else default_path(args.source))
-    shown = [results]
-    if compare is not None:
-        results["compare"] = compare
-        shown.append(compare)
+    results = shown[0]
+    results.update(facts, source=args.source,
+                   data_path=str(path if path is not None else default_path(args.source)))
+    results["targets"] = [{k: v for k, v in r.items() if k not in ("targets", "compare")}
+                          for r in shown]
+    if len(shown) > 1:
+        compare = results["compare"] = shown[1]
         on, off = results["ttft_ms_p50"], compare["ttft_ms_p50"]
         results["ttft_ms_p50_ratio"] = off / on if on and off else None
     print(format_table(shown))
     if len(urls) > 1:
         for url, per in results["per_url"].items():
-            ratio = per["cached_tokens"] / per["ideal_cached_tokens"] if per["ideal_cached_tokens"] else 0
+            ideal = per["ideal_cached_tokens"]
+            ratio = (per["cached_tokens"] or 0) / ideal if ideal else 0
             print(f"  {url}: {per['requests']} requests, {per['cached_tokens']} cached of "
                   f"{per['ideal_cached_tokens']} ideal ({ratio:.3f})")
-    if results.get("ttft_ms_p50_ratio"):
-        print(f"TTFT p50 {label(compare)} / {label(results)}: {results['ttft_ms_p50_ratio']:.2f}x")
+    if facts["tokenize_mismatches"] is not None:
+        print(f"client-side tokens vs {facts['tokenize_checked_url']}/tokenize: "
+              f"{facts['tokenize_mismatches']} of {sum(len(s) for s in flat)} requests differ")
+    for other in shown[1:]:
+        if other["ttft_ms_p50"] and results["ttft_ms_p50"]:
+            print(f"TTFT p50 {label(other)} / {label(results)}: "
+                  f"{other['ttft_ms_p50'] / results['ttft_ms_p50']:.2f}x")
     try:  # first: a failing plot must not lose the results
         json_path.write_text(json.dumps(results, indent=2) + "\n")
     except OSError as exc:
@@ -306,7 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         turns = f", first {args.max_turns} turns" if args.max_turns else ""
         try:
             plot_ttft(shown, plot, f"{args.source}: {len(sessions)} sessions{turns}, "
-                                   f"{results['requests']} requests")
+                                   f"{results['requests']} requests, max_tokens {args.max_tokens}")
         except Exception as exc:  # noqa: BLE001 - the results are kept; the plot is extra
             print(f"bench serve: warning: the TTFT plot {plot} was not written: "
                   f"{type(exc).__name__}: {exc}; the results are in {json_path}", file=sys.stderr)

@@ -1,0 +1,136 @@
+"""What every ``bench serve`` target is sent and how its replies are counted, client side.
+
+- ``flatten_request``: a transcript request as plain-text system / user / assistant messages
+  (no ``tools``, no ``tool_calls``, no ``tool`` role), so that every OpenAI-compatible server
+  renders the same text with the same chat template. Tool schemas and assistant tool calls are
+  rendered by radixkv's own fallback (``radixkv.model.tool_render.render_tools_fallback``:
+  schemas into the system turn, calls as ``<tool_call>{...}</tool_call>`` lines); a tool result
+  becomes a user message ``<tool_response>\\n{content}\\n</tool_response>`` (the Hermes / Qwen
+  convention the fallback follows). A server that sees a ``tool`` role or ``tool_calls`` may
+  rewrite them (llama.cpp's template polyfills turn tool results into JSON user messages), so
+  they never reach it.
+- ``load_client_tokenizer``: the served model's tokenizer and chat template (a Hugging Face
+  folder, a GGUF file, or the embedded SmolLM2 one), without loading weights.
+- ``read_usage``: prompt / completion / cached tokens of one streamed chunk, from
+  ``usage.prompt_tokens_details.cached_tokens`` or llama.cpp's ``timings.cache_n``.
+"""
+
+# No ``from __future__ import annotations``: loaded by path (see bench/serve.py).
+import os
+from pathlib import Path
+from typing import Any
+
+from radixkv.model.tool_render import render_tools_fallback
+
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+
+def _text(content: Any) -> str:
+    """A message content as one string (None -> "", text parts joined by newlines)."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def flatten_request(request: dict[str, Any]) -> dict[str, Any]:
+    """``request`` with its messages flattened to plain text (see the module docstring).
+
+    Args:
+        request: A normalised transcript request (``radixkv.tools.transcripts``):
+            ``{"session_id", "turn", "messages", "tools"?}``.
+
+    Returns:
+        A new request with the same keys but ``tools`` and with ``messages`` a list of
+        ``{"role": "system" | "user" | "assistant", "content": str}``. The input is not
+        modified.
+    """
+    messages = [dict(m, content=_text(m.get("content"))) for m in request["messages"]]
+    rendered = render_tools_fallback(messages, request.get("tools"))
+    flat = []
+    for message in rendered:
+        role, content = message["role"], message["content"]
+        if role == "tool":
+            role, content = "user", f"{TOOL_RESPONSE_OPEN}\n{content}\n{TOOL_RESPONSE_CLOSE}"
+        flat.append({"role": role, "content": content})
+    out = {k: v for k, v in request.items() if k not in ("messages", "tools")}
+    out["messages"] = flat
+    return out
+
+
+def load_client_tokenizer(spec: str | None) -> tuple[Any, str]:
+    """The chat tokenizer of the served model, loaded without its weights.
+
+    Args:
+        spec: None for the embedded SmolLM2-135M-Instruct tokenizer (converted once and cached
+            by ``radixkv.model.loader``); a Hugging Face model folder (its tokenizer files);
+            or a ``*.gguf`` file (tokenizer and chat template from its metadata).
+
+    Returns:
+        ``(ChatTokenizer, description)``; the description names what was loaded. The
+        tokenizer's ``max_model_len`` is 0: the context length comes from the servers.
+
+    Raises:
+        ValueError: ``spec`` does not exist or is neither a folder nor a ``.gguf`` file.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the files carry everything
+    from transformers import AutoTokenizer  # deferred: heavy import
+
+    from radixkv.model.hf_loader import generation_eos_ids
+    from radixkv.model.loader import embedded_tokenizer_dir
+    from radixkv.model.tokenizer import ChatTokenizer
+
+    extra_eos: list[int] = []
+    if spec is None:
+        hf = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
+        name = "embedded SmolLM2-135M-Instruct"
+    else:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            hf = AutoTokenizer.from_pretrained(str(path))
+            extra_eos = generation_eos_ids(path)
+        elif path.is_file() and path.suffix == ".gguf":
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            raise ValueError(f"--tokenizer: {path} is neither a model folder nor a .gguf file")
+        name = str(path)
+    return ChatTokenizer(hf, max_model_len=0, extra_eos_token_ids=extra_eos), name
+
+
+def client_tokens(tokenizer: Any, requests: list[dict[str, Any]]) -> list[list[int]]:
+    """Token ids of each (flattened) request's prompt: its chat template with the assistant
+    header appended, as a server renders a chat completion.
+
+    Raises:
+        ValueError: the template cannot render a request (the message names it).
+    """
+    return [tokenizer.apply_chat_template(r["messages"]) for r in requests]
+
+
+def read_usage(chunk: dict[str, Any]) -> dict[str, int | None] | None:
+    """Token counts a streamed chunk (or a whole response) reports, or None if it has none.
+
+    ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens`` (OpenAI, vLLM with
+    ``--enable-prompt-tokens-details``, radixkv), else llama.cpp ``llama-server``'s
+    ``timings.cache_n`` (prompt tokens it reused from its slot's cache), else None: the server
+    did not say, which is not the same as 0. ``prompt_tokens`` falls back to
+    ``timings.cache_n + timings.prompt_n`` and ``completion_tokens`` to
+    ``timings.predicted_n`` when ``usage`` lacks them.
+
+    Returns:
+        ``{"prompt_tokens", "completion_tokens", "cached_tokens"}`` (each int or None), or None
+        when the chunk has neither ``usage`` nor ``timings``.
+    """
+    usage = chunk.get("usage") or {}
+    timings = chunk.get("timings") or {}
+    if not usage and not timings:
+        return None
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:
+        cached = timings.get("cache_n")
+    prompt = usage.get("prompt_tokens")
+    if prompt is None and timings.get("prompt_n") is not None:
+        prompt = timings["prompt_n"] + (timings.get("cache_n") or 0)
+    completion = usage.get("completion_tokens", timings.get("predicted_n"))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
