@@ -60,7 +60,18 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="waiting order: longest cached prefix first (bounded wait) or arrival")
     p.add_argument("--device", default="auto",
                    help="cpu, cuda or cuda:N; auto (default): cuda when available, else cpu")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"],
+                   help="torch: batched SDPA over the paged pool (CPU default); reference: the "
+                        "per-sequence torch oracle; triton: the GPU kernels")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights, activations and KV pool; bfloat16 halves the bytes a decoded "
+                        "token reads (accuracy: README)")
+    p.add_argument("--num-threads", type=positive_int, default=None,
+                   help="torch threads of the forward (default: the CPUs this process may run "
+                        "on; replicas sharing a machine: one each)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layers' dense math (slow first steps; "
+                        "compile time is logged)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help='JSON {"<key>": {"tenant": "<name>", "admin": false}}: require '
@@ -213,7 +224,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_chunk_tokens=args.prefill_chunk_tokens,
                                   admission_policy=args.admission_policy),
-        lora_adapters=tuple(args.lora))
+        lora_adapters=tuple(args.lora), dtype=args.dtype,
+        num_threads=args.num_threads or default_num_threads(), compile=args.compile)
+
+
+def default_num_threads() -> int:
+    """The CPUs this process may run on (its affinity mask), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def kv_events_config_from_args(args: argparse.Namespace):
@@ -316,6 +336,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 130 if forced else 0
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    """``radixkv export-hf``: 0 on success, 2 for a non-empty --out without --force or a model
+    that cannot be loaded or exported."""
+    from radixkv.model.export_hf import check_out_dir, export_hf
+    from radixkv.model.loader import load_model
+
+    try:
+        check_out_dir(Path(args.out).expanduser(), args.force)  # before the slow model load
+        result = export_hf(load_model(args.model), args.out, force=args.force)
+    except (ValueError, OSError) as exc:
+        print(f"radixkv export-hf: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {result.out_dir}: {', '.join(result.files)} "
+          f"({result.num_tensors} tensors, {result.weights_bytes / 1e6:.1f} MB)")
+    return 0
+
+
 def load_bench(name: str) -> ModuleType:
     """Import ``bench/<name>.py`` from the source tree."""
     path = BENCH_DIR / f"{name}.py"
@@ -336,6 +373,7 @@ BENCHES = {
     "tree": "cache-index throughput (hash, match, insert, evict) against the raw-hashing floor",
     "kernels": "attention kernels against torch SDPA, a bf16 matmul and a device copy (GPU)",
     "store": "store-tier hit vs recompute of the same blocks, per block (host, mooncake)",
+    "step": "prefill tokens/s and decode ms/token of the model step against copy / GEMM floors",
 }
 
 
@@ -346,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     from radixkv.tools.chat_args import add_arguments as add_chat_args
     add_chat_args(sub.add_parser("chat", help="interactive terminal chat against a server, "
                                               "showing each turn's cached tokens"))
+    export = sub.add_parser("export-hf", help="write the served model as a Hugging Face directory "
+                                              "(fp32 LlamaForCausalLM + tokenizer), e.g. for vLLM")
+    export.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    export.add_argument("--model", default=None,
+                        help="Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    export.add_argument("--force", action="store_true", help="write into a non-empty --out")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHES.items():
         bp = bench.add_parser(name, help=help_text)
@@ -374,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(getattr(args, "log_level", "info"))
     if args.command == "serve":
         return _serve(args)
+    if args.command == "export-hf":
+        return _export_hf(args)
     if args.command == "chat":
         from radixkv.tools.chat import main as chat_main
         return chat_main(args)
