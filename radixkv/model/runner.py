@@ -11,12 +11,14 @@ the runner never writes a slot outside the new tokens' own positions.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy
 import structlog
 import torch
 
@@ -117,12 +119,8 @@ class ModelRunner:
         self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
                                           compile=compile)
         pool_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
-        # Zeroed, not empty: stale memory could hold NaN, and a bug reading an unwritten slot
-        # should show up as a wrong logit rather than poison a whole batch.
-        self.k_pools = [torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
-                        for _ in range(self.shape.num_layers)]
-        self.v_pools = [torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
-                        for _ in range(self.shape.num_layers)]
+        self.k_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
+        self.v_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
         self.bytes_per_block = self.bytes_per_block_for(self.shape, block_size, self.dtype)
         log.info("model_runner_ready", model=model.name, num_blocks=num_blocks, block_size=block_size,
                  kv_pool_bytes=self.bytes_per_block * num_blocks, device=str(self.device),
@@ -291,6 +289,22 @@ class ModelRunner:
                 max_q_len=max_q_len, window_left=window_left)
 
         return attention
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor; on the CPU, from pages the kernel zeroes on first touch.
+
+    Zeroed, not empty: stale memory could hold NaN, and a bug reading an unwritten slot should
+    show up as a wrong logit rather than poison a whole batch. ``torch.zeros`` writes every
+    byte up front (8-10 s for the default 4 GiB pool on 2 cores, at every start); numpy's
+    ``zeros`` takes large buffers from ``calloc``, i.e. fresh anonymous pages that cost
+    nothing until a block is first written.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = numpy.zeros(math.prod(shape) * itemsize, dtype=numpy.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def _select_attention_backend(name: str, device: torch.device) -> tuple[str, ModuleType]:
