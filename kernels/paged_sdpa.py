@@ -15,13 +15,22 @@ S = P + L keys of a sequence. Pools are ``[M, B, Hkv, D]`` (NHD).
 Groups. Decode rows (L = 1) and extend rows (L > 1) go into separate padded batches, so a
 long prefill chunk in the same step never pads every decode row to its length:
 
-- a group of G sequences gathers ``[G, S_max]`` pool slots (padding repeats the sequence's
-  key 0 and is masked out) and pads its queries to ``[G, L_max]`` rows;
+- a group of G sequences gathers whole pool blocks, ``[G, S_max / B]`` of them (S_max rounded
+  up to whole blocks; a sequence with fewer blocks repeats its block 0), and pads its queries
+  to ``[G, L_max]`` rows; gathered rows past a sequence's S are zeroed, since a masked key
+  still meets a zero weight in ``P @ V`` and a stale NaN there would leak into the output;
 - the mask is bottom-right aligned (suffix query j sits at position P + j and sees keys
   ``0 … P + j``), also masks padding keys and the sliding window, and is omitted when it
-  would allow everything (equal lengths, decode, no window);
+  would allow everything;
 - a group of one sequence with no prefix and no window uses SDPA's own causal masking on the
   step's K/V (top-left and bottom-right alignment coincide when P = 0).
+
+Cache-sized groups. A group's gathered K/V is written, then read back by SDPA: when it fits
+in the last-level cache the read is nearly free; when it does not (batch 16 at 2k context is
+50 MB per layer) the batch reads DRAM twice and loses to the per-sequence loop. So sequences
+of one kind are cut, in order, into groups of at most ``chunk_kv_bytes`` of padded K/V
+(:data:`DEFAULT_CHUNK_KV_BYTES`): one group for short contexts, about one sequence per
+group for long ones, and the Python loop runs over groups, never over short sequences.
 
 Every sequence's keys, its own suffix included, are read back from the pool after the write,
 so the pool is the only source of K/V and the result equals the reference's within SDPA's
@@ -36,7 +45,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionPlan", "plan_attention"]
+__all__ = ["AttentionPlan", "plan_attention", "DEFAULT_CHUNK_KV_BYTES"]
+
+# Gathered K+V per group: half a 32 MiB L3. On 2 cores 2, 4, 16 and 64 MiB were within noise
+# of each other at batch 4-16 and 512-8k context; the budget only matters on larger batches.
+DEFAULT_CHUNK_KV_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -47,18 +60,22 @@ class _Group:
         rows: ``[G * L_max]`` int64 packed query row of each padded query position (padding
             repeats a valid row of the group and is never written back).
         valid: ``[G * L_max]`` bool, False at padding; None when nothing is padded.
-        kv_slots: ``[G * S_max]`` int64 flat pool slots (``block * B + offset``) each
-            sequence reads (padding repeats its key 0); None when the group reads the step's
-            own K/V (``causal_own``).
+        kv_blocks: ``[G * S_max / B]`` int64 pool blocks each sequence reads, in order
+            (padding repeats its block 0); None when the group reads the step's own K/V
+            (``causal_own``).
+        pad_rows: ``[R]`` int64 rows of the gathered ``[G * S_max]`` keys past each
+            sequence's length, zeroed after the gather; None when there are none.
         mask: ``[G, 1, L_max, S_max]`` bool, True = may attend; None = attend to everything.
-        num_seqs / max_q_len / max_kv_len: G, L_max, S_max.
+        num_seqs / max_q_len / max_kv_len: G, L_max, S_max (a multiple of B, except for
+            ``causal_own``).
         causal_own: one sequence with no prefix and no window: SDPA ``is_causal`` on the
             step's K/V rows, no pool read.
     """
 
     rows: torch.Tensor
     valid: torch.Tensor | None
-    kv_slots: torch.Tensor | None
+    kv_blocks: torch.Tensor | None
+    pad_rows: torch.Tensor | None
     mask: torch.Tensor | None
     num_seqs: int
     max_q_len: int
@@ -81,6 +98,9 @@ class AttentionPlan:
         self.num_tokens = num_tokens
         self.sm_scale = sm_scale
         self._whole = whole
+        # Gather buffers per group, allocated at the first layer and reused by the others: a
+        # fresh multi-MB tensor per layer costs page faults that took longer than the copy.
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                  v_pool: torch.Tensor) -> None:
@@ -124,9 +144,20 @@ class AttentionPlan:
                 v[rows].transpose(0, 1)[None], is_causal=True, scale=self.sm_scale,
                 enable_gqa=True)
             return out[0].transpose(0, 1)
-        flat, row = k_pool.shape[0] * k_pool.shape[1], num_kv_heads * head_dim
-        keys = k_pool.view(flat, row).index_select(0, group.kv_slots)
-        values = v_pool.view(flat, row).index_select(0, group.kv_slots)
+        num_blocks, block_row = k_pool.shape[0], k_pool.shape[1] * num_kv_heads * head_dim
+        buffers = self._buffers.get(id(group))
+        if buffers is None or buffers[0].dtype != k_pool.dtype:
+            buffers = tuple(torch.empty(group.kv_blocks.shape[0], block_row, dtype=k_pool.dtype,
+                                        device=k_pool.device) for _ in range(2))
+            self._buffers[id(group)] = buffers
+        # Whole blocks (B * Hkv * D contiguous values each): far faster than per-token rows.
+        keys = torch.index_select(k_pool.view(num_blocks, block_row), 0, group.kv_blocks, out=buffers[0])
+        values = torch.index_select(v_pool.view(num_blocks, block_row), 0, group.kv_blocks, out=buffers[1])
+        keys, values = keys.view(g * skv, -1), values.view(g * skv, -1)
+        if group.pad_rows is not None:
+            # Masked keys still meet a zero weight in P @ V: a stale NaN there would leak.
+            keys.index_fill_(0, group.pad_rows, 0)
+            values.index_fill_(0, group.pad_rows, 0)
         # [G, S, Hkv, D] -> [G, Hkv, S, D] as a strided view: SDPA's CPU kernel takes strides.
         keys = keys.view(g, skv, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         values = values.view(g, skv, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
@@ -139,9 +170,10 @@ class AttentionPlan:
 
 
 def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
-                   slot_mapping: torch.Tensor, *, block_size: int, num_pool_slots: int,
-                   head_dim: int, window_left: int = -1,
-                   sm_scale: float | None = None) -> AttentionPlan:
+                   slot_mapping: torch.Tensor, *, block_size: int, num_pool_blocks: int,
+                   head_dim: int, window_left: int = -1, sm_scale: float | None = None,
+                   kv_bytes_per_token: int = 0,
+                   chunk_kv_bytes: int = DEFAULT_CHUNK_KV_BYTES) -> AttentionPlan:
     """Build a step's :class:`AttentionPlan` from its metadata (host tensors, checked here).
 
     Args:
@@ -150,18 +182,22 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
         qo_indptr: ``[N+1]`` int, sequence i owns query rows ``qo_indptr[i]:qo_indptr[i+1]``.
         slot_mapping: ``[T]`` int flat pool slot of each new row's K/V.
         block_size: B, tokens per block.
-        num_pool_slots: ``M * B``.
+        num_pool_blocks: M.
         head_dim: D (default scale ``1 / sqrt(D)``).
         window_left: keys more than this many positions left of a query are masked; -1: none.
         sm_scale: softmax scale; None = ``1 / sqrt(D)``.
+        kv_bytes_per_token: K+V bytes of one token in one layer (``2 * Hkv * D * itemsize``);
+            0 puts every sequence of a kind in one group.
+        chunk_kv_bytes: most gathered K+V bytes per group (a lone longer sequence is a group
+            of its own); see the module docstring.
 
     Returns:
         The plan, its tensors on ``block_tables``' device.
 
     Raises:
         ValueError: naming the field, when ``qo_indptr`` does not run from 0 to T or
-            decreases, a sequence has no rows, a slot is outside ``[0, num_pool_slots)``, or a
-            block table misses a block its sequence reads.
+            decreases, a sequence has no rows, a slot is outside the pool, or a block table
+            misses a block its sequence reads.
     """
     device = block_tables.device
     num_tokens = int(slot_mapping.shape[0])
@@ -173,32 +209,53 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
     if min(q_lens) < 1:
         raise ValueError("qo_indptr: every sequence needs at least one query row")
     slots = slot_mapping.to(device=device, dtype=torch.int64)
-    if num_tokens and (int(slots.min()) < 0 or int(slots.max()) >= num_pool_slots):
-        raise ValueError(f"slot_mapping: a slot is outside [0, {num_pool_slots})")
+    if num_tokens and (int(slots.min()) < 0 or int(slots.max()) >= num_pool_blocks * block_size):
+        raise ValueError(f"slot_mapping: a slot is outside [0, {num_pool_blocks * block_size})")
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    extend = [i for i, n in enumerate(q_lens) if n > 1]
-    groups = [_build_group(members, indptr, prefix, q_lens, block_tables, block_size,
-                           num_pool_slots, window_left)
-              for members in (decode, extend) if members]
+    tables = block_tables.to(torch.int64)
+    groups = []
+    for kind in ([i for i, n in enumerate(q_lens) if n == 1], [i for i, n in enumerate(q_lens) if n > 1]):
+        for members in _chunks(kind, prefix, q_lens, block_size, kv_bytes_per_token, chunk_kv_bytes):
+            groups.append(_build_group(members, indptr, prefix, q_lens, tables, block_size,
+                                       num_pool_blocks, window_left))
     # A single unpadded group lists every row in packed order: its output is the layer's.
     whole = len(groups) == 1 and groups[0].valid is None
     return AttentionPlan(slots, groups, num_tokens, scale, whole)
 
 
+def _chunks(members: list[int], prefix: list[int], q_lens: list[int], block_size: int,
+            kv_bytes_per_token: int, chunk_kv_bytes: int) -> list[list[int]]:
+    """``members`` cut in order into runs whose padded K+V fits ``chunk_kv_bytes``."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in members:
+        padded = -(-(prefix[i] + q_lens[i]) // block_size) * block_size
+        longest_if = max(longest, padded)
+        if current and kv_bytes_per_token and (len(current) + 1) * longest_if * kv_bytes_per_token > chunk_kv_bytes:
+            chunks.append(current)
+            current, longest_if = [], padded
+        current.append(i)
+        longest = longest_if
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def _build_group(members: list[int], indptr: list[int], prefix: list[int], q_lens: list[int],
-                 block_tables: torch.Tensor, block_size: int, num_pool_slots: int,
+                 tables: torch.Tensor, block_size: int, num_pool_blocks: int,
                  window_left: int) -> _Group:
-    """Padded rows, pool slots and mask of the sequences ``members`` (see module docstring)."""
-    device = block_tables.device
+    """Padded rows, pool blocks, padding rows and mask of ``members`` (module docstring)."""
+    device = tables.device
     g = len(members)
     lq = max(q_lens[i] for i in members)
     kv_lens = [prefix[i] + q_lens[i] for i in members]
-    skv = max(kv_lens)
     if g == 1 and prefix[members[0]] == 0 and window_left < 0:
         i = members[0]
         rows = torch.arange(indptr[i], indptr[i + 1], dtype=torch.int64, device=device)
-        return _Group(rows, None, None, None, 1, lq, skv, causal_own=True)
+        return _Group(rows, None, None, None, None, 1, lq, kv_lens[0], causal_own=True)
+    num_blocks = -(-max(kv_lens) // block_size)
+    skv = num_blocks * block_size
     member_idx = torch.tensor(members, dtype=torch.int64, device=device)
     starts = torch.tensor([indptr[i] for i in members], dtype=torch.int64, device=device)
     q_len_t = torch.tensor([q_lens[i] for i in members], dtype=torch.int64, device=device)
@@ -206,26 +263,21 @@ def _build_group(members: list[int], indptr: list[int], prefix: list[int], q_len
     j = torch.arange(lq, dtype=torch.int64, device=device)
     valid = j[None, :] < q_len_t[:, None]                                   # [G, L_max]
     rows = starts[:, None] + torch.where(valid, j[None, :], torch.zeros_like(j)[None, :])
-    positions = torch.arange(skv, dtype=torch.int64, device=device)
-    num_blocks = -(-skv // block_size)
-    if block_tables.shape[1] < num_blocks:
+    if tables.shape[1] < num_blocks:
         # Shorter tables are fine as long as no member needs the missing columns.
-        tables = torch.full((block_tables.shape[0], num_blocks), -1, dtype=torch.int64, device=device)
-        tables[:, :block_tables.shape[1]] = block_tables.to(torch.int64)
-    else:
-        tables = block_tables[:, :num_blocks].to(torch.int64)
-    blocks = tables.index_select(0, member_idx)[:, positions // block_size]  # [G, S_max]
-    key_ok = positions[None, :] < kv_len_t[:, None]
-    read = blocks[key_ok]
-    if bool((read < 0).any()) or bool((read * block_size >= num_pool_slots).any()):
+        tables = torch.cat([tables, tables.new_full((tables.shape[0], num_blocks - tables.shape[1]), -1)], 1)
+    blocks = tables.index_select(0, member_idx)[:, :num_blocks]             # [G, blocks]
+    block_ok = torch.arange(num_blocks, device=device)[None, :] * block_size < kv_len_t[:, None]
+    read = blocks[block_ok]
+    if bool((read < 0).any()) or bool((read >= num_pool_blocks).any()):
         raise ValueError("block_tables: a sequence reads a block its table does not hold")
-    slots = blocks * block_size + positions % block_size
-    # Padding keys repeat the sequence's own key 0: masked, but SDPA still multiplies their
-    # values by a zero weight, and a never-written slot could hold a NaN.
-    kv_slots = torch.where(key_ok, slots, slots[:, :1]).reshape(-1)
+    # Padding blocks repeat the sequence's block 0 (a valid id); their rows are zeroed below.
+    gather_blocks = torch.where(block_ok, blocks, blocks[:, :1]).reshape(-1)
+    positions = torch.arange(skv, dtype=torch.int64, device=device)
+    key_ok = positions[None, :] < kv_len_t[:, None]                         # [G, S_pad]
+    pad_rows = (~key_ok).reshape(-1).nonzero().reshape(-1)
     mask = None
-    uniform = all(n == kv_lens[0] for n in kv_lens) and lq == 1
-    if not (uniform and window_left < 0):
+    if not (lq == 1 and window_left < 0 and pad_rows.numel() == 0):
         q_pos = torch.tensor([prefix[i] for i in members], dtype=torch.int64,
                              device=device)[:, None] + j[None, :]           # [G, L_max]
         allowed = (positions[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]
@@ -236,5 +288,5 @@ def _build_group(members: list[int], indptr: list[int], prefix: list[int], q_len
         mask = allowed[:, None]
     flat_valid = valid.reshape(-1)
     all_valid = bool(flat_valid.all())
-    return _Group(rows.reshape(-1), None if all_valid else flat_valid, kv_slots, mask, g, lq, skv,
-                  causal_own=False)
+    return _Group(rows.reshape(-1), None if all_valid else flat_valid, gather_blocks,
+                  pad_rows if pad_rows.numel() else None, mask, g, lq, skv, causal_own=False)

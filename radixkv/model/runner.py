@@ -258,8 +258,9 @@ class ModelRunner:
             # Metadata-only work (slots, masks, padding) once per step, not once per layer.
             plan = plan_attention(batch.block_tables, batch.prefix_lens, batch.qo_indptr,
                                   batch.slot_mapping, block_size=self.block_size,
-                                  num_pool_slots=self.num_blocks * self.block_size,
-                                  head_dim=self.shape.head_dim, window_left=window_left)
+                                  num_pool_blocks=self.num_blocks, head_dim=self.shape.head_dim,
+                                  window_left=window_left,
+                                  kv_bytes_per_token=self.bytes_per_block // (self.block_size * self.shape.num_layers))
 
             def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return plan.attend(q, k, v, self.k_pools[layer], self.v_pools[layer])
