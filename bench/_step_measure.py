@@ -34,6 +34,10 @@ TINY_CONFIG: dict[str, Any] = {
 TINY_SEED = 1234
 
 
+# Extra ModelRunner arguments of every point (``--compile``: {"compile": True}).
+RUNNER_OPTIONS: dict = {}
+
+
 def load_tiny_model(dtype: torch.dtype) -> LoadedModel:
     """Random-init :data:`TINY_CONFIG` Llama (seed :data:`TINY_SEED`), loaded through the HF loader."""
     import transformers  # deferred: heavy import, only for --tiny
@@ -143,7 +147,7 @@ def prefill_point(model: LoadedModel, tokens: int, block_size: int, roofs: dict,
                  "num_blocks": num_blocks, "pool_bytes": pool_bytes}
     if _skip(row, pool_bytes, max_pool_bytes):
         return row
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device="cpu")
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device="cpu", **RUNNER_OPTIONS)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, shape.vocab_size, (tokens,), generator=gen).tolist()
     batch = runner.build_batch([(ids, 0, list(range(num_blocks)))])
@@ -184,7 +188,8 @@ def decode_inputs(model: LoadedModel, batch_size: int, context: int, block_size:
     decode batch: sequence i owns blocks ``[i · n, (i + 1) · n)`` and takes one random token at
     position ``context`` (which must be below the model's context length)."""
     per_seq = _blocks(context + 1, block_size)
-    runner = ModelRunner(model, num_blocks=batch_size * per_seq, block_size=block_size, device="cpu")
+    runner = ModelRunner(model, num_blocks=batch_size * per_seq, block_size=block_size, device="cpu",
+                         **RUNNER_OPTIONS)
     gen = torch.Generator().manual_seed(seed)
     for pool in (*runner.k_pools, *runner.v_pools):
         pool.normal_(generator=gen)  # synthetic cached K/V; the unused tail slots too

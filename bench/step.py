@@ -36,8 +36,8 @@ exceeds ``--max-pool-gib`` is skipped and says so in its row.
 
 Usage::
 
-    radixkv bench step [--model PATH | --tiny] [--quick] [--dtype float32|bfloat16]
-        [--num-threads N] [--json out.json]
+    radixkv bench step [--model PATH | --tiny] [--quick] [--dtype float32|bfloat16 [--accuracy]]
+        [--num-threads N] [--compile] [--json out.json]
 """
 
 # No ``from __future__ import annotations``: the CLI loads this file by path.
@@ -93,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{QUICK['decode_batch']} x {QUICK['decode_context']}, 64 MiB copy, "
                              "512² GEMM) unless given")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the layers' dense math (as serve --compile); each "
+                             "point's warm-ups absorb its compile time")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="with --dtype bfloat16: compare its logits and greedy tokens with "
+                             "fp32 on a real tau-bench prompt (bench/_step_accuracy.py)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON here")
 
 
@@ -137,6 +143,13 @@ def format_report(result: dict) -> str:
             diff = row.get("check_max_abs_diff")
             check = "" if diff is None else f"max|Δlogit| {diff:.1e}"
         lines.append(f"{name:<34}{measured:>26}{floor:>26}{row['ratio']:>8.2f}  {check}")
+    acc = result.get("accuracy")
+    if acc:
+        lines.append(f"{acc['dtype']} vs float32 on a {acc['prompt_tokens']}-token tau-bench prompt: "
+                     f"top-1 agreement {acc['top1_agreement']:.4f}, max|Δlogit| "
+                     f"{acc['max_abs_logit_diff']:.3f}, mean|Δlogit| {acc['mean_abs_logit_diff']:.4f}, "
+                     f"mean KL {acc['mean_kl']:.2e} nats, greedy tokens identical "
+                     f"{acc['greedy_same_tokens']}/{acc['greedy_tokens']}")
     lines.append("ratio = measured time ÷ floor time; decode floor = bytes read per step ÷ copy "
                  "GB/s; prefill floor = cost-model FLOPs ÷ GEMM FLOP/s")
     return "\n".join(lines)
@@ -150,6 +163,7 @@ def run(args: argparse.Namespace) -> dict:
     from radixkv.model.loader import load_model
 
     sizes = _resolve(args)
+    m.RUNNER_OPTIONS["compile"] = args.compile
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -176,6 +190,12 @@ def run(args: argparse.Namespace) -> dict:
             done(m.decode_point(model, batch, context, args.block_size, result["roofs"],
                                 args.repeats, max_pool_bytes, args.seed, check))
     result["points"] = points
+    result["compile"] = args.compile
+    if args.accuracy and dtype != torch.float32:
+        import _step_accuracy
+
+        fp32 = m.load_tiny_model(torch.float32) if args.tiny else load_model(args.model)
+        result["accuracy"] = _step_accuracy.dtype_accuracy(fp32, model, block_size=args.block_size)
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

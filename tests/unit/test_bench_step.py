@@ -113,3 +113,18 @@ def test_decode_logits_match_hf_over_the_same_cache(tiny_model, tiny_model_dir: 
         want = out.logits[0, -1]
         assert float((got[i] - want).abs().max()) <= LOGIT_TOL
         assert float((want_ref[i] - want).abs().max()) <= LOGIT_TOL
+
+
+def test_dtype_accuracy_of_a_model_against_itself_is_exact(tiny_model) -> None:
+    # The comparison itself adds nothing: fp32 against fp32 agrees everywhere, and bf16 on the
+    # same prompt is reported with the prompt's real length (the shipped tau-bench sample).
+    import _step_accuracy
+
+    same = _step_accuracy.dtype_accuracy(tiny_model, tiny_model, max_prompt_tokens=96, greedy_tokens=8)
+    assert same["prompt_tokens"] == 96
+    assert (same["top1_agreement"], same["max_abs_logit_diff"], same["mean_kl"]) == (1.0, 0.0, 0.0)
+    assert same["greedy_same_tokens"] == 8
+    bf16 = m.load_tiny_model(torch.bfloat16)
+    other = _step_accuracy.dtype_accuracy(tiny_model, bf16, max_prompt_tokens=96, greedy_tokens=8)
+    assert other["dtype"] == "bfloat16" and other["prompt_tokens"] == 96
+    assert 0.0 < other["max_abs_logit_diff"] < 1.0 and 0.0 <= other["top1_agreement"] <= 1.0
