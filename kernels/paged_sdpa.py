@@ -232,7 +232,8 @@ def _chunks(members: list[int], prefix: list[int], q_lens: list[int], block_size
     for i in members:
         padded = -(-(prefix[i] + q_lens[i]) // block_size) * block_size
         longest_if = max(longest, padded)
-        if current and kv_bytes_per_token and (len(current) + 1) * longest_if * kv_bytes_per_token > chunk_kv_bytes:
+        group_bytes = (len(current) + 1) * longest_if * kv_bytes_per_token
+        if current and group_bytes > chunk_kv_bytes:
             chunks.append(current)
             current, longest_if = [], padded
         current.append(i)

@@ -122,6 +122,7 @@ class ModelRunner:
         self.k_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
         self.v_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
         self.bytes_per_block = self.bytes_per_block_for(self.shape, block_size, self.dtype)
+        self._kv_bytes_per_token = self.bytes_per_block // (block_size * self.shape.num_layers)  # one layer
         log.info("model_runner_ready", model=model.name, num_blocks=num_blocks, block_size=block_size,
                  kv_pool_bytes=self.bytes_per_block * num_blocks, device=str(self.device),
                  attention_backend=self.attention_backend)
@@ -260,7 +261,7 @@ class ModelRunner:
                                   batch.slot_mapping, block_size=self.block_size,
                                   num_pool_blocks=self.num_blocks, head_dim=self.shape.head_dim,
                                   window_left=window_left,
-                                  kv_bytes_per_token=self.bytes_per_block // (self.block_size * self.shape.num_layers))
+                                  kv_bytes_per_token=self._kv_bytes_per_token)
 
             def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return plan.attend(q, k, v, self.k_pools[layer], self.v_pools[layer])
