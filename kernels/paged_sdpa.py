@@ -98,6 +98,7 @@ class AttentionPlan:
         self.num_tokens = num_tokens
         self.sm_scale = sm_scale
         self._whole = whole
+        self._out_rows = [g.rows if g.valid is None else g.rows[g.valid] for g in groups]
         # Gather buffers per group, allocated at the first layer and reused by the others: a
         # fresh multi-MB tensor per layer costs page faults that took longer than the copy.
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -125,10 +126,8 @@ class AttentionPlan:
         if self._whole:
             return self._run(self.groups[0], q, k, v, k_pool, v_pool)
         out = torch.empty_like(q)
-        for group in self.groups:
-            rows_out = self._run(group, q, k, v, k_pool, v_pool)
-            rows = group.rows if group.valid is None else group.rows[group.valid]
-            out.index_copy_(0, rows, rows_out)
+        for group, rows in zip(self.groups, self._out_rows):
+            out.index_copy_(0, rows, self._run(group, q, k, v, k_pool, v_pool))
         return out
 
     def _run(self, group: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
