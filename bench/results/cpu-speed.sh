@@ -29,14 +29,16 @@ start_all() {
       --enable-prompt-tokens-details --max-model-len 8192 --kv-cache-memory-bytes 4294967296 \
       --host 127.0.0.1 --port 8101 > $LOGS/vllm-$1.log 2>&1 &
   VPID=$!
-  $LLAMA_SERVER -m $GGUF --threads 2 --ctx-size 8192 --host 127.0.0.1 --port 8102 > $LOGS/llama-$1.log 2>&1 &
+  # One 8,192-token slot per concurrent session (llama-server splits --ctx-size over its slots).
+  $LLAMA_SERVER -m $GGUF --threads 2 --parallel $2 --ctx-size $((8192 * $2)) --host 127.0.0.1 --port 8102 \
+      > $LOGS/llama-$1.log 2>&1 &
   LPID=$!
   wait_up 8100 && wait_up 8103 && wait_up 8102 && wait_up 8101
 }
 stop_all() { kill $RPID $R1PID $VPID $LPID; wait $RPID $R1PID $VPID $LPID 2>/dev/null; sleep 5; }
 
-for C in 1 4; do
-  start_all c$C
+for C in ${CONCURRENCY:-1 4}; do
+  start_all c$C $C
   echo "servers up $(date +%T)"
   sleep 20  # vLLM's warm-up threads settle
   .venv/bin/radixkv bench serve --shared --source tau-bench --sessions 5 --concurrency $C \
