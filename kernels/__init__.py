@@ -7,6 +7,10 @@ Two interchangeable backends with the same three functions and signatures:
 | ``reference`` | pure torch (CPU default, correctness oracle) | torch |
 | ``triton_backend`` | Triton kernels ``kv_write``, ``extend``, ``decode`` (GPU default) | torch, triton |
 
+The CPU default is ``paged_sdpa`` (torch only): ``plan_attention`` prepares a step once
+(slots, block gathers, masks, groups), then ``AttentionPlan.attend`` writes and attends per
+layer with batched SDPA; it is checked against ``reference``.
+
 - ``paged_kv_write(k, v, k_pool, v_pool, slot_mapping)``
 - ``extend_attention(q, k, v, k_pool, v_pool, block_tables, prefix_lens, qo_indptr, *,
   max_q_len, sm_scale=None, window_left=-1, logits_soft_cap=0.0, out=None, return_lse=False)``
