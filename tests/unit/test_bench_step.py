@@ -127,4 +127,4 @@ def test_dtype_accuracy_of_a_model_against_itself_is_exact(tiny_model) -> None:
     bf16 = m.load_tiny_model(torch.bfloat16)
     other = _step_accuracy.dtype_accuracy(tiny_model, bf16, max_prompt_tokens=96, greedy_tokens=8)
     assert other["dtype"] == "bfloat16" and other["prompt_tokens"] == 96
-    assert 0.0 < other["max_abs_logit_diff"] < 1.0 and 0.0 <= other["top1_agreement"] <= 1.0
+    assert 0.0 < other["max_abs_logit_diff"] < 1.0
