@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the layers' dense math (as serve --compile); each "
                              "point's warm-ups absorb its compile time")
+    parser.add_argument("--no-native", action="store_true",
+                        help="keep every step on torch (no C decode kernels; serve's "
+                             "RADIXKV_NATIVE_KERNELS=0), for an A/B run")
     parser.add_argument("--accuracy", action="store_true",
                         help="with --dtype bfloat16: compare its logits and greedy tokens with "
                              "fp32 on a real tau-bench prompt (bench/_step_accuracy.py)")
@@ -122,7 +125,8 @@ def format_report(result: dict) -> str:
     """The result as a table: point, measured, floor, ratio (measured time ÷ floor time)."""
     roofs = result["roofs"]
     lines = [f"model {result['model']}  dtype {result['dtype']}  block {result['block_size']}  "
-             f"threads {result['num_threads']}  torch {result['torch']}",
+             f"threads {result['num_threads']}  torch {result['torch']}  "
+             f"native kernels {'on' if result.get('native_kernels') else 'off'}",
              f"roofs: copy {roofs['copy']['gbps']:.1f} GB/s (read + write, "
              f"{roofs['copy']['bytes'] >> 20} MiB), GEMM {roofs['gemm']['gflops']:.1f} GFLOP/s "
              f"({roofs['gemm']['dtype']} {roofs['gemm']['n']}²); weights read per step "
@@ -164,6 +168,7 @@ def run(args: argparse.Namespace) -> dict:
 
     sizes = _resolve(args)
     m.RUNNER_OPTIONS["compile"] = args.compile
+    m.RUNNER_OPTIONS["native_kernels"] = False if args.no_native else None
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -191,6 +196,7 @@ def run(args: argparse.Namespace) -> dict:
                                 args.repeats, max_pool_bytes, args.seed, check))
     result["points"] = points
     result["compile"] = args.compile
+    result["native_kernels"] = not args.no_native and not args.compile and dtype == torch.float32
     if args.accuracy and dtype != torch.float32:
         import _step_accuracy
 

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 __all__ = ["AttentionPlan", "plan_attention", "DEFAULT_CHUNK_KV_BYTES"]
 
 # Gathered K+V per group: half a 32 MiB L3. On 2 cores 2, 4, 16 and 64 MiB were within noise
@@ -83,6 +85,25 @@ class _Group:
     causal_own: bool
 
 
+@dataclass(frozen=True)
+class _NativeDecode:
+    """Decode rows (L = 1) for the C kernel (:func:`kernels.native.paged_decode`).
+
+    Attributes:
+        kernels: the loaded library.
+        rows: ``[G]`` int64 packed query row of each decode sequence.
+        block_tables: ``[G, max_blocks]`` int32 their block tables (checked by the plan).
+        kv_lens: ``[G]`` int32 keys of each (P + 1).
+        window_left: as :func:`plan_attention`'s.
+    """
+
+    kernels: native.NativeKernels
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    window_left: int
+
+
 class AttentionPlan:
     """Pool writes and attention of one forward step, prepared once and run per layer.
 
@@ -92,9 +113,10 @@ class AttentionPlan:
     """
 
     def __init__(self, slot_mapping: torch.Tensor, groups: list[_Group], num_tokens: int,
-                 sm_scale: float, whole: bool) -> None:
+                 sm_scale: float, whole: bool, native: _NativeDecode | None = None) -> None:
         self.slot_mapping = slot_mapping
         self.groups = groups
+        self.native = native
         self.num_tokens = num_tokens
         self.sm_scale = sm_scale
         self._whole = whole
@@ -126,6 +148,11 @@ class AttentionPlan:
         if self._whole:
             return self._run(self.groups[0], q, k, v, k_pool, v_pool)
         out = torch.empty_like(q)
+        nd = self.native
+        if nd is not None:  # decode rows: read in place from the pool, written straight to out
+            native.paged_decode(nd.kernels, q.contiguous(), nd.rows, k_pool, v_pool, nd.block_tables,
+                                nd.kv_lens, sm_scale=self.sm_scale, window_left=nd.window_left,
+                                out=out)
         for group, rows in zip(self.groups, self._out_rows):
             out.index_copy_(0, rows, self._run(group, q, k, v, k_pool, v_pool))
         return out
@@ -172,7 +199,8 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
                    slot_mapping: torch.Tensor, *, block_size: int, num_pool_blocks: int,
                    head_dim: int, window_left: int = -1, sm_scale: float | None = None,
                    kv_bytes_per_token: int = 0,
-                   chunk_kv_bytes: int = DEFAULT_CHUNK_KV_BYTES) -> AttentionPlan:
+                   chunk_kv_bytes: int = DEFAULT_CHUNK_KV_BYTES,
+                   native_kernels: native.NativeKernels | None = None) -> AttentionPlan:
     """Build a step's :class:`AttentionPlan` from its metadata (host tensors, checked here).
 
     Args:
@@ -189,6 +217,8 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
             0 puts every sequence of a kind in one group.
         chunk_kv_bytes: most gathered K+V bytes per group (a lone longer sequence is a group
             of its own); see the module docstring.
+        native_kernels: when given (fp32 pools and queries only), decode rows run the C
+            kernel over the pool in place instead of a gather and SDPA.
 
     Returns:
         The plan, its tensors on ``block_tables``' device.
@@ -213,13 +243,40 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     tables = block_tables.to(torch.int64)
     groups = []
-    for kind in ([i for i, n in enumerate(q_lens) if n == 1], [i for i, n in enumerate(q_lens) if n > 1]):
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    extend = [i for i, n in enumerate(q_lens) if n > 1]
+    native_decode = None
+    if native_kernels is not None and decode:
+        native_decode = _native_decode(native_kernels, decode, indptr, prefix, tables, block_size,
+                                       num_pool_blocks, window_left)
+        decode = []
+    for kind in (decode, extend):
         for members in _chunks(kind, prefix, q_lens, block_size, kv_bytes_per_token, chunk_kv_bytes):
             groups.append(_build_group(members, indptr, prefix, q_lens, tables, block_size,
                                        num_pool_blocks, window_left))
     # A single unpadded group lists every row in packed order: its output is the layer's.
-    whole = len(groups) == 1 and groups[0].valid is None
-    return AttentionPlan(slots, groups, num_tokens, scale, whole)
+    whole = native_decode is None and len(groups) == 1 and groups[0].valid is None
+    return AttentionPlan(slots, groups, num_tokens, scale, whole, native_decode)
+
+
+def _native_decode(kernels: native.NativeKernels, members: list[int], indptr: list[int],
+                   prefix: list[int], tables: torch.Tensor, block_size: int, num_pool_blocks: int,
+                   window_left: int) -> _NativeDecode:
+    """The decode rows' metadata for the C kernel, block ids checked here once per step (the
+    kernel trusts them)."""
+    kv_lens = [prefix[i] + 1 for i in members]
+    num_blocks = -(-max(kv_lens) // block_size)
+    if tables.shape[1] < num_blocks:
+        raise ValueError("block_tables: a sequence reads a block its table does not hold")
+    member_idx = torch.tensor(members, dtype=torch.int64)
+    sub = tables.index_select(0, member_idx)[:, :num_blocks]
+    lens_t = torch.tensor(kv_lens, dtype=torch.int64)
+    read = sub[torch.arange(num_blocks)[None, :] * block_size < lens_t[:, None]]
+    if bool((read < 0).any()) or bool((read >= num_pool_blocks).any()):
+        raise ValueError("block_tables: a sequence reads a block its table does not hold")
+    rows = torch.tensor([indptr[i] for i in members], dtype=torch.int64)
+    return _NativeDecode(kernels, rows, sub.to(torch.int32).contiguous(),
+                         lens_t.to(torch.int32), window_left)
 
 
 def _chunks(members: list[int], prefix: list[int], q_lens: list[int], block_size: int,

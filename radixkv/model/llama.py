@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixkv.kernels import native
+
 from .config import ModelShape
 from .lora import LoRABatch
 
@@ -74,6 +76,9 @@ class LlamaForward:
         compile: ``torch.compile`` the per-layer dense math (norms, projections, RoPE, MLP)
             with dynamic shapes; attention and LoRA batches stay eager. The first steps of
             each new shape class compile (tens of seconds on a CPU).
+        native_kernels: the C kernels (``radixkv.kernels.native.load()``) for projections of
+            at most ``MAX_LINEAR_ROWS`` rows (decode steps, the logits rows) on fp32 CPU
+            weights; None, or with ``compile``, keeps every projection on ``F.linear``.
 
     Raises:
         ValueError: if a tensor is missing or has the wrong shape (names the tensor).
@@ -81,7 +86,7 @@ class LlamaForward:
 
     def __init__(self, shape: ModelShape, state_dict: dict[str, torch.Tensor], *,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 compile: bool = False) -> None:
+                 compile: bool = False, native_kernels: native.NativeKernels | None = None) -> None:
         self.shape = shape
         self.device = torch.device(device)
         self.dtype = dtype
@@ -132,11 +137,20 @@ class LlamaForward:
         self.rope_cos = emb.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = emb.sin().to(device=self.device, dtype=dtype)
         self.compiled = compile
+        usable = dtype == torch.float32 and self.device.type == "cpu" and not compile
+        self.native = native_kernels if usable and hidden % 8 == 0 and q_dim % 8 == 0 else None
         self._attn_in_fn, self._attn_out_fn = self._attn_in, self._attn_out
         if compile:
             # dynamic=True: one graph for every packed length T (no recompile per batch shape).
             self._attn_in_fn = torch.compile(self._attn_in, dynamic=True)
             self._attn_out_fn = torch.compile(self._attn_out, dynamic=True)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear``, or the C kernel for a few fp32 rows (memory-bound decode GEMMs)."""
+        if self.native is not None and x.shape[0] <= native.MAX_LINEAR_ROWS:
+            return native.linear(self.native, x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the activation dtype, then scale in the model dtype.
@@ -168,16 +182,16 @@ class LlamaForward:
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Norm, fused q/k/v projection and RoPE of ``[T, hidden]`` (see :meth:`_split_rope`).
         Weights come in as arguments, so one compiled graph serves every layer."""
-        return self._split_rope(F.linear(self._rms_norm(hidden, input_norm), qkv_weight, qkv_bias),
+        return self._split_rope(self._linear(self._rms_norm(hidden, input_norm), qkv_weight, qkv_bias),
                                 cos, sin)
 
     def _attn_out(self, hidden: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor,
                   post_norm: torch.Tensor, gate_up_weight: torch.Tensor,
                   down_weight: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and the SwiGLU MLP: the next ``[T, hidden]``."""
-        hidden = hidden + F.linear(attn.reshape(hidden.shape[0], -1), o_weight)
-        gate, up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, down_weight)
+        hidden = hidden + self._linear(attn.reshape(hidden.shape[0], -1), o_weight)
+        gate, up = self._linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
+        return hidden + self._linear(F.silu(gate) * up, down_weight)
 
     def _layers_with_lora(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           attention: AttentionFn, lora: LoRABatch) -> torch.Tensor:
@@ -201,6 +215,44 @@ class LlamaForward:
             lora.add(down, act, i, "down")
             hidden = hidden + down
         return hidden
+
+    def decode_native(self, input_ids: torch.Tensor, positions: torch.Tensor, k_pools: list[torch.Tensor],
+                      v_pools: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                      kv_lens: torch.Tensor, *, window_left: int = -1) -> torch.Tensor:
+        """A decode step (one new token per sequence, row i = sequence i, no LoRA) through the
+        C kernels, one call per layer (:func:`radixkv.kernels.native.decode_layer`).
+
+        Args:
+            input_ids / positions: ``[N]`` int64.
+            k_pools / v_pools: per layer ``[M, B, Hkv, D]`` fp32 (written at ``slot_mapping``).
+            slot_mapping: ``[N]`` int64; block_tables ``[N, max_blocks]`` int32 (checked by the
+                caller); kv_lens ``[N]`` int32 (P + 1).
+            window_left: sliding window (-1: none).
+
+        Returns:
+            ``[N, vocab]`` fp32 logits.
+
+        Raises:
+            ValueError: when the native kernels are off for this model (``self.native`` None).
+        """
+        kernels = self.native
+        if kernels is None:
+            raise ValueError("native_kernels: decode_native needs the native kernels (fp32 CPU, no compile)")
+        shape = self.shape
+        step = native.DecodeStep(
+            slots=slot_mapping.to(torch.int64).contiguous(), block_tables=block_tables, kv_lens=kv_lens,
+            q_rows=torch.arange(input_ids.shape[0], dtype=torch.int64),
+            cos=self.rope_cos[positions].contiguous(), sin=self.rope_sin[positions].contiguous(),
+            sm_scale=shape.head_dim ** -0.5, window_left=window_left, chunk_tokens=256)
+        hidden = self.embed[input_ids].contiguous()
+        for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
+            native.decode_layer(kernels, hidden, step, input_norm=layer.input_norm,
+                                qkv_weight=layer.qkv_weight, qkv_bias=layer.qkv_bias,
+                                o_weight=layer.o_weight, post_norm=layer.post_norm,
+                                gate_up_weight=layer.gate_up_weight, down_weight=layer.down_weight,
+                                rms_norm_eps=shape.rms_norm_eps, k_pool=k_pool, v_pool=v_pool,
+                                num_q_heads=shape.num_q_heads)
+        return self._linear(self._rms_norm(hidden, self.final_norm), self.lm_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                 logit_rows: torch.Tensor | None = None,
@@ -243,4 +295,4 @@ class LlamaForward:
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         hidden = self._rms_norm(hidden, self.final_norm)
-        return F.linear(hidden, self.lm_head).float()
+        return self._linear(hidden, self.lm_head).float()

@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from radixkv.config import check_block_size, check_int
-from radixkv.kernels import reference
+from radixkv.kernels import native, reference
 from radixkv.kernels.paged_sdpa import plan_attention
 
 from .config import ModelShape
@@ -92,6 +92,10 @@ class ModelRunner:
             Triton kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (triton
             on CUDA, torch elsewhere).
         compile: ``torch.compile`` the decoder layers' dense math (see ``LlamaForward``).
+        native_kernels: use the C decode kernels (``radixkv.kernels.native``: few-row
+            projections and decode attention over the pool) on the ``torch`` backend with fp32
+            CPU weights; None = wherever they build and run (``RADIXKV_NATIVE_KERNELS=0`` turns
+            them off), False = never.
 
     Attributes:
         k_pools / v_pools: per layer ``[M, B, Hkv, D]`` tensors of the model dtype.
@@ -104,7 +108,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int,
-                 device: str = "cpu", attention_backend: str = "torch", compile: bool = False) -> None:
+                 device: str = "cpu", attention_backend: str = "torch", compile: bool = False,
+                 native_kernels: bool | None = None) -> None:
         check_int("num_blocks", num_blocks, minimum=1)
         check_block_size(block_size)
         if attention_backend not in _BACKENDS:
@@ -116,8 +121,16 @@ class ModelRunner:
         self.dtype = model.dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
+        kernels = None
+        if (native_kernels is not False and self.attention_backend == "torch"
+                and self.device.type == "cpu" and self.dtype == torch.float32):
+            kernels = native.load()
+        self.native = kernels
+        shape = self.shape
+        self._native_decode = kernels if kernels is not None and native.decode_supported(
+            shape.num_q_heads, shape.num_kv_heads, shape.head_dim) else None
         self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
-                                          compile=compile)
+                                          compile=compile, native_kernels=kernels)
         pool_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
         self.k_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
         self.v_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
@@ -125,7 +138,7 @@ class ModelRunner:
         self._kv_bytes_per_token = self.bytes_per_block // (block_size * self.shape.num_layers)  # one layer
         log.info("model_runner_ready", model=model.name, num_blocks=num_blocks, block_size=block_size,
                  kv_pool_bytes=self.bytes_per_block * num_blocks, device=str(self.device),
-                 attention_backend=self.attention_backend)
+                 attention_backend=self.attention_backend, native_kernels=kernels is not None)
 
     @staticmethod
     def bytes_per_block_for(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
@@ -261,7 +274,16 @@ class ModelRunner:
                                   batch.slot_mapping, block_size=self.block_size,
                                   num_pool_blocks=self.num_blocks, head_dim=self.shape.head_dim,
                                   window_left=window_left,
-                                  kv_bytes_per_token=self._kv_bytes_per_token)
+                                  kv_bytes_per_token=self._kv_bytes_per_token,
+                                  native_kernels=self._native_decode)
+
+            nd = plan.native
+            if (nd is not None and not plan.groups and batch.lora is None
+                    and batch.num_tokens <= native.MAX_LINEAR_ROWS):
+                # A pure decode step: every layer is one C call (rows = sequences, in order).
+                return self.forward_model.decode_native(
+                    batch.input_ids, batch.positions, self.k_pools, self.v_pools, plan.slot_mapping,
+                    nd.block_tables, nd.kv_lens, window_left=window_left)
 
             def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return plan.attend(q, k, v, self.k_pools[layer], self.v_pools[layer])
