@@ -9,7 +9,11 @@ Two interchangeable backends with the same three functions and signatures:
 
 The CPU default is ``paged_sdpa`` (torch only): ``plan_attention`` prepares a step once
 (slots, block gathers, masks, groups), then ``AttentionPlan.attend`` writes and attends per
-layer with batched SDPA; it is checked against ``reference``.
+layer with batched SDPA; it is checked against ``reference``. With fp32 weights on x86-64
+(AVX2), ``native`` adds C kernels built at first use from ``csrc/cpu_decode.c`` with the system
+compiler (ctypes, no torch headers): a few-row linear, decode attention read in place from the
+pool (decode rows of any step), and a whole decoder layer per call for pure decode steps; where
+they cannot build or run, everything stays on torch.
 
 - ``paged_kv_write(k, v, k_pool, v_pool, slot_mapping)``
 - ``extend_attention(q, k, v, k_pool, v_pool, block_tables, prefix_lens, qo_indptr, *,
