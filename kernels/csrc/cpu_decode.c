@@ -63,6 +63,23 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(n)), keep);
 }
 
+/* Reads the tile's weights [p, p + num_floats) once in address order (values dropped: the
+ * compute loop then reads four rows at a time from L1), and requests the next tile's. On 2
+ * cores this took the whole model's batch-1 projections from 36 to 32 ms (538 MB). */
+static inline void stream_tile(const float *p, int64_t num_floats, const float *next, int64_t next_floats) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    int64_t f = 0;
+    for (; f + 32 <= num_floats; f += 32) {
+        s0 = _mm256_or_ps(s0, _mm256_loadu_ps(p + f));
+        s1 = _mm256_or_ps(s1, _mm256_loadu_ps(p + f + 16));
+    }
+    for (; f < num_floats; f += 8) s0 = _mm256_or_ps(s0, _mm256_loadu_ps(p + f));
+    __asm__ volatile("" ::"x"(_mm256_or_ps(s0, s1)));
+    if (next != NULL)
+        for (int64_t b = 0; b < next_floats * (int64_t)sizeof(float); b += 64)
+            _mm_prefetch((const char *)next + b, _MM_HINT_T0);
+}
+
 /* y[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) (+ y[m, n] when `accumulate`): row-major,
  * contiguous, k % 8 == 0. Tiles of 4 weight rows are shared out among the threads of the
  * enclosing parallel region (an orphaned `omp for`); each tile is read from memory once and
@@ -78,6 +95,8 @@ static void linear_for(const float *x, int64_t m, int64_t k, const float *w, int
         const float *w1 = w + (j0 + (nr > 1 ? 1 : 0)) * k;
         const float *w2 = w + (j0 + (nr > 2 ? 2 : 0)) * k;
         const float *w3 = w + (j0 + (nr > 3 ? 3 : 0)) * k;
+        stream_tile(w + j0 * k, (int64_t)nr * k, t + 1 < num_tiles ? w + (j0 + 4) * k : NULL,
+                    (n - j0 - 4 < 4 ? n - j0 - 4 : 4) * k);
         float b[4] = {0, 0, 0, 0};
         if (bias)
             for (int r = 0; r < nr; r++) b[r] = bias[j0 + r];
@@ -162,17 +181,31 @@ static inline int64_t sub_block(const int32_t *table, int block_size, int64_t po
 #ifndef RK_PF_DIST
 #define RK_PF_DIST 4
 #endif
-/* Requests the pool rows of the keys RK_PF_DIST * RK_SUB positions ahead of `pos` (if before
- * t1): the hardware prefetcher alone left the loops waiting on DRAM about as long as they
- * computed, since block tables jump between blocks. */
-static inline void prefetch_ahead(const float *pool, const int32_t *table, int block_size, int64_t pos,
-                                  int64_t t1, int64_t stride) {
+/* Streams a sequence's pool rows ahead of the compute loops, which read them strided (eight
+ * keys' rows per head, head after head): loads the rows of keys [pos, pos + RK_SUB) once in
+ * address order (a sequential read the hardware prefetcher follows; the values are dropped), and
+ * requests those RK_PF_DIST sub-blocks further on. Measured on 2 cores, 30 layers at 2k
+ * context from DRAM: 8 GB/s with neither, 8 GB/s with either alone, 11-14 GB/s with both. */
+static inline void stream_rows(const float *pool, const int32_t *table, int block_size, int64_t pos,
+                               int64_t t1, int64_t stride) {
+    int cnt;
+    const float *p = pool + sub_block(table, block_size, pos, t1, stride, &cnt);
+    const int64_t num_floats = (int64_t)cnt * stride;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t f = 0;
+    for (; f + 64 <= num_floats; f += 64) {  /* one load per 64-byte line */
+        s0 = _mm256_or_ps(s0, _mm256_loadu_ps(p + f));
+        s1 = _mm256_or_ps(s1, _mm256_loadu_ps(p + f + 16));
+        s2 = _mm256_or_ps(s2, _mm256_loadu_ps(p + f + 32));
+        s3 = _mm256_or_ps(s3, _mm256_loadu_ps(p + f + 48));
+    }
+    for (; f < num_floats; f += 8) s0 = _mm256_or_ps(s0, _mm256_loadu_ps(p + f));
+    __asm__ volatile("" ::"x"(_mm256_or_ps(_mm256_or_ps(s0, s1), _mm256_or_ps(s2, s3))));
     const int64_t ahead = pos + RK_PF_DIST * RK_SUB;
     if (ahead >= t1) return;
-    int cnt;
-    const char *p = (const char *)(pool + sub_block(table, block_size, ahead, t1, stride, &cnt));
-    const int64_t nbytes = (int64_t)cnt * stride * (int64_t)sizeof(float);
-    for (int64_t b = 0; b < nbytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    const char *q = (const char *)(pool + sub_block(table, block_size, ahead, t1, stride, &cnt));
+    const int64_t num_bytes = (int64_t)cnt * stride * (int64_t)sizeof(float);
+    for (int64_t b = 0; b < num_bytes; b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
 }
 
 /* One chunk [t0, t1) (at most RK_MAX_CHUNK keys) of one sequence's keys, for all its query
@@ -199,7 +232,7 @@ static void decode_chunk(const float *q, int hq, int hkv, int d, const float *k_
         int cnt;
         const int64_t base = sub_block(table, block_size, pos, t1, stride, &cnt);
         const int tl = (int)(pos - t0);
-        prefetch_ahead(k_pool, table, block_size, pos, t1, stride);
+        stream_rows(k_pool, table, block_size, pos, t1, stride);
         const __m256 valid = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)cnt), _CMP_LT_OQ);
         for (int kvh = 0; kvh < hkv; kvh++) {
             const float *kb = k_pool + base + (int64_t)kvh * d;
@@ -260,7 +293,7 @@ static void decode_chunk(const float *q, int hq, int hkv, int d, const float *k_
                 const int64_t base = sub_block(table, block_size, pos, t1, stride, &cnt);
                 const int tl = (int)(pos - t0);
                 const float *vb = v_pool + base + (int64_t)kvh * d;
-                if (kvh == 0 && g0 == 0) prefetch_ahead(v_pool, table, block_size, pos, t1, stride);
+                if (kvh == 0 && g0 == 0) stream_rows(v_pool, table, block_size, pos, t1, stride);
                 for (int jb = 0; jb < d; jb += 32) {
                     float *A0 = acc + jb, *A1 = acc + d + jb, *A2 = acc + 2 * d + jb;
                     __m256 r00 = _mm256_load_ps(A0), r01 = _mm256_load_ps(A0 + 8),
