@@ -6,16 +6,24 @@ A request is served whole at its clock reading: ``begin`` (match under the hit c
 path), ``allocate`` its ``ceil(N / B)`` blocks (evicting through the policy; the request's own
 path is locked, so it is never evicted while served), ``publish`` its full blocks, ``release``.
 A request larger than the whole pool cannot be served from the cache: it counts with no hit.
+The request's session key goes to ``begin`` and its modeled end (``time_s + duration_s``) to
+``release``, where the cache takes them (``session_key`` / ``end_s``): the blocks are still
+released at once (requests never overlap in the pool), ``end_s`` only stamps when the request
+would have finished, the time a policy's features read. The policy's hooks are
+timed (``_eviction_timing``); learned policies (``predicted-reuse*``) train synchronously with a
+fixed seed, so a replay is reproducible.
 """
 
 from __future__ import annotations
 
 import bisect
+import inspect
 import math
 import time
 from collections import defaultdict
 from typing import Callable
 
+from _eviction_timing import HookTimer, policy_cost
 from _eviction_trace import Trace  # bench/ is on sys.path (see bench/eviction.py)
 
 from radixkv.cache.hashing import BlockHasher, CacheIdentity
@@ -25,6 +33,24 @@ from radixkv.eviction import make_policy
 from radixkv.eviction.cost_model import CostShape, prefill_flops
 
 ORACLES = ("belady", "belady-cost")
+
+LEARNED_PREFIX = "predicted-reuse"
+"""Policies named so train synchronously with a fixed seed in a replay (:func:`policy_kwargs`)."""
+
+try:  # the ghost list wired to a policy's on_ghost_drop (issue 19)
+    from radixkv.cache.evict_path import make_ghost_list as _make_ghost_list
+except ImportError:  # pragma: no cover - an older cache: no such hook
+    _make_ghost_list = None
+
+# Parameters the cache gained in issue 19; older trees replay without them.
+_BEGIN_SESSION = "session_key" in inspect.signature(CacheManager.begin).parameters
+_RELEASE_END = "end_s" in inspect.signature(CacheManager.release).parameters
+
+
+def policy_kwargs(name: str) -> dict:
+    """Constructor arguments a replay gives policy ``name``: ``train_mode="sync", seed=0`` for
+    the learned ones (reproducible: training happens on the replay thread, in the hooks)."""
+    return {"train_mode": "sync", "seed": 0} if name.startswith(LEARNED_PREFIX) else {}
 
 
 #: Ghost-list capacity of every replay, in blocks.
@@ -120,7 +146,8 @@ def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShap
 
     Returns:
         ``policy``, ``capacity_blocks``, ``token_hit_rate``, ``flop_hit_rate``,
-        ``evicted_blocks``, ``wall_s`` and the raw sums behind them.
+        ``evicted_blocks``, ``wall_s``, the raw sums behind them, and the policy's own cost
+        (:func:`_eviction_timing.policy_cost`: ``policy_us_per_eviction`` and the rest).
     """
     start = time.perf_counter()
     clock = [0.0]
@@ -136,9 +163,14 @@ def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShap
         policy = make_policy(policy_name, model_shape=shape, next_use=oracle.next_use,
                              now=oracle.now)
     else:
-        policy = make_policy(policy_name, model_shape=shape)
-    # The tree is empty: swap in the policy instance (oracles take constructor arguments).
+        policy = make_policy(policy_name, model_shape=shape, **policy_kwargs(policy_name))
+    timer = HookTimer()
+    timer.install(policy)  # before the tree, which may keep bound hooks
+    # The tree is empty: swap in the policy instance (oracles take constructor arguments), and
+    # the ghost list with it (it hands forgotten runs' notes to the policy's on_ghost_drop).
     cache.tree = RadixTree(bs, policy, lambda: clock[0])
+    if _make_ghost_list is not None:
+        cache.ghost = _make_ghost_list(policy, GHOST_BLOCKS)
     cache.eviction_policy = policy_name
     roots = {}
     cached = prompt = skipped = 0
@@ -152,13 +184,17 @@ def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShap
         if root is None:
             root = roots[req.salt] = cache.identity_root(identity(trace, req.salt))
         pb = trace.prompt(req)
-        m = cache.begin("r", root, pb)
+        m = (cache.begin("r", root, pb, session_key=req.session) if _BEGIN_SESSION
+             else cache.begin("r", root, pb))
         if cache.allocate("r", req.num_tokens):
             cache.publish("r", pb, req.num_tokens)
         else:
             m = 0
             skipped += 1
-        cache.release("r")
+        if _RELEASE_END:
+            cache.release("r", end_s=req.time_s + req.duration_s)
+        else:
+            cache.release("r")
         cached += m
         prompt += req.num_tokens
         if m:
@@ -170,6 +206,9 @@ def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShap
             step = 0
     if progress is not None and step:
         progress(step)
+    close = getattr(policy, "close", None)  # a background trainer, if the policy has one
+    if callable(close):
+        close()
     return {
         "policy": policy_name, "capacity_blocks": capacity_blocks,
         "token_hit_rate": cached / prompt if prompt else 0.0,
@@ -179,7 +218,7 @@ def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShap
         "requests": len(trace.requests), "skipped_requests": skipped,
         "prompt_tokens": prompt, "cached_tokens": cached,
         "prompt_flops": total, "saved_flops": saved,
-    }
+    } | policy_cost(timer, policy, cache.evicted_blocks_total)
 
 
 def plot(records: list[dict], infinite: dict, path, title: str) -> None:

@@ -1,12 +1,20 @@
 """Trace loading for ``radixkv bench eviction``: Mooncake, token-id JSONL and chat transcripts.
 
 Every format becomes a :class:`Trace`: requests in replay order, each with its clock reading
-(seconds), cache salt, prompt length and dense ids of its blocks (one per ``block_size`` tokens,
-the last one partial when the length is not a multiple; equal id = same tokens and same
-prefix). Token ids are kept packed (uint32-LE ``bytes``); a Mooncake request has no tokens, so
-its prompt is synthesised when replayed: block ``k`` holds its hash id repeated ``block_size``
-times (a partial last block: repeated for the remaining tokens), which the tree stores and
-compares like any tokens, so equal ids match and different ids never do.
+(seconds), cache salt, prompt length, session key, modeled duration and dense ids of its blocks
+(one per ``block_size`` tokens, the last one partial when the length is not a multiple; equal id
+= same tokens and same prefix). Token ids are kept packed (uint32-LE ``bytes``); a Mooncake
+request has no tokens, so its prompt is synthesised when replayed: block ``k`` holds its hash id
+repeated ``block_size`` times (a partial last block: repeated for the remaining tokens), which
+the tree stores and compares like any tokens, so equal ids match and different ids never do.
+
+Sessions and durations: a Mooncake record has no session id, so the session key is derived from
+its hash-id chain: ``m<hash_ids[1]>``, the first block after the block every request shares
+(id 0, the common system prompt). Ids are chained, so two requests with the same second block
+have the same first 1,024 tokens: the turns of one conversation (on the conversation trace the
+groups by ``hash_ids[1]``, ``[2]`` and ``[3]`` nearly coincide: 7,373 / 6,572 / 6,015 keys).
+A one-block request has none. Its duration is ``output_length × ITL``. Token JSONL may carry
+``session`` and ``output_length``. Chat traces: see ``_eviction_chat``.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from typing import Iterable, NamedTuple
 
 from radixkv.config import check_block_size
 
+DEFAULT_ITL_MS = 20.0
+"""Modeled inter-token latency (ms per output token) when a trace gives none."""
+
 _U32 = struct.Struct("<I")
 
 
@@ -32,6 +43,9 @@ class TraceRequest(NamedTuple):
         num_tokens: Prompt tokens N.
         blocks: Dense block ids, ``ceil(N / B)`` of them.
         tokens: Packed prompt tokens, or None to synthesise them from ``blocks`` (Mooncake).
+        session: Session key handed to ``CacheManager.begin`` (None: none).
+        duration_s: Modeled request duration (output tokens × ITL), seconds: the replay
+            releases the request with ``end_s = time_s + duration_s``.
     """
 
     time_s: float
@@ -39,6 +53,8 @@ class TraceRequest(NamedTuple):
     num_tokens: int
     blocks: array
     tokens: bytes | None
+    session: str | None = None
+    duration_s: float = 0.0
 
 
 @dataclass
@@ -77,8 +93,12 @@ class Trace:
         return (req.num_tokens - 1) // self.block_size
 
 
-def load_mooncake(path: str | Path, block_size: int) -> Trace:
-    """Mooncake JSONL (``timestamp`` ms, ``input_length``, ``hash_ids``): ids are chained already.
+def load_mooncake(path: str | Path, block_size: int, *, itl_ms: float = DEFAULT_ITL_MS,
+                  sessions: bool = True, max_requests: int | None = None) -> Trace:
+    """Mooncake JSONL (``timestamp`` ms, ``input_length``, ``hash_ids``, ``output_length``):
+    ids are chained already. Session keys ``m<hash_ids[1]>`` (module docstring; none with
+    ``sessions=False``), duration ``output_length × itl_ms`` (0 without ``output_length``);
+    only the first ``max_requests`` requests when given.
 
     Raises:
         ValueError: a line lacks a field, or ``hash_ids`` disagrees with ``input_length``.
@@ -89,17 +109,21 @@ def load_mooncake(path: str | Path, block_size: int) -> Trace:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            if max_requests is not None and len(requests) >= max_requests:
+                break
             rec = json.loads(line)
             try:
                 n, ids = int(rec["input_length"]), rec["hash_ids"]
                 t = float(rec.get("timestamp", lineno - 1)) / 1000.0
+                duration = float(rec.get("output_length") or 0) * itl_ms / 1e3
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"trace: {path}:{lineno} is not a Mooncake record ({exc})") from None
             if n <= 0 or len(ids) != -(-n // block_size):
                 raise ValueError(f"trace: {path}:{lineno}: {len(ids)} hash_ids for input_length {n} "
                                  f"with --block-size {block_size}")
             distinct.update(ids)
-            requests.append(TraceRequest(t, None, n, array("q", ids), None))
+            session = f"m{ids[1]}" if sessions and len(ids) > 1 else None
+            requests.append(TraceRequest(t, None, n, array("q", ids), None, session, duration))
     return Trace(Path(path).stem, "mooncake", block_size, requests, len(distinct))
 
 
@@ -124,15 +148,17 @@ class _BlockIds:
 
 
 def trace_from_prompts(name: str, fmt: str, block_size: int,
-                       prompts: Iterable[tuple[float, str | None, bytes]]) -> Trace:
-    """Build a trace from ``(time_s, salt, packed tokens)`` in replay order."""
+                       prompts: Iterable[tuple]) -> Trace:
+    """Build a trace from ``(time_s, salt, packed tokens[, session, duration_s])`` in replay
+    order."""
     ids = {}  # salt -> _BlockIds (blocks of different salts never share)
     requests = []
-    for t, salt, pb in prompts:
+    for t, salt, pb, *extra in prompts:
         if not pb:
             continue
         per_salt = ids.setdefault(salt, _BlockIds())
-        requests.append(TraceRequest(t, salt, len(pb) // 4, per_salt.of(pb, block_size), pb))
+        requests.append(TraceRequest(t, salt, len(pb) // 4, per_salt.of(pb, block_size), pb,
+                                     *extra))
     offset = 0
     if len(ids) > 1:  # make ids unique across salts
         shifted = []
@@ -148,8 +174,10 @@ def trace_from_prompts(name: str, fmt: str, block_size: int,
     return Trace(name, fmt, block_size, requests, distinct)
 
 
-def load_tokens(path: str | Path, block_size: int) -> Trace:
-    """radixkv token JSONL: ``{"token_ids": [...], "timestamp": ms?, "cache_salt": str?}``.
+def load_tokens(path: str | Path, block_size: int, *, itl_ms: float = DEFAULT_ITL_MS,
+                sessions: bool = True) -> Trace:
+    """radixkv token JSONL: ``{"token_ids": [...], "timestamp": ms?, "cache_salt": str?,
+    "session": str?, "output_length": int?}`` (duration ``output_length × itl_ms``, else 0).
 
     Raises:
         ValueError: a line has no ``token_ids`` list.
@@ -165,7 +193,10 @@ def load_tokens(path: str | Path, block_size: int) -> Trace:
                     raise ValueError(f"trace: {path}:{lineno} has no token_ids list")
                 ts = rec.get("timestamp")
                 t = float(ts) / 1000.0 if ts is not None else float(lineno - 1)
-                yield t, rec.get("cache_salt"), array("I", toks).tobytes()
+                duration = float(rec.get("output_length") or 0) * itl_ms / 1e3
+                session = rec.get("session") if sessions else None
+                yield (t, rec.get("cache_salt"), array("I", toks).tobytes(),
+                       None if session is None else str(session), duration)
     return trace_from_prompts(Path(path).stem, "tokens", block_size, prompts())
 
 
@@ -191,42 +222,41 @@ def interleave(sessions: list[list], concurrency: int) -> list:
 
 
 def load_chat(source: str, path: str | None, block_size: int, concurrency: int,
-              tokenizer=None) -> Trace:
+              tokenizer=None, *, itl_ms: float = DEFAULT_ITL_MS, tool_latency_ms: float = 1000.0,
+              tool_latency_dist: str = "fixed", default_output_tokens: int = 128,
+              sessions: bool = True, max_sessions: int | None = None,
+              cache_dir: str | None = None) -> Trace:
     """Agent transcripts (``radixkv.tools.transcripts`` source), tokenized with the embedded model's
-    chat template; the clock is the request's ordinal (seconds).
-
-    Args:
-        source: Transcript source name (``tau-bench``, ``swe-agent``).
-        path: Its data file/folder (default: the source's sample shipped in the package).
-        block_size: Tokens per block.
-        concurrency: Sessions in flight (see :func:`interleave`).
-        tokenizer: A ``ChatTokenizer`` (default: the embedded SmolLM2's).
+    chat template, on the modeled clock of ``_eviction_chat`` (turn duration = reply tokens ×
+    ``itl_ms``; next turn ``tool_latency_ms`` after; ``concurrency`` sessions live); session key
+    = the transcript's session id. ``max_sessions`` keeps that many sessions, evenly spread.
     """
-    from radixkv.tools.transcripts import load_source
+    import _eviction_chat as chat
 
-    sessions = load_source(source, path)
-    if tokenizer is None:
-        from radixkv.model.loader import load_model
-        tokenizer = load_model(None).tokenizer
-    order = interleave(sessions, concurrency)
-
-    def prompts():
-        for i, req in enumerate(order):
-            ids = tokenizer.apply_chat_template(req["messages"], req.get("tools"))
-            yield float(i), None, array("I", ids).tobytes()
-    trace = trace_from_prompts(source, "chat", block_size, prompts())
-    trace.notes.update(sessions=len(sessions), concurrency=concurrency)
+    tokenized = chat.tokenize_sessions(source, path, tokenizer, cache_dir)
+    tokenized = chat.subsample(tokenized, max_sessions)
+    trace = chat.chat_trace(source, tokenized, block_size, concurrency=concurrency,
+                            itl_ms=itl_ms, tool_latency_ms=tool_latency_ms,
+                            tool_latency_dist=tool_latency_dist,
+                            default_output_tokens=default_output_tokens, with_sessions=sessions)
+    if max_sessions:
+        trace.notes["max_sessions"] = max_sessions
     return trace
 
 
 def load_trace(fmt: str, path: str | None, block_size: int, *, source: str = "tau-bench",
-               concurrency: int = 8) -> Trace:
-    """Load a trace in ``fmt`` (``mooncake`` / ``tokens`` / ``chat``)."""
+               concurrency: int = 8, itl_ms: float = DEFAULT_ITL_MS, sessions: bool = True,
+               max_requests: int | None = None, **chat_options) -> Trace:
+    """Load a trace in ``fmt`` (``mooncake`` / ``tokens`` / ``chat``); ``chat_options`` go to
+    :func:`load_chat` (``tool_latency_ms``, ``tool_latency_dist``, ``default_output_tokens``,
+    ``max_sessions``, ``cache_dir``); ``max_requests`` cuts a Mooncake trace to its head."""
     check_block_size(block_size)
     if fmt == "mooncake":
-        return load_mooncake(path, block_size)
+        return load_mooncake(path, block_size, itl_ms=itl_ms, sessions=sessions,
+                             max_requests=max_requests)
     if fmt == "tokens":
-        return load_tokens(path, block_size)
+        return load_tokens(path, block_size, itl_ms=itl_ms, sessions=sessions)
     if fmt == "chat":
-        return load_chat(source, path, block_size, concurrency)
+        return load_chat(source, path, block_size, concurrency, itl_ms=itl_ms,
+                         sessions=sessions, **chat_options)
     raise ValueError(f"format: unknown trace format {fmt!r} (mooncake, tokens, chat)")

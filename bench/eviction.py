@@ -7,6 +7,8 @@ Usage::
     radixkv bench eviction --shared --policies lru,lfu,fifo,gdsf,s3fifo,cost,belady \\
         --capacity 0.02,0.05,0.1,0.2 --out bench/results/eviction-conversation
     radixkv bench eviction --format chat --source tau-bench --block-size 16 --out DIR
+    radixkv bench eviction --format chat --source openhands --shared --capacity 0.05,0.1
+    bench/results/eviction-all.sh      # every issue-19 trace and capacity, one markdown table
 
 With no ``--trace`` the trace is a sample shipped in the package (``radixkv/tools/data/``): the
 first 400 requests of the Mooncake conversation trace (``mooncake``), or the source's sample
@@ -15,19 +17,29 @@ transcripts (``chat``). ``--shared`` reads the full data from the shared data fo
 the source's transcripts. ``tokens`` traces have no default.
 
 Formats: ``mooncake`` (JSONL: ``timestamp`` ms, ``input_length``, ``hash_ids``, one id per
-``--block-size`` tokens, the last partial), ``tokens`` (JSONL: ``token_ids``, optional
-``timestamp`` ms and ``cache_salt``), ``chat`` (agent transcripts of ``--source``, tokenized
-with the embedded model's chat template, ``--concurrency`` sessions interleaved). The clock is
-the trace's timestamps (the request's ordinal when there are none). Capacity is a fraction of
+``--block-size`` tokens, the last partial; ``output_length``), ``tokens`` (JSONL:
+``token_ids``, optional ``timestamp`` ms, ``cache_salt``, ``session``, ``output_length``),
+``chat`` (agent transcripts of ``--source``: tau-bench, swe-agent, mini-swe-agent,
+mini-swe-agent-gemini3, crewai, openhands; tokenized with the embedded model's chat template).
+Each request carries a session key (chat: the transcript's session; Mooncake: derived from its
+hash-id chain, see ``_eviction_trace``; ``--no-sessions`` drops them) and a modeled duration
+(output tokens × ``--itl-ms``); the replay passes them to the cache (``session_key``, ``end_s``).
+The clock is the trace's timestamps (the request's ordinal when there are none); for chat it is
+modeled (``_eviction_chat``): a turn lasts its reply's tokens × ITL, the session's next turn
+starts ``--tool-latency-ms`` after it ends, ``--concurrency`` sessions live. Capacity is a fraction of
 the trace's distinct blocks, or ``--capacity-blocks``. Hits follow the serving rules: the hit
 cap ``floor((N - 1) / B)`` blocks, full blocks only, and the blocks of the request being served
 are locked while it is served.
 
 Writes ``DIR/results.json`` (one record per policy × capacity: ``policy``,
 ``capacity_fraction``, ``capacity_blocks``, ``token_hit_rate``, ``flop_hit_rate`` = saved
-recompute FLOPs ÷ total prompt FLOPs, ``fraction_of_belady`` = flop hit rate ÷ belady's at that
-capacity, ``evicted_blocks``, ``wall_s``, and the raw sums), ``DIR/results.csv`` and
-``DIR/hit_rate.png``; without ``--out``, DIR is a new folder
+recompute FLOPs ÷ total prompt FLOPs, ``best_oracle`` (the better of belady / belady-cost by FLOP
+hit at that capacity), ``fraction_of_belady`` = flop hit rate ÷ the best oracle's,
+``gap_closed`` = (p − lru) ÷ (best oracle − lru) (see ``_eviction_report``),
+``policy_us_per_eviction`` = the replay thread's time in the policy's hooks (synchronous
+training included) ÷ evicted blocks, ``background_train_cpu_s`` apart, ``evicted_blocks``,
+``wall_s``, and the raw sums; the learned ``predicted-reuse*`` policies train synchronously
+with seed 0), ``DIR/results.csv`` and ``DIR/hit_rate.png``; without ``--out``, DIR is a new folder
 ``./radixkv-bench-results/eviction-<timestamp>/`` (named at the end).
 """
 
@@ -44,6 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _eviction_replay as replay_mod  # noqa: E402
+import _eviction_report as report_mod  # noqa: E402
 import _eviction_trace as trace_mod  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -58,10 +71,15 @@ from radixkv.tools.data import (  # noqa: E402
     shared_path,
 )
 
-DEFAULT_POLICIES = "lru,lfu,fifo,gdsf,s3fifo,cost,belady"
+DEFAULT_POLICIES = ",".join(
+    ["lru", "lfu", "fifo", "gdsf", "s3fifo", "cost"]
+    + [p for p in ("predicted-reuse", "predicted-reuse-prior") if p in available_policies()]
+    + ["belady", "belady-cost"])
 CSV_FIELDS = ("policy", "capacity_fraction", "capacity_blocks", "token_hit_rate", "flop_hit_rate",
-              "fraction_of_belady", "evicted_blocks", "wall_s", "requests", "skipped_requests",
-              "prompt_tokens", "cached_tokens", "prompt_flops", "saved_flops")
+              "best_oracle", "best_oracle_flop_hit_rate", "fraction_of_belady", "gap_closed",
+              "policy_us_per_eviction", "policy_hook_s", "sync_train_cpu_s", "train_cpu_s",
+              "background_train_cpu_s", "hook_calls", "evicted_blocks", "wall_s", "requests",
+              "skipped_requests", "prompt_tokens", "cached_tokens", "prompt_flops", "saved_flops")
 
 # Worker state (inherited through fork, or set by _init in a spawned worker).
 _STATE: dict = {}
@@ -81,9 +99,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per block (default 512 for mooncake, 16 otherwise)")
     parser.add_argument("--source", default="tau-bench",
-                        help="transcript source for --format chat (tau-bench, swe-agent)")
+                        help="transcript source for --format chat (tau-bench, swe-agent, "
+                             "mini-swe-agent, mini-swe-agent-gemini3, crewai, openhands)")
     parser.add_argument("--concurrency", type=int, default=8,
                         help="chat: sessions in flight, their turns interleaved")
+    parser.add_argument("--itl-ms", type=float, default=trace_mod.DEFAULT_ITL_MS,
+                        help="modeled inter-token latency: a request lasts output tokens x this")
+    parser.add_argument("--tool-latency-ms", type=float, default=1000.0,
+                        help="chat: a session's next turn starts this long after its last ended")
+    parser.add_argument("--tool-latency-dist", default="fixed", choices=["fixed", "exp"],
+                        help="chat: tool latency fixed, or exponential of that mean (seed 0)")
+    parser.add_argument("--default-output-tokens", type=int, default=128,
+                        help="chat: output tokens of a turn whose reply the transcript lacks")
+    parser.add_argument("--no-sessions", action="store_true",
+                        help="give the cache no session keys (ablation)")
+    parser.add_argument("--max-sessions", type=int, default=None,
+                        help="chat: keep this many sessions, evenly spread (subsample)")
+    parser.add_argument("--max-requests", type=int, default=None,
+                        help="mooncake: replay only the trace's first N requests")
+    parser.add_argument("--trace-cache", default=None, metavar="DIR",
+                        help="chat: keep tokenized transcripts here between runs")
+    parser.add_argument("--label", default=None, help="trace label in the combined tables")
     parser.add_argument("--policies", default=DEFAULT_POLICIES)
     parser.add_argument("--capacity", default="0.02,0.05,0.1,0.2",
                         help="pool sizes as fractions of the trace's distinct blocks")
@@ -115,7 +151,10 @@ def _trace_path(args: argparse.Namespace) -> str:
     if args.trace:
         return args.trace
     if args.format == "chat":
-        from radixkv.tools.transcripts import default_path
+        from radixkv.tools.transcripts import SHARED_ONLY_PATHS, default_path
+        if args.source in SHARED_ONLY_PATHS and not args.shared:
+            raise ValueError(f"trace: no sample of {args.source} is shipped; use --shared "
+                             "or --trace")
         return str(default_path(args.source, shared=args.shared))
     if args.format == "mooncake":
         return str(shared_path(SHARED_TRACE) if args.shared else sample_path(TRACE_SAMPLE))
@@ -151,19 +190,6 @@ def _run_one(task: tuple) -> dict:
     return out
 
 
-def _table(records: list[dict]) -> str:
-    head = (f"{'policy':<12} {'capacity':>9} {'blocks':>8} {'token_hit':>9} {'flop_hit':>9} "
-            f"{'of_belady':>9} {'evicted':>9} {'skipped':>7} {'wall_s':>7}")
-    lines = [head, "-" * len(head)]
-    for r in records:
-        fb = r["fraction_of_belady"]
-        lines.append(f"{r['policy']:<12} {100 * r['capacity_fraction']:>8.2f}% "
-                     f"{r['capacity_blocks']:>8} {r['token_hit_rate']:>9.4f} "
-                     f"{r['flop_hit_rate']:>9.4f} {'' if fb is None else f'{fb:.3f}':>9} "
-                     f"{r['evicted_blocks']:>9} {r['skipped_requests']:>7} {r['wall_s']:>7.1f}")
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> dict:
     """Run every policy × capacity replay; print the table and write the outputs."""
     try:
@@ -177,8 +203,15 @@ def run(args: argparse.Namespace) -> dict:
         default_shape = "smollm2-135m" if args.format == "chat" else "llama3-8b"
         shape = get_shape(args.model_shape or default_shape)
         t0 = time.perf_counter()
+        chat = ({"tool_latency_ms": args.tool_latency_ms,
+                 "tool_latency_dist": args.tool_latency_dist,
+                 "default_output_tokens": args.default_output_tokens,
+                 "max_sessions": args.max_sessions, "cache_dir": args.trace_cache}
+                if args.format == "chat" else {})
         trace = trace_mod.load_trace(args.format, trace_path, block_size, source=args.source,
-                                     concurrency=args.concurrency)
+                                     concurrency=args.concurrency, itl_ms=args.itl_ms,
+                                     sessions=not args.no_sessions,
+                                     max_requests=args.max_requests, **chat)
         if not trace.requests:
             raise ValueError(f"trace: {trace_path} holds no requests")
         distinct = trace.distinct_blocks
@@ -227,16 +260,15 @@ def run(args: argparse.Namespace) -> dict:
 
     order = {p: i for i, p in enumerate(policies)}
     results.sort(key=lambda r: (order[r["policy"]], r["capacity_fraction"]))
-    belady = {r["capacity_blocks"]: r["flop_hit_rate"] for r in results if r["policy"] == "belady"}
-    records = []
-    for r in results:
-        ref = belady.get(r["capacity_blocks"])
-        r["fraction_of_belady"] = r["flop_hit_rate"] / ref if ref else None
-        records.append({k: r[k] for k in CSV_FIELDS})
-    print(_table(records))
+    report_mod.annotate(results)
+    records = [{k: r.get(k) for k in CSV_FIELDS} for r in results]
+    print(report_mod.table(records))
     if any(r["skipped_requests"] for r in records):
         print("skipped: requests larger than the whole pool (served without the cache, no hit)")
-    summary = {"trace": trace_path, "format": args.format,
+    sessions = len({r.session for r in trace.requests if r.session is not None})
+    summary = {"trace": trace_path, "trace_name": trace.name, "label": args.label,
+               "format": args.format, "source": args.source if args.format == "chat" else None,
+               "itl_ms": args.itl_ms, "session_keys": sessions,
                "block_size": block_size, "model_shape": shape.name,
                "requests": len(trace.requests), "distinct_blocks": distinct,
                "infinite_cache": infinite, "notes": trace.notes, "records": records}

@@ -4,7 +4,8 @@ Installed as ``radixkv.eviction``. Import a policy by name with :func:`get_polic
 :func:`make_policy`, which also hands the cost-model shape to the policies that use one
 (``gdsf``, ``cost``, the oracles) and not to the others.
 
-Registered: ``lru``, ``lfu``, ``fifo``, ``gdsf``, ``s3fifo``, ``cost`` (ours), and the offline
+Registered: ``lru``, ``lfu``, ``fifo``, ``gdsf``, ``s3fifo``, ``cost`` (ours),
+``predicted-reuse`` / ``predicted-reuse-prior`` (ours, learned reuse prediction), and the offline
 oracles ``belady`` / ``belady-cost`` (benchmarks only: they need the trace's future).
 """
 
@@ -16,6 +17,7 @@ from . import fifo as _fifo  # noqa: F401  (registers "fifo")
 from . import gdsf as _gdsf  # noqa: F401  (registers "gdsf")
 from . import lfu as _lfu  # noqa: F401  (registers "lfu")
 from . import lru as _lru  # noqa: F401  (registers "lru")
+from . import predicted_reuse as _predicted_reuse  # noqa: F401  ("predicted-reuse", "-prior")
 from . import s3fifo as _s3fifo  # noqa: F401  (registers "s3fifo")
 from .base import (
     _REGISTRY,

@@ -20,7 +20,8 @@ fields; the tree appends the node ``uid`` to every key, so ties are broken deter
 Ghost hits: the cache keeps the one list of recently evicted blocks (its ghost list). A policy
 that wants history across an eviction returns a *note* from :meth:`EvictionPolicy.on_evict`; the
 cache keeps it with the evicted run and hands it back through
-:meth:`EvictionPolicy.on_ghost_hit` when a request brings that very run back into the tree.
+:meth:`EvictionPolicy.on_ghost_hit` when a request brings that very run back into the tree, or
+through :meth:`EvictionPolicy.on_ghost_drop` when the ghost list forgets the run.
 
 This package must stay importable without torch and without the rest of radixkv: nodes are
 seen only through :class:`NodeView`.
@@ -49,6 +50,18 @@ class NodeView(Protocol):
         hashes: Chained hash of each of the node's blocks, in token order (a sequence of
             ``bytes``; stable identities of block contents, e.g. for S3-FIFO's ghost queue or
             an oracle's trace index).
+        session_key: Session hint (a request's ``prompt_cache_key``, else its ``user``) of the
+            latest request that published into or hit the node; None when no request gave one.
+        request_end_s: Clock reading when the latest request holding the node released it
+            (its end); None before any release. A live agent session's leaf tends to come back
+            within its tool-call latency after this time; a finished session's does not.
+        access_gaps: The last ≤ 4 gaps between successive hits of the node (clock units,
+            oldest first, newest last); empty before its second access.
+        max_children: The most children the node ever had at once (fan-out of a shared
+            prefix; a leaf that once had children was a branching point).
+
+    Policies should read the last four with ``getattr(node, name, default)``: a node of an
+    older tree (or a test fake) may lack them.
     """
 
     @property
@@ -69,6 +82,8 @@ class NodeView(Protocol):
     def lock_ref(self) -> int: ...
     @property
     def hashes(self) -> Sequence[bytes]: ...
+    # session_key, request_end_s, access_gaps, max_children: documented above; not declared as
+    # protocol members so that isinstance() still accepts views that lack them.
 
 
 class EvictionPolicy(abc.ABC):  # noqa: B024 - the abstract methods are in its two kinds
@@ -99,6 +114,12 @@ class EvictionPolicy(abc.ABC):  # noqa: B024 - the abstract methods are in its t
         """Hook: blocks just inserted into ``node`` (locked, not yet keyed again) are runs the
         cache evicted recently; ``notes`` are what :meth:`on_evict` returned for them, in token
         order. Called for both policy kinds, only with notes that are not None."""
+
+    def on_ghost_drop(self, notes: list) -> None:  # noqa: B027 - optional hook
+        """Hook: the ghost list forgot evicted runs (its capacity) that never came back;
+        ``notes`` are what :meth:`on_evict` returned for them (only those not None), oldest
+        first. With :meth:`on_ghost_hit` this labels every note: came back, or forgotten
+        (a learned policy's positive and negative examples)."""
 
     def on_hit(self, node: NodeView) -> None:  # noqa: B027 - optional hook
         """Hook (victim-naming policies only): a lookup matched ``node`` (leaf or not).

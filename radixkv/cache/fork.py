@@ -65,5 +65,5 @@ def fork(parent: RequestState, tree: RadixTree, pool: BlockPool, block_size: int
         duplicate_ids=list(parent.duplicate_ids), num_computed_tokens=computed,
         admitted=True, counted=True, known_hashes=list(parent.known_hashes),
         known_start=parent.known_start, known_tokens=parent.known_tokens,
-        ghost_notes=list(parent.ghost_notes))
+        ghost_notes=list(parent.ghost_notes), session_key=parent.session_key)
     return child, copies

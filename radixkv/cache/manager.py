@@ -18,12 +18,13 @@ from typing import Callable, Sequence
 
 from radixkv.cache.check import block_states, check_manager
 from radixkv.cache.events import KVEventLog
+from radixkv.cache.evict_path import evict, make_ghost_list, stamp_request_end, take_blocks
 from radixkv.cache.fork import fork
 from radixkv.cache.gauges import CacheGauges
 from radixkv.cache.hashing import BlockHasher, CacheIdentity, HashFn
 from radixkv.cache.identity_memo import IdentityMemo
 from radixkv.cache.lookup import lookup_inputs
-from radixkv.cache.miss_causes import GhostList, classify_miss, empty_breakdown
+from radixkv.cache.miss_causes import classify_miss, empty_breakdown
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.publish import publish
 from radixkv.cache.request_state import RequestState
@@ -80,8 +81,8 @@ class CacheManager(CacheGauges):
         self.pool = BlockPool(num_blocks)
         self.tree = RadixTree(block_size, make_policy(eviction_policy, model_shape=model_shape),
                               clock)
-        self.ghost = GhostList(ghost_capacity if ghost_capacity is not None
-                               else min(max(1024, num_blocks), 1 << 17))
+        self.ghost = make_ghost_list(self.tree.policy, ghost_capacity if ghost_capacity
+                                     is not None else min(max(1024, num_blocks), 1 << 17))
         self._evicted_blocks_total = 0
         self._miss_tokens = empty_breakdown()
         self.identities = IdentityMemo(self.hasher, block_size, IDENTITY_MEMO_SIZE)
@@ -107,7 +108,7 @@ class CacheManager(CacheGauges):
 
     # ---- lookup -------------------------------------------------------------------------
     def begin(self, request_id: str, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
-              mm_items: Sequence[Sequence] | None = None) -> int:
+              mm_items: Sequence[Sequence] | None = None, session_key: str | None = None) -> int:
         """Match, cap and lock the cached prefix of a prompt; seed the request's block table.
 
         Policy fields (``hit_count``, ``last_access_s``) are not touched here: the hit is
@@ -125,6 +126,8 @@ class CacheManager(CacheGauges):
                 per-lookup packing, the largest part of a lookup's cost).
             mm_items: Multimodal items of the prompt, each ``(token_offset, num_tokens,
                 media_digest)``; a block's extras are derived from the items overlapping it.
+            session_key: The request's session hint (``prompt_cache_key`` / ``user``), stored
+                as ``session_key`` on the nodes it hits (at admission) and publishes into.
 
         Returns:
             m = num_cached_tokens, a multiple of B with m ≤ N - 1 (0 when caching is off).
@@ -139,7 +142,7 @@ class CacheManager(CacheGauges):
             root, prompt_token_ids, mm_items, self.block_size, self._root_bytes)
         if not self.enable_prefix_caching:
             self._requests[request_id] = RequestState(None, None, root, array(BLOCK_ID_TYPECODE),
-                                                      0, 0, items)
+                                                      0, 0, items, session_key=session_key)
             return 0
         root_node = self.tree.root(root, self.identities.tenant(root))
         result = self.tree.match(root_node, pb, cap_blocks, extras=extras, touch=False)
@@ -152,7 +155,8 @@ class CacheManager(CacheGauges):
             num_blocks * self.block_size, num_blocks, items, miss=miss, known_hashes=known,
             known_start=num_blocks, known_tokens=pb if known else b"",
             num_computed_tokens=num_blocks * self.block_size,
-            match_node=result.node if num_blocks else None, ghost_notes=notes)
+            match_node=result.node if num_blocks else None, ghost_notes=notes,
+            session_key=session_key)
         return num_blocks * self.block_size
 
     def peek(self, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
@@ -194,20 +198,12 @@ class CacheManager(CacheGauges):
         if not req.admitted:
             req.admitted = True
             if req.match_node is not None and req.match_node.parent is not None:
-                self.tree.touch_path(req.match_node)
+                self.tree.touch_path(req.match_node, req.session_key)
 
     # ---- blocks -------------------------------------------------------------------------
     def _take_blocks(self, num: int) -> list[int] | None:
         """``num`` private blocks, evicting if the free list is short; None changes nothing."""
-        short = num - self.pool.num_free_blocks
-        if short > 0:
-            if short > self.tree.num_evictable_blocks:
-                return None
-            self._evict(short)
-        ids = self.pool.allocate(num)
-        if ids is None:  # pragma: no cover - guarded by the evictable count above
-            raise RuntimeError(f"allocate: {num} blocks not free after evicting {short}")
-        return ids
+        return take_blocks(self.pool, self.tree, self._evict, num)
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the block table to cover token slots ``[0, num_tokens)``.
@@ -239,16 +235,10 @@ class CacheManager(CacheGauges):
         return self._evict(num_blocks)
 
     def _evict(self, num_blocks: int) -> int:
-        """Evict up to ``num_blocks`` blocks through the policy: the tree drops them, the pool
-        frees them, the ghost list remembers them. Returns the number evicted."""
-        evicted: list = []
-        freed = self.tree.evict(num_blocks, evicted)
-        self.pool.free_cached(freed)
-        self.ghost.add(evicted)
-        if self.events is not None:
-            self.events.removed(evicted)
-        self._evicted_blocks_total += len(freed)
-        return len(freed)
+        """Evict up to ``num_blocks`` blocks (:func:`radixkv.cache.evict_path.evict`)."""
+        num = evict(self.tree, self.pool, self.ghost, self.events, num_blocks)
+        self._evicted_blocks_total += num
+        return num
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached block no running request holds (vLLM's ``reset_prefix_cache``).
@@ -282,9 +272,13 @@ class CacheManager(CacheGauges):
                 tokens given or the allocated block table, ``token_ids`` if packed bytes are
                 not a multiple of 4, ``mm_items`` if malformed; nothing is changed then.
         """
-        publish(self._requests[request_id], self.tree, self.pool, self.hasher, token_ids,
-                num_computed_tokens, mm_items, self.enable_prefix_caching, self.events,
-                self.store if self.store is not None and self.store.write_mode == "all" else None)
+        req = self._requests[request_id]
+        back = publish(req, self.tree, self.pool, self.hasher, token_ids, num_computed_tokens,
+                       mm_items, self.enable_prefix_caching, self.events,
+                       self.store if self.store is not None and self.store.write_mode == "all"
+                       else None, req.session_key)
+        if back:
+            self.ghost.came_back(back)
 
     # ---- store tier (radixkv.cache.store.bridge has the rules) ---------------------------
     def attach_store(self, tier: StoreTier) -> None:
@@ -380,12 +374,14 @@ class CacheManager(CacheGauges):
         return self._requests[request_id].num_cached_tokens
 
     # ---- release / steps ---------------------------------------------------------------
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, *, end_s: float | None = None) -> None:
         """Unlock the request's path and free its private blocks.
 
         Published blocks stay cached-evictable (matchable until an allocation evicts them).
         Inside a step (:meth:`begin_step`), freed private blocks are deferred to
-        :meth:`end_step`. A request never admitted leaves ``last_access_s`` alone.
+        :meth:`end_step`. A request never admitted leaves ``last_access_s`` alone. Every node
+        of the held path gets ``request_end_s`` = ``end_s`` (the cache clock when None; a
+        replay passes its modelled end) before it is unlocked.
 
         Raises:
             KeyError: unknown ``request_id`` (including a second release).
@@ -394,6 +390,7 @@ class CacheManager(CacheGauges):
         if self.store is not None:
             self.store.cancel(request_id)
         if req.cursor is not None:
+            stamp_request_end(req.cursor, self.tree.now() if end_s is None else end_s)
             self.tree.unlock(req.cursor, touch=req.admitted)
         self.pool.free(req.duplicate_ids)
         self.pool.free(req.block_table[req.num_published_blocks :])

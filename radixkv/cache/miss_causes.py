@@ -29,32 +29,17 @@ The breakdown is computed at every lookup but counted once per request, at admis
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, Sequence
 
 from radixkv.cache.tree.compare import matching_blocks, walk
-from radixkv.cache.tree.node import Node, child_key
+from radixkv.cache.tree.node import GhostRun, Node, child_key
 from radixkv.cache.tree.radix_tree import RadixTree
+
+__all__ = ["MISS_CAUSES", "GhostList", "GhostRun", "classify_miss", "empty_breakdown"]
 
 MISS_CAUSES = ("cold", "evicted", "isolated", "unaligned_tail", "store_timeout", "store_rejected")
 #: Other identities examined for an isolated miss (bounds the lookup cost with many tenants).
 MAX_ISOLATION_ROOTS = 4
-
-
-class GhostRun(NamedTuple):
-    """Blocks evicted from one chain of leaf tails, in token order.
-
-    Attributes:
-        tokens: Packed tokens of the run (``len(hashes) * B * 4`` bytes).
-        hashes: Chained hash of each block.
-        extras: Extras of each block, or None for text.
-        note: What the eviction policy's ``on_evict`` returned for the run (None: nothing),
-            handed back to its ``on_ghost_hit`` when the run is inserted again.
-    """
-
-    tokens: bytes
-    hashes: list[bytes]
-    extras: list[bytes] | None
-    note: object = None
 
 
 class _Chain:
@@ -100,18 +85,29 @@ class GhostList:
     without hashing. A run evicted just before the run an entry starts with (the same leaf
     trimmed again) extends that entry instead of adding one (see :class:`_Chain`).
 
+    Runs carrying a policy note are tracked until they come back (:meth:`came_back`) or are
+    forgotten: the notes of runs forgotten for capacity without having come back go to
+    ``on_drop`` (the eviction policy's ``on_ghost_drop``: a "not reused within the ghost
+    horizon" label).
+
     Args:
         capacity: Most blocks remembered (> 0); the oldest entries are forgotten first.
+        on_drop: Called as ``on_drop(notes)`` (a non-empty list, oldest first) when entries are
+            forgotten for capacity holding noted runs that did not come back; None: nobody.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_drop: Callable[[list], None] | None = None) -> None:
         if capacity <= 0:
             raise ValueError(f"ghost_capacity: must be positive, got {capacity}")
         self.capacity = capacity
+        self.on_drop = on_drop
         self.num_blocks = 0
         self._runs: OrderedDict[bytes, _Chain] = OrderedDict()
         # Parent hash of an entry's first block -> the entry's key (to extend it in front).
         self._by_parent: dict[bytes, bytes] = {}
+        # id(run) -> run, for runs held here whose note is not None and that have not come
+        # back (ids are stable while this dict holds the run).
+        self._noted: dict[int, GhostRun] = {}
 
     def __len__(self) -> int:
         """Entries remembered."""
@@ -128,28 +124,51 @@ class GhostList:
         chain = self._runs.get(key)
         return chain.parts() if chain is not None else None
 
-    def _drop(self, key: bytes, chain: _Chain) -> None:
-        self.num_blocks -= chain.num_blocks
-        if self._by_parent.get(chain.parent_hash) == key:
-            del self._by_parent[chain.parent_hash]
+    def came_back(self, runs: Iterable[GhostRun]) -> None:
+        """These runs (from :meth:`parts`) were inserted into the tree again, their notes handed
+        to the policy's ``on_ghost_hit``: forgetting them later is no "not reused" label."""
+        noted = self._noted
+        for run in runs:
+            if noted.get(id(run)) is run:
+                del noted[id(run)]
+
+    def _dropped_notes(self, chain: _Chain, skip_first: bool = False) -> list:
+        """Notes of the chain's runs that did not come back (the chain is being forgotten),
+        oldest eviction first; ``skip_first``: its first run (in token order) is being evicted
+        again, so it came back."""
+        noted = self._noted
+        chain_runs = chain.newest_first  # evicted oldest first; the last starts the chain
+        notes = []
+        for run in chain_runs[:-1] if skip_first else chain_runs:
+            if noted.pop(id(run), None) is not None:
+                notes.append(run.note)
+        if skip_first:
+            noted.pop(id(chain_runs[-1]), None)
+        return notes
 
     def add(self, evicted: Iterable[tuple[bytes, tuple]]) -> None:
         """Remember evicted runs ``(first block's hash input, (tokens, hashes, extras[, note]))``.
 
         Forgets the oldest entries beyond the capacity.
         """
-        runs, by_parent = self._runs, self._by_parent
+        runs, by_parent, noted = self._runs, self._by_parent, self._noted
+        dropped: list = []
         for key, raw in evicted:
-            run = GhostRun(*raw)
+            run = raw if type(raw) is GhostRun else GhostRun(*raw)
             hashes = run.hashes
+            if run.note is not None:
+                noted[id(run)] = run
             parent_hash = key[: len(hashes[0])]
             old = runs.pop(key, None)
-            if old is not None:
-                self._drop(key, old)
-            next_key = by_parent.get(hashes[-1])
+            if old is not None:  # that very block is evicted again: so it had come back
+                self.num_blocks -= old.num_blocks
+                if by_parent.get(old.parent_hash) == key:
+                    del by_parent[old.parent_hash]
+                if noted:
+                    dropped += self._dropped_notes(old, skip_first=True)
+            next_key = by_parent.pop(hashes[-1], None)
             chain = runs.pop(next_key, None) if next_key is not None else None
             if chain is not None:  # this run ends where that entry begins: extend it
-                del by_parent[hashes[-1]]
                 chain.newest_first.append(run)
                 chain.parent_hash = parent_hash
                 chain.num_blocks += len(hashes)
@@ -160,7 +179,13 @@ class GhostList:
             self.num_blocks += len(hashes)
         while self.num_blocks > self.capacity:
             key, chain = runs.popitem(last=False)
-            self._drop(key, chain)
+            self.num_blocks -= chain.num_blocks
+            if by_parent.get(chain.parent_hash) == key:
+                del by_parent[chain.parent_hash]
+            if noted:
+                dropped += self._dropped_notes(chain)
+        if dropped and self.on_drop is not None:
+            self.on_drop(dropped)
 
 
 def empty_breakdown() -> dict[str, int]:
@@ -170,7 +195,7 @@ def empty_breakdown() -> dict[str, int]:
 
 def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | None,
                   num_prompt_tokens: int, num_matched_blocks: int, last_hash: bytes,
-                  ghost: GhostList) -> tuple[dict[str, int], list[bytes], list[tuple[int, object]]]:
+                  ghost: GhostList) -> tuple[dict[str, int], list[bytes], list[tuple]]:
     """Split a lookup's missed tokens by cause; hashes nothing.
 
     Args:
@@ -186,16 +211,16 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
     Returns:
         ``(breakdown, hashes, notes)``: tokens per cause (summing to ``N - m``), the chained
         hashes of the evicted blocks ``num_matched_blocks, …`` found in the ghost list (for
-        ``insert(known_hashes=…)``), and ``(block position of its last block, note)`` for each
-        evicted run the prompt holds whole whose policy note is not None (for
-        ``insert(ghost_notes=…)``).
+        ``insert(known_hashes=…)``), and ``(block position of its last block, note, run)``
+        for each evicted run (a :class:`GhostRun`) the prompt holds whole whose policy note is
+        not None (for ``insert(ghost_notes=…)`` and :meth:`GhostList.came_back`).
     """
     bs = tree.block_size
     bb = tree.block_bytes
     cap_blocks = (num_prompt_tokens - 1) // bs
     missing = cap_blocks - num_matched_blocks
     hashes: list[bytes] = []
-    notes: list[tuple[int, object]] = []
+    notes: list[tuple] = []
     if missing <= 0:
         return {"cold": 0, "evicted": 0, "isolated": 0,
                 "unaligned_tail": num_prompt_tokens - cap_blocks * bs, "store_timeout": 0,
@@ -218,7 +243,7 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
             if j < len(run_hashes):
                 break
             if run.note is not None:
-                notes.append((i - 1, run.note))
+                notes.append((i - 1, run.note, run))
         else:
             h = parts[-1].hashes[-1]
             continue

@@ -24,14 +24,20 @@ from radixkv.config import check_int
 def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHasher,
         token_ids: Sequence[int] | bytes, num_computed_tokens: int,
         mm_items: Sequence[Sequence] | None, enable_prefix_caching: bool,
-        events: KVEventLog | None = None, store: StoreTier | None = None) -> None:
+        events: KVEventLog | None = None, store: StoreTier | None = None,
+        session_key: str | None = None) -> list:
     """Insert every full, computed block of ``req`` not yet published into ``tree``.
 
     Arguments, errors and effects as ``CacheManager.publish``; ``req`` is advanced in place
     (``num_computed_tokens``, ``num_published_blocks``, ``cursor``, ``last_hash``, duplicates)
     and the inserted blocks pass from the request to the tree in ``pool``. ``events`` records
     the newly inserted run (none when every block was already cached); ``store`` (a tier in
-    ``all`` write mode) is asked to write it.
+    ``all`` write mode) is asked to write it. The node receiving the blocks takes
+    ``session_key``.
+
+    Returns:
+        The ghost runs (``GhostRun``) this insert brought back whose notes went to the policy's
+        ``on_ghost_hit`` (for ``GhostList.came_back``); usually empty.
     """
     bs = tree.block_size
     packed = isinstance(token_ids, (bytes, bytearray))
@@ -55,7 +61,7 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
         req.mm_items, req.known_hashes, req.ghost_notes = items, [], []
     start = req.num_published_blocks
     if num_full <= start or not enable_prefix_caching:
-        return
+        return []
     # (a slice of the engine's bytearray is a bytearray: fine for the fast path, which only
     # hashes and appends it; the general insert keys children by bytes)
     tb = (token_ids[start * 4 * bs : num_full * 4 * bs] if packed
@@ -72,12 +78,13 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
                 events.stored(req.root.root_hash, req.cursor, len(ids))
             if store is not None:
                 write_published(store, req.root.root_hash, req.cursor, len(ids))
-            return
+            req.cursor.session_key = session_key
+            return []
     if type(tb) is not bytes:
         tb = bytes(tb)
     extras = block_extras(req.mm_items, num_full, bs, start) if req.mm_items else None
     known: Sequence[bytes] = ()
-    notes: list[tuple[int, object]] = []
+    noted: list[tuple] = []
     if req.known_hashes:
         offset = start - req.known_start
         num_known = min(len(req.known_hashes) - offset, num_full - start)
@@ -86,7 +93,7 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
         if offset >= 0 and num_known > 0 and req.known_tokens.startswith(
                 tb if len(tb) == n else memoryview(tb)[:n], start * 4 * bs):
             known = req.known_hashes[offset : offset + num_known]
-            notes = [(pos - start, note) for pos, note in req.ghost_notes
+            noted = [(pos - start, note, run) for pos, note, run in req.ghost_notes
                      if start <= pos < start + num_known]
         elif offset >= 0:
             req.known_hashes = []
@@ -95,7 +102,8 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
         if not req.known_hashes:
             req.ghost_notes = []
     result = tree.insert(req.cursor, tb, ids, hasher, extras=extras, known_hashes=known,
-                         ghost_notes=notes)
+                         ghost_notes=[(i, note) for i, note, _ in noted])
+    result.node.session_key = session_key
     pool.to_cached(result.inserted_ids)
     if events is not None and result.inserted_ids:
         events.stored(req.root.root_hash, result.node, len(result.inserted_ids))
@@ -106,3 +114,7 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
     req.cursor = result.node
     req.last_hash = result.last_hash
     req.num_published_blocks = num_full
+    # The insert handed the notes of runs at or past the blocks it followed (k of them: the
+    # duplicates) to on_ghost_hit.
+    k = len(result.duplicate_ids)
+    return [run for i, _, run in noted if i >= k]

@@ -33,9 +33,10 @@ class RequestState:
         known_hashes: Chained hashes the lookup recovered from the ghost list for positions
             ``known_start, …``, reused by ``publish`` instead of hashing those blocks again.
         known_start: Block position of ``known_hashes[0]``.
-        ghost_notes: ``(block position, note)`` of the eviction policy's notes on the evicted
-            runs the lookup found whole (position of each run's last block), handed to the
-            tree's ``insert`` with the known hashes.
+        ghost_notes: ``(block position, note, run)`` of the eviction policy's notes on the
+            evicted runs (``GhostRun``) the lookup found whole (position of each run's last
+            block), handed to the tree's ``insert`` with the known hashes.
+        session_key: The request's session hint (``prompt_cache_key`` / ``user``), or None.
         known_tokens: The packed prompt the lookup compared (immutable ``bytes``, token 0
             first): ``publish`` reuses a known hash only for these very tokens.
         admitted: The hit was recorded on the matched path (first successful allocate).
@@ -47,7 +48,7 @@ class RequestState:
     __slots__ = ("root", "cursor", "last_hash", "block_table", "num_cached_tokens",
                  "num_published_blocks", "mm_items", "duplicate_ids", "num_computed_tokens",
                  "miss", "known_hashes", "known_start", "known_tokens", "admitted", "counted",
-                 "match_node", "ghost_notes", "num_store_tokens")
+                 "match_node", "ghost_notes", "num_store_tokens", "session_key")
 
     def __init__(self, root: Node | None, cursor: Node | None, last_hash: bytes,
                  block_table: array, num_cached_tokens: int, num_published_blocks: int,
@@ -56,7 +57,7 @@ class RequestState:
                  known_hashes: list[bytes] | None = None, known_start: int = 0,
                  known_tokens: bytes = b"", admitted: bool = False, counted: bool = False,
                  match_node: Node | None = None,
-                 ghost_notes: list[tuple[int, object]] | None = None) -> None:
+                 ghost_notes: list[tuple] | None = None, session_key: str | None = None) -> None:
         self.root = root
         self.cursor = cursor
         self.last_hash = last_hash
@@ -75,3 +76,4 @@ class RequestState:
         self.match_node = match_node
         self.ghost_notes = ghost_notes if ghost_notes is not None else []
         self.num_store_tokens = 0
+        self.session_key = session_key

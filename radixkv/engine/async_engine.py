@@ -219,7 +219,7 @@ class AsyncEngine(AsyncLoRAMixin):
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  cache_salt: str | None = None, request_id: str | None = None,
                  tenant: str | None = None, lora_name: str | None = None,
-                 capacity_checked: bool = False) -> RequestStream:
+                 capacity_checked: bool = False, session_key: str | None = None) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (call from the loop).
 
         Validation happens here, before anything is queued. See ``RequestStream``.
@@ -229,6 +229,7 @@ class AsyncEngine(AsyncLoRAMixin):
                 is ``cache_salt``).
             lora_name: a loaded LoRA adapter to run with (None: the base model).
             capacity_checked: the caller ran ``check_capacity`` for a group of requests.
+            session_key: session hint for the eviction policy (``prompt_cache_key`` / ``user``).
 
         Raises:
             LoRANotFoundError: no adapter named ``lora_name`` is loaded (a ValueError).
@@ -242,7 +243,7 @@ class AsyncEngine(AsyncLoRAMixin):
             self.check_capacity(params.n)
         req = self._engine.make_request(prompt_token_ids, params, cache_salt=cache_salt,
                                         request_id=request_id, tenant=tenant,
-                                        lora_name=lora_name)
+                                        lora_name=lora_name, session_key=session_key)
         out_queue: asyncio.Queue = asyncio.Queue()
         live = _Live(asyncio.get_running_loop(), out_queue, params.n, tenant, req.arrival_s)
         with self._streams_lock:

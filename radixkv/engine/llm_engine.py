@@ -175,10 +175,12 @@ class LLMEngine:
 
     def make_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                      cache_salt: str | None = None, request_id: str | None = None,
-                     tenant: str | None = None, lora_name: str | None = None) -> Request:
+                     tenant: str | None = None, lora_name: str | None = None,
+                     session_key: str | None = None) -> Request:
         """Validate a prompt and build its ``Request`` (not yet queued).
 
-        ``tenant`` only labels the request for per-tenant stats; isolation is ``cache_salt``.
+        ``tenant`` only labels the request for per-tenant stats; isolation is ``cache_salt``;
+        ``session_key`` (``prompt_cache_key`` / ``user``) is a hint for the eviction policy.
         ``lora_name`` selects a loaded LoRA adapter (None: the base model); the request holds
         it from now until it finishes or is aborted, so pass the request to ``add_request``
         (or to ``discard_request`` if it will not run).
@@ -206,7 +208,7 @@ class LLMEngine:
                       params=params, cache_root=self.cache_root(cache_salt, adapter),
                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
                       generator=make_generator(params, self.config.device), tenant=tenant,
-                      adapter=adapter)
+                      adapter=adapter, session_key=session_key)
         if adapter is not None:
             self.adapters.hold(adapter)
         return req
@@ -369,7 +371,7 @@ class LLMEngine:
                             generator=make_generator(params, self.config.device, index),
                             admitted=True, num_cached_tokens=parent.num_cached_tokens,
                             group_id=parent.group_id, index=index, tenant=parent.tenant,
-                            adapter=parent.adapter)
+                            adapter=parent.adapter, session_key=parent.session_key)
             group.append(child)
             copies = self.cache.fork(parent.request_id, child.request_id,
                                      num_computed_tokens=prompt_len)
@@ -414,10 +416,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ offline helper
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  cache_salt: str | None = None, lora_name: str | None = None,
-                 max_steps: int = 100_000) -> list[Request]:
+                 max_steps: int = 100_000, session_key: str | None = None) -> list[Request]:
         """Run prompts to completion in this thread (tests, offline use).
 
-        ``lora_name`` selects a loaded LoRA adapter for every prompt.
+        ``lora_name`` / ``session_key``: as ``make_request``, for every prompt.
 
         Returns:
             The requests, in prompt order; with ``params.n > 1``, each prompt's n choices in
@@ -428,7 +430,7 @@ class LLMEngine:
         try:
             for p in prompts:
                 parents.append(self.make_request(p, params, cache_salt=cache_salt,
-                                                 lora_name=lora_name))
+                                                 lora_name=lora_name, session_key=session_key))
         except Exception:
             for req in parents:  # made, never added: give their adapter holds back
                 self.discard_request(req)

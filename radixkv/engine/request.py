@@ -63,6 +63,8 @@ class Request:
             replacing the adapter by name never changes a request already made.
         store_checked: the store tier was asked for this admission's blocks (one load each).
         num_store_tokens: cached prompt tokens the store tier loaded for it (part of m).
+        session_key: the client's session hint (``prompt_cache_key`` / ``user``), handed to
+            ``CacheManager.begin`` for the eviction policy; None when none was given.
     """
 
     request_id: str
@@ -88,6 +90,7 @@ class Request:
     publish_at_tokens: int = 0  # decode steps publish once this many tokens are computed
     store_checked: bool = False
     num_store_tokens: int = 0
+    session_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -164,7 +164,8 @@ class Scheduler:
             elif self.waiting:
                 req = self._next_waiting()
                 num_cached = self.cache.begin(req.request_id, req.cache_root,
-                                              bytes(req.token_bytes))
+                                              bytes(req.token_bytes),
+                                              session_key=req.session_key)
                 if not req.store_checked and self.cache.store_begin(req.request_id,
                                                                     bytes(req.token_bytes)):
                     req.store_checked = True

@@ -142,7 +142,7 @@ async def chat_completions(request: web.Request, state: ServerState, tenant: Ten
     adapters.require_lora(engine, lora)  # may have been unloaded while tokenizing
     return await generate_response(request, state, shape, prompt=prompt.ids, sampling=req,
                                    max_tokens=prompt.max_tokens, tenant=tenant, cache_salt=salt,
-                                   prompt_param="messages",
+                                   prompt_param="messages", session_key=req.session_key,
                                    remember=remember_outputs(state, salt, prompt.tools,
                                                              prompt.forced),
                                    lora_name=lora)
@@ -168,7 +168,8 @@ async def completions(request: web.Request, state: ServerState, tenant: Tenant |
     return await generate_response(
         request, state, shape, prompt=ids[0], sampling=req, max_tokens=built.max_tokens,
         tenant=tenant, cache_salt=salt, prompt_param=prompts[0].param, remember=remember,
-        lora_name=lora, batch=list(zip(ids, (p.param for p in prompts))) if len(ids) > 1 else (),
+        lora_name=lora, session_key=req.session_key,
+        batch=list(zip(ids, (p.param for p in prompts))) if len(ids) > 1 else (),
         echo_prompts=[i for i, p in enumerate(prompts) if req.echo and p.text is None])
 
 

@@ -231,7 +231,8 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
                             remember: Remember | None = None,
                             lora_name: str | None = None,
                             batch: Sequence[tuple[list[int], str]] = (),
-                            echo_prompts: Sequence[int] = ()) -> web.StreamResponse:
+                            echo_prompts: Sequence[int] = (),
+                            session_key: str | None = None) -> web.StreamResponse:
     """Run and answer one admitted completion request (JSON or SSE per ``sampling.stream``).
 
     ``shape`` is a ``ChatCompletion`` or ``TextCompletion`` (ids, chunk and body builders);
@@ -242,7 +243,9 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
     (``radixkv.server.multi_prompt``), in place of ``prompt`` / ``prompt_param``: choice
     ``p * n + j`` is prompt ``p``'s ``j``-th, and a refused prompt's 400 names its path;
     ``echo_prompts``: indexes of prompts (into ``batch``, else 0) whose ids' text goes into
-    ``shape.echoes[p]`` once the engine accepted them.
+    ``shape.echoes[p]`` once the engine accepted them;
+    ``session_key``: the request's session hint for the eviction policy (``prompt_cache_key``
+    / ``user``), handed to every engine request it makes.
     """
     engine = state.engine
     try:
@@ -254,7 +257,7 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
         gen = admit_prompts(engine, [ids for ids, _ in runs], params, request_id=shape.id,
                             param_names=[name for _, name in runs], cache_salt=cache_salt,
                             tenant=tenant.name if tenant is not None else None,
-                            lora_name=lora_name)
+                            lora_name=lora_name, session_key=session_key)
     except PromptAdmissionError as err:
         exc, prompt_param = err.cause, err.prompt_param
         if isinstance(exc, QueueFullError):

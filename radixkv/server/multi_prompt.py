@@ -100,7 +100,8 @@ class MergedStream:
 
 def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
                   *, request_id: str, param_names: Sequence[str], cache_salt: str | None,
-                  tenant: str | None, lora_name: str | None) -> Any:
+                  tenant: str | None, lora_name: str | None,
+                  session_key: str | None = None) -> Any:
     """Submit one engine request per prompt; one prompt returns its own ``RequestStream``
     (request id ``request_id``), several a ``MergedStream`` (ids ``{request_id}-{p}``).
 
@@ -115,7 +116,8 @@ def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params:
     if len(prompts) == 1:
         try:
             return engine.generate(prompts[0], params, cache_salt=cache_salt,
-                                   request_id=request_id, tenant=tenant, lora_name=lora_name)
+                                   request_id=request_id, tenant=tenant, lora_name=lora_name,
+                                   session_key=session_key)
         except Exception as exc:
             raise PromptAdmissionError(exc, param_names[0]) from exc
     try:  # the bound applies to the request as a whole, as to one request with n choices
@@ -127,7 +129,8 @@ def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params:
         for p, ids in enumerate(prompts):
             streams.append(engine.generate(ids, params, cache_salt=cache_salt,
                                            request_id=f"{request_id}-{p}", tenant=tenant,
-                                           lora_name=lora_name, capacity_checked=True))
+                                           lora_name=lora_name, capacity_checked=True,
+                                           session_key=session_key))
     except Exception as exc:
         for stream in streams:
             stream.close()

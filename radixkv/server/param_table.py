@@ -121,12 +121,17 @@ _COMMON = [
                              "description": "Narrows the prefix-cache namespace; with API keys "
                                             "it is combined with the tenant's server-side salt."}),
     supported("ignore_eos", {"type": "boolean"}),
-    ignored("user", "string", "end-user ids are not used"),
+    supported("user", {"type": "string", "description": "Session hint for prefix-cache eviction "
+                                                        "when prompt_cache_key is absent."}),
     ignored("safety_identifier", "string", "end-user ids are not used"),
     ignored("store", "boolean", "completions are not stored"),
     ignored("metadata", "object", "completions are not stored"),
     ignored("service_tier", "string", "there is one tier"),
-    ignored("prompt_cache_key", "string", "the prefix cache needs no key"),
+    supported("prompt_cache_key", {"type": "string",
+                                   "description": "Session hint: requests of one conversation or "
+                                                  "agent run share it; the eviction policy "
+                                                  "(predicted-reuse) learns from it. No isolation "
+                                                  "(that is cache_salt)."}),
     only("logit_bias", {}, why="logit biasing is not implemented"),
     only("presence_penalty", 0, why="penalties are not implemented"),
     only("frequency_penalty", 0, why="penalties are not implemented"),

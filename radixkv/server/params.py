@@ -194,6 +194,8 @@ class Sampling:
         stream: Answer as server-sent events.
         include_usage: Streaming only: send a final chunk carrying ``usage``.
         cache_salt: The client's cache isolation salt, or None (the server may narrow it).
+        session_key: Session hint for the eviction policy: ``prompt_cache_key``, else ``user``,
+            else None (a hint only: it isolates nothing).
     """
 
     max_tokens: int | None
@@ -207,6 +209,7 @@ class Sampling:
     include_usage: bool
     cache_salt: str | None
     n: int
+    session_key: str | None
 
     def fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in Sampling.__dataclass_fields__}
@@ -262,5 +265,15 @@ def parse_sampling(body: dict[str, Any], found: PolicyCheck | None = None) -> Sa
         seed=opt_int(body, "seed", _SEED_MIN, _SEED_MAX),
         stop=stop, ignore_eos=bool(opt_bool(body, "ignore_eos")),
         stream=stream, include_usage=include_usage, cache_salt=salt,
-        n=1 if n is None else n)
+        n=1 if n is None else n, session_key=session_key_of(body))
+
+
+def session_key_of(body: dict[str, Any]) -> str | None:
+    """The request's session hint: ``prompt_cache_key``, else ``user`` (non-empty strings; the
+    parameter table already refused other types), else None."""
+    for name in ("prompt_cache_key", "user"):
+        value = body.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return None
 

@@ -6,7 +6,9 @@ carrying the whole chat history up to that call, so consecutive requests of a se
 prefixes.
 Sources: ``tau-bench`` (airline JSON), ``swe-agent`` (``*.traj``), ``mini-swe-agent``
 (``*.traj.json``, a ``{"messages": [...]}`` record or a bare message list) and ``crewai``
-(VCR.py cassettes: every recorded ``chat/completions`` request as sent, in cassette order).
+(VCR.py cassettes: every recorded ``chat/completions`` request as sent, in cassette order),
+``mini-swe-agent-gemini3`` (the mini-swe-agent loader on that run's folder) and ``openhands``
+(``prompt_NNN.log`` mock prompts, :mod:`radixkv.tools.openhands`).
 
 With no path, a loader reads the small sample of its source shipped in the package
 (:func:`default_path`); ``default_path(source, shared=True)`` is the full data in the shared
@@ -21,13 +23,14 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from radixkv.config import check_block_size
+from radixkv.tools.cassettes import cassette_chat_bodies
 from radixkv.tools.data import sample_path, shared_path
 
 TRANSCRIPTS = Path("agent-transcripts")
@@ -35,12 +38,16 @@ TRANSCRIPTS = Path("agent-transcripts")
 TAU_BENCH_AIRLINE = Path("tau-bench") / "historical_trajectories" / "gpt-4o-airline.json"
 SOURCE_PATHS = {"tau-bench": TAU_BENCH_AIRLINE, "swe-agent": Path("swe-agent"),
                 "mini-swe-agent": Path("mini-swe-agent"), "crewai": Path("crewai-cassettes")}
-"""Source name → its file or folder, relative to :data:`TRANSCRIPTS`."""
+"""Source name → its file or folder, relative to :data:`TRANSCRIPTS` (a sample is shipped)."""
+SHARED_ONLY_PATHS = {"mini-swe-agent-gemini3": Path("mini-swe-agent-gemini3"),
+                     "openhands": Path("openhands-mock-prompts")}
+"""Sources with no shipped sample (only the shared data folder holds them): name → folder."""
 
 _KEPT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 Request = dict[str, Any]
-"""A normalised request: ``{"session_id": str, "turn": int, "messages": list[dict]}``."""
+"""A normalised request: ``{"session_id": str, "turn": int, "messages": list[dict]}``; with
+``replies=True`` also ``"reply"``: the assistant message that answered it (None if unknown)."""
 
 
 def normalise_message(message: dict[str, Any]) -> dict[str, Any] | None:
@@ -75,7 +82,8 @@ def normalise_message(message: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def requests_from_history(session_id: str, history: Sequence[dict[str, Any]]) -> list[Request]:
+def requests_from_history(session_id: str, history: Sequence[dict[str, Any]], *,
+                          replies: bool = False) -> list[Request]:
     """Split one session's history into requests per SOURCES.md rule 3.
 
     For each assistant message at index ``i > 0`` one request with ``messages = history[:i]``;
@@ -84,6 +92,8 @@ def requests_from_history(session_id: str, history: Sequence[dict[str, Any]]) ->
     Args:
         session_id: Identifier stored in each request.
         history: Normalised messages of the session, in order.
+        replies: Also give each request ``"reply"``: ``history[i]``, the assistant message
+            that answered it.
 
     Returns:
         The session's requests, ``turn`` counting from 0.
@@ -91,9 +101,11 @@ def requests_from_history(session_id: str, history: Sequence[dict[str, Any]]) ->
     requests: list[Request] = []
     for i, message in enumerate(history):
         if i > 0 and message["role"] == "assistant":
-            requests.append(
-                {"session_id": session_id, "turn": len(requests), "messages": list(history[:i])}
-            )
+            request = {"session_id": session_id, "turn": len(requests),
+                       "messages": list(history[:i])}
+            if replies:
+                request["reply"] = message
+            requests.append(request)
     return requests
 
 
@@ -101,16 +113,18 @@ def default_path(source: str, shared: bool = False) -> Path:
     """The data a source's loader reads when given no path.
 
     Args:
-        source: A source name (``tau-bench``, ``swe-agent``, ``mini-swe-agent``, ``crewai``).
+        source: A source name (``tau-bench``, ``swe-agent``, ``mini-swe-agent``, ``crewai``;
+            ``mini-swe-agent-gemini3`` and ``openhands`` have no shipped sample).
         shared: False: the small sample shipped in the package; True: the full data under the
             shared data folder (``$RADIXKV_SHARED_DIR/agent-transcripts/...``, which may not exist).
 
     Raises:
         ValueError: Unknown source name (the message names ``source``).
     """
-    if source not in SOURCE_PATHS:
+    folder = SOURCE_PATHS.get(source) or SHARED_ONLY_PATHS.get(source)
+    if folder is None:
         raise ValueError(f"source: unknown transcript source {source!r}; known: {sorted(SOURCES)}")
-    relative = TRANSCRIPTS / SOURCE_PATHS[source]
+    relative = TRANSCRIPTS / folder
     return shared_path(relative) if shared else sample_path(relative)
 
 
@@ -120,6 +134,9 @@ def _existing(path: str | Path | None, source: str) -> Path:
     Raises:
         FileNotFoundError: it does not exist (the message names ``path``).
     """
+    if path is None and source in SHARED_ONLY_PATHS:
+        raise FileNotFoundError(f"path: no sample of {source} is shipped; give its data "
+                                f"({default_path(source, shared=True)} with --shared)")
     base = Path(path) if path is not None else default_path(source)
     if not base.exists():
         raise FileNotFoundError(f"path: {base} does not exist")
@@ -135,13 +152,14 @@ def _read_json(file: Path, expected: str) -> Any:
             raise ValueError(f"path: {file} is not JSON ({expected} expected): {exc}") from exc
 
 
-def load_tau_bench(path: str | Path | None = None) -> list[list[Request]]:
+def load_tau_bench(path: str | Path | None = None, *, replies: bool = False) -> list[list[Request]]:
     """Load tau-bench ``gpt-4o-airline.json`` as normalised sessions, in file order.
 
     Args:
         path: The JSON file; default the shipped sample (the file's first 3 records: 3 sessions,
             31 requests). The full file, ``default_path("tau-bench", shared=True)``, holds 200
             sessions and 2,454 requests.
+        replies: Give each request its ``"reply"`` (see :data:`Request`).
 
     Returns:
         One list of requests per record (session ``gpt-4o-airline/task{task_id}/trial{trial}``).
@@ -167,11 +185,11 @@ def load_tau_bench(path: str | Path | None = None) -> list[list[Request]]:
         except (KeyError, TypeError) as exc:
             raise ValueError(f"path: {file} has a record without task_id/trial/traj") from exc
         history = [m for m in (normalise_message(x) for x in traj) if m is not None]
-        sessions.append(requests_from_history(session_id, history))
+        sessions.append(requests_from_history(session_id, history, replies=replies))
     return sessions
 
 
-def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
+def load_swe_agent(path: str | Path | None = None, *, replies: bool = False) -> list[list[Request]]:
     """Load SWE-agent ``*.traj`` trajectories as normalised sessions (one per file).
 
     Each file's ``history`` is cleaned per SOURCES.md rule 2 (a tool message's
@@ -181,6 +199,7 @@ def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
     Args:
         path: A ``.traj`` file or a folder searched recursively; default the shipped sample
             (2 sessions, 9 requests; the shared folder's ``swe-agent``: 22 sessions, 230).
+        replies: Give each request its ``"reply"`` (see :data:`Request`).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no ``.traj`` file.
@@ -202,7 +221,7 @@ def load_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
             if message is not None:
                 messages.append(message)
         session_id = file.name if base.is_file() else str(file.relative_to(base))
-        sessions.append(requests_from_history(session_id, messages))
+        sessions.append(requests_from_history(session_id, messages, replies=replies))
     return sessions
 
 
@@ -222,7 +241,8 @@ def _session_id(base: Path, file: Path) -> str:
     return file.name if base.is_file() else str(file.relative_to(base))
 
 
-def load_mini_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
+def load_mini_swe_agent(path: str | Path | None = None, *,
+                        replies: bool = False) -> list[list[Request]]:
     """Load mini-swe-agent ``*.traj.json`` trajectories as normalised sessions (one per file).
 
     Both formats are read: ``{"messages": [...], ...}`` (``mini-swe-agent-1``, e.g. the
@@ -233,6 +253,7 @@ def load_mini_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
     Args:
         path: A file or a folder searched recursively for ``*.traj.json``; default the shipped
             sample (both files of the shared folder's ``mini-swe-agent``: 2 sessions, 12 requests).
+        replies: Give each request its ``"reply"`` (see :data:`Request`).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no ``.traj.json`` file.
@@ -246,39 +267,12 @@ def load_mini_swe_agent(path: str | Path | None = None) -> list[list[Request]]:
         if not isinstance(history, list) or not all(isinstance(m, dict) for m in history):
             raise ValueError(f"path: {file} is neither a message list nor has a 'messages' list")
         messages = [m for m in map(normalise_message, history) if m is not None]
-        sessions.append(requests_from_history(_session_id(base, file), messages))
+        sessions.append(requests_from_history(_session_id(base, file), messages,
+                                              replies=replies))
     return sessions
 
 
-def _cassette_chat_bodies(file: Path) -> Iterator[dict[str, Any]]:
-    """The JSON bodies of a cassette's ``chat/completions`` requests that carry messages."""
-    import yaml  # only this loader needs it (imported lazily)
-
-    with open(file, "rb") as f:
-        try:
-            cassette = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        except yaml.YAMLError as exc:
-            raise ValueError(f"path: {file} is not YAML (a VCR cassette expected): {exc}") from exc
-    if not isinstance(cassette, dict) or not isinstance(cassette.get("interactions"), list):
-        raise ValueError(f"path: {file} is not a VCR cassette (no 'interactions' list)")
-    for interaction in cassette["interactions"]:
-        request = (interaction or {}).get("request") or {}
-        if "chat/completions" not in str(request.get("uri", "")):
-            continue  # embeddings, telemetry, other providers' APIs
-        body = request.get("body")
-        if isinstance(body, dict):  # some VCR versions store {"string": ...}
-            body = body.get("string")
-        if isinstance(body, bytes):
-            body = body.decode("utf-8", errors="replace")
-        try:
-            parsed = json.loads(body) if isinstance(body, str) else None
-        except ValueError:
-            continue
-        if isinstance(parsed, dict) and isinstance(parsed.get("messages"), list):
-            yield parsed
-
-
-def load_crewai(path: str | Path | None = None) -> list[list[Request]]:
+def load_crewai(path: str | Path | None = None, *, replies: bool = False) -> list[list[Request]]:
     """Load crewAI VCR cassettes (``*.yaml``) as sessions of recorded requests (rule 4).
 
     Each interaction whose ``uri`` contains ``chat/completions`` and whose JSON body has
@@ -290,6 +284,7 @@ def load_crewai(path: str | Path | None = None) -> list[list[Request]]:
         path: A cassette or a folder searched recursively for ``*.yaml``; default the shipped
             sample (3 sessions, 9 requests; the shared folder's ``crewai-cassettes``: 204 sessions,
             737 requests).
+        replies: Give each request its ``"reply"`` (see :data:`Request`).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no ``.yaml`` file.
@@ -300,25 +295,39 @@ def load_crewai(path: str | Path | None = None) -> list[list[Request]]:
     for file in files:
         session_id = _session_id(base, file)
         requests: list[Request] = []
-        for body in _cassette_chat_bodies(file):
+        for body, reply in cassette_chat_bodies(file):
             cleaned = (normalise_message(m) for m in body["messages"] if isinstance(m, dict))
             messages = [m for m in cleaned if m is not None]
             request: Request = {"session_id": session_id, "turn": len(requests),
                                 "messages": messages}
             if body.get("tools"):
                 request["tools"] = body["tools"]
+            if replies:
+                request["reply"] = reply if reply is None else normalise_message(reply)
             requests.append(request)
         sessions.append(requests)
     return sessions
 
 
+def load_openhands(path: str | Path | None = None, *,
+                   replies: bool = False) -> list[list[Request]]:
+    """Load OpenHands mock prompts (rule 5); see :func:`radixkv.tools.openhands.load_openhands`.
+    No sample is shipped: give ``path`` (or ``default_path("openhands", shared=True)``)."""
+    from radixkv.tools.openhands import load_openhands as load
+
+    return load(_existing(path, "openhands"), replies=replies)
+
+
 SOURCES = {"tau-bench": load_tau_bench, "swe-agent": load_swe_agent,
-           "mini-swe-agent": load_mini_swe_agent, "crewai": load_crewai}
+           "mini-swe-agent": load_mini_swe_agent, "crewai": load_crewai,
+           "mini-swe-agent-gemini3": load_mini_swe_agent, "openhands": load_openhands}
 """Source name (``--source``) → loader returning sessions of normalised requests."""
 
 
-def load_source(name: str, path: str | Path | None = None) -> list[list[Request]]:
-    """Load a transcript source by name, from ``path`` (default: the source's shipped sample).
+def load_source(name: str, path: str | Path | None = None, *,
+                replies: bool = False) -> list[list[Request]]:
+    """Load a transcript source by name, from ``path`` (default: the source's shipped sample;
+    ``mini-swe-agent-gemini3`` and ``openhands`` ship none). ``replies``: see :data:`Request`.
 
     Raises:
         ValueError: Unknown source name (the message names ``source``).
@@ -328,7 +337,7 @@ def load_source(name: str, path: str | Path | None = None) -> list[list[Request]
     except KeyError:
         raise ValueError(f"source: unknown transcript source {name!r}; known: "
                          f"{sorted(SOURCES)}") from None
-    return loader(path)
+    return loader(path, replies=replies)
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:

@@ -76,12 +76,13 @@ def test_every_table_entry_is_well_formed():
                  "add_special_tokens", "bad_words", "allowed_token_ids", "kv_transfer_params",
                  "vllm_xargs", "documents", "echo", "add_generation_prompt"):
         assert chat[name] == NEUTRAL, name
-    for name in ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-                 "reasoning_effort", "user", "separate_reasoning", "stream_reasoning",
+    for name in ("store", "metadata", "service_tier", "safety_identifier",
+                 "reasoning_effort", "separate_reasoning", "stream_reasoning",
                  "include_reasoning", "mm_processor_kwargs", "return_tokens_as_token_ids",
                  "spaces_between_special_tokens", "priority", "request_id"):
         assert chat[name] == IGNORED, name
-    for name in ("ignore_eos", "cache_salt", "tool_choice", "parallel_tool_calls",
+    for name in ("ignore_eos", "cache_salt", "prompt_cache_key", "user", "tool_choice",
+                 "parallel_tool_calls",
                  "chat_template_kwargs", "top_k", "seed", "n", "max_completion_tokens"):
         assert chat[name] == SUPPORTED, name
     assert COMPLETION_PARAMS["return_token_ids"].policy == SUPPORTED

@@ -248,7 +248,7 @@ def test_cli_refuses_an_eviction_policy_before_loading_anything(monkeypatch, cap
         raise AssertionError("the engine (model, KV pool) was built before the policy check")
 
     monkeypatch.setattr(radixkv.engine.async_engine, "AsyncEngine", no_engine)
-    usable = "usable: cost, fifo, gdsf, lfu, lru, s3fifo"
+    usable = "usable: cost, fifo, gdsf, lfu, lru, predicted-reuse, predicted-reuse-prior, s3fifo"
     oracle = "'belady' is an offline oracle that needs the trace's future (bench eviction only)"
     for name, reason in (("nope", "unknown policy 'nope'"), ("belady", oracle)):
         with pytest.raises(SystemExit) as exc:

@@ -13,7 +13,7 @@ import pytest
 from radixkv.cli import load_bench, main
 
 bt = load_bench("tree")
-USABLE = "cost, fifo, gdsf, lfu, lru, s3fifo"
+USABLE = "cost, fifo, gdsf, lfu, lru, predicted-reuse, predicted-reuse-prior, s3fifo"
 SMALL = ["--sessions", "4", "--turns", "2", "--repeat", "1", "--skip-c18"]
 
 

@@ -18,7 +18,8 @@ def split_node(node: Node, j: int, uid: int) -> Node:
 
     The head (uid ``uid``) takes blocks ``[0, j)`` and ``node``'s place under its parent; the
     original object keeps the tail, so cursors at its end stay valid. The head inherits the lock
-    count (every cursor at or below the node is below the head too) and the policy fields.
+    count (every cursor at or below the node is below the head too) and the policy fields
+    (``max_children`` at least 1: the tail is its child).
     """
     bb = 4 * node.block_size
     head = Node(uid, node.parent, node.block_size, node.created_s)
@@ -34,6 +35,11 @@ def split_node(node: Node, j: int, uid: int) -> Node:
     head.hit_count = node.hit_count
     head.depth_tokens = node.depth_tokens
     head.tenant = node.tenant
+    head.session_key = node.session_key
+    head.request_end_s = node.request_end_s
+    head.access_gaps = node.access_gaps
+    head.last_hit_s = node.last_hit_s
+    head.max_children = max(node.max_children, 1)
     node.parent.children[head.key] = head  # type: ignore[union-attr]
     del node.tokens[: j * bb], node.hashes[:j], node.block_ids[:j]
     node.key = child_key(bytes(node.tokens[:bb]), node.block_extras(0))
@@ -66,6 +72,8 @@ def add_child(parent: Node, uid: int, tb: bytes, ids: array, hashes: list[bytes]
     new.depth_tokens = parent.depth_tokens + len(parent.block_ids) * parent.block_size
     new.lock_ref = 1  # the caller's cursor moves here; ancestors already count it
     parent.children[new.key] = new
+    if len(parent.children) > parent.max_children:
+        parent.max_children = len(parent.children)
     return new
 
 

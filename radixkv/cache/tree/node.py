@@ -20,6 +20,10 @@ from radixkv.cache.hashing import unpack_tokens
 #: ``array`` typecode of block-id runs (8-byte signed): a match concatenates runs in C, without
 #: touching one Python int per block.
 BLOCK_ID_TYPECODE = "q"
+#: Gaps between successive accesses a node keeps (``Node.access_gaps``), for policies that
+#: predict the next reuse from the last few (LRB, Song et al., NSDI 2020, keeps 32; 4 suffice
+#: for the predictor's features here).
+MAX_ACCESS_GAPS = 4
 
 
 def child_key(first_block: bytes, extras: bytes = b"") -> object:
@@ -50,12 +54,22 @@ class Node:
         root_hash: For a root, its identity root hash; else b"".
         tenant: Tenant label of the identity (inherited from the root), for policies and stats.
         leaf_entry: Entry in the leaf index (None when the node is not an evictable leaf).
+        session_key: Session hint (``prompt_cache_key`` / ``user``) of the latest request that
+            published into or hit the node; None when that request gave none.
+        request_end_s: Clock reading when the latest request holding the node released it
+            (None before any release).
+        access_gaps: The last ``MAX_ACCESS_GAPS`` gaps between successive accesses of the node
+            (its insert, then each hit), newest last, clock units; ``()`` before a hit.
+        last_hit_s: Clock reading of the latest access counted in ``access_gaps`` (the insert,
+            then each hit).
+        max_children: Most children the node ever had at once.
     """
 
     __slots__ = (
         "uid", "parent", "key", "children", "tokens", "extras", "hashes", "block_ids", "lock_ref",
         "last_access_s", "hit_count", "created_s", "depth_tokens", "block_size", "root_hash",
-        "tenant", "leaf_entry",
+        "tenant", "leaf_entry", "session_key", "request_end_s", "access_gaps", "last_hit_s",
+        "max_children",
     )
 
     def __init__(self, uid: int, parent: Node | None, block_size: int, now: float) -> None:
@@ -76,6 +90,19 @@ class Node:
         self.root_hash = b""
         self.tenant: str | None = parent.tenant if parent is not None else None
         self.leaf_entry: object = None
+        self.session_key: str | None = None
+        self.request_end_s: float | None = None
+        self.access_gaps: tuple[float, ...] = ()
+        self.last_hit_s = now
+        self.max_children = 0
+
+    def note_access_gap(self, now: float) -> None:
+        """A lookup matches the node at clock ``now``: append the gap since its previous access
+        (its insert, or its previous hit) to ``access_gaps``, at most ``MAX_ACCESS_GAPS`` kept.
+        The caller counts the hit (``hit_count``, ``last_access_s``) and re-keys the node."""
+        gaps = self.access_gaps + (now - self.last_hit_s,)
+        self.access_gaps = gaps[1:] if len(gaps) > MAX_ACCESS_GAPS else gaps
+        self.last_hit_s = now
 
     @property
     def num_blocks(self) -> int:
@@ -143,6 +170,28 @@ class InsertResult(NamedTuple):
     last_hash: bytes
     inserted_ids: list[int]
     duplicate_ids: list[int]
+
+
+class GhostRun(NamedTuple):
+    """Blocks evicted from one chain of leaf tails, in token order.
+
+    Built by the tree's eviction (``RadixTree.evict``), kept by the cache's ghost list
+    (``radixkv.cache.miss_causes.GhostList``).
+
+    Attributes:
+        tokens: Packed tokens of the run (``len(hashes) * B * 4`` bytes; a ``bytearray`` cut
+            off the evicted node, never written again).
+        hashes: Chained hash of each block.
+        extras: Extras of each block, or None for text.
+        note: What the eviction policy's ``on_evict`` returned for the run's first block (the
+            last one taken; None: nothing), handed back to its ``on_ghost_hit`` when the run is
+            inserted again, or to its ``on_ghost_drop`` when the ghost list forgets it first.
+    """
+
+    tokens: bytes | bytearray
+    hashes: list[bytes]
+    extras: list[bytes] | None
+    note: object = None
 
 
 class RunHasher(Protocol):

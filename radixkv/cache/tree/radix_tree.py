@@ -7,9 +7,9 @@ index (:mod:`.leaves`) and the policy's hooks; node edits are in :mod:`.edit`, r
 the read-only walk in :mod:`.compare`. ``lock_ref`` of a node = request cursors at or below it
 (a held path is locked to the root); a cursor sits at the *end* of a node (a match ending inside
 a node splits it, keeping the deeper half in the original object). Leaf keys change only on
-events; ``evict(k)`` trims the tails of the first leaves in O(k log n). A root left bare (no
-children, no locks) is dropped; ``lock`` re-attaches one a caller still holds. See
-``radixkv/cache/README.md`` for the lifetimes.
+events; ``evict(k)`` takes k tail blocks, each from the leaf ranked first when it is taken
+(:mod:`.evict`). A root left bare (no children, no locks) is dropped; ``lock`` re-attaches one
+a caller still holds. See ``radixkv/cache/README.md`` for the lifetimes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from typing import Callable, Iterable, Sequence
 from radixkv.cache.hashing import as_packed_tokens as as_token_bytes
 from radixkv.cache.tree.check import check_tree
 from radixkv.cache.tree.compare import walk
-from radixkv.cache.tree.edit import add_child, as_block_ids, grow_node, split_node, trim_tail
+from radixkv.cache.tree.edit import add_child, as_block_ids, grow_node, split_node
+from radixkv.cache.tree.evict import evict as evict_blocks
+from radixkv.cache.tree.evict import key_on_trim
 from radixkv.cache.tree.leaves import LeafIndex
 from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, InsertResult, MatchResult, Node, RunHasher
 from radixkv.config import check_block_size
@@ -55,6 +57,8 @@ class RadixTree:
         self.policy = policy
         self.leaves = LeafIndex(policy)
         self._notify_policy = not self.leaves.by_priority
+        #: How the policy's key moves when a leaf loses its tail (picks ``evict``'s path).
+        self.key_on_trim = key_on_trim(policy)
         self._clock = clock
         self._uids = itertools.count()
         self.roots: dict[bytes, Node] = {}
@@ -65,6 +69,10 @@ class RadixTree:
         self.num_locked_blocks = 0
         #: Called as ``trim_hook(leaf, take)`` before ``evict`` trims a leaf's last ``take`` blocks.
         self.trim_hook: Callable[[Node, int], None] | None = None
+
+    def now(self) -> float:
+        """The tree's clock reading (what policy fields are stamped with)."""
+        return self._clock()
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -142,6 +150,7 @@ class RadixTree:
         if touch:
             now = self._clock()
             for node, _ in path:
+                node.note_access_gap(now)
                 self.leaves.record_hit(node, now)
         return MatchResult(last, block_ids, last.end_hash)
 
@@ -152,11 +161,14 @@ class RadixTree:
         return walk(root, pb, extras, min(max_blocks, len(pb) // self.block_bytes),
                     self.block_bytes)[1]
 
-    def touch_path(self, node: Node) -> None:
-        """Record a hit on ``node`` and every ancestor (a deferred ``match(touch=True)``)."""
+    def touch_path(self, node: Node, session_key: str | None = None) -> None:
+        """Record a hit on ``node`` and every ancestor (a deferred ``match(touch=True)``); each
+        takes ``session_key`` (the hitting request's session hint) as its ``session_key``."""
         now = self._clock()
         notify = self.policy.on_hit if self._notify_policy else None
         while node.parent is not None:
+            node.session_key = session_key
+            node.note_access_gap(now)
             if node.leaf_entry is None:  # the usual case: the path is locked by the request
                 node.last_access_s = now
                 node.hit_count += 1
@@ -303,60 +315,10 @@ class RadixTree:
         return InsertResult(new, hashes[-1], ids.tolist(), duplicates)
 
     # ---- eviction -----------------------------------------------------------------------
-    def evict(self, num_blocks: int, evicted: list | None = None) -> list[int]:
-        """Evict up to ``num_blocks`` blocks, tail-first from the first leaves in policy order.
-
-        Args:
-            num_blocks: Blocks wanted.
-            evicted: If given, one ``(key, (tokens, hashes, extras, note))`` entry per trimmed
-                run is appended for the ghost list (see :func:`~radixkv.cache.tree.edit.trim_tail`;
-                ``note`` is what the policy's ``on_evict`` returned, usually None).
-
-        Returns:
-            Freed block ids in eviction order (fewer than asked when nothing is evictable).
-        """
-        freed: list[int] = []
-        leaves = self.leaves
-        by_priority = leaves.by_priority
-        record = evicted is not None
-        while len(freed) < num_blocks:
-            victim = leaves.first()
-            if victim is None:
-                break
-            ids = victim.block_ids
-            take = min(num_blocks - len(freed), len(ids))
-            # A priority-keyed leaf trimmed only in part stays indexed and is re-keyed below
-            # (one decode allocation under pressure trims one block: usually no re-sort).
-            keep = take < len(ids) and by_priority
-            if not keep:
-                leaves.remove(victim)
-            if self.trim_hook is not None:
-                self.trim_hook(victim, take)
-            run = trim_tail(victim, take, freed, record)
-            self.num_cached_blocks -= take
-            note = self.policy.on_evict(victim, take)
-            if run is not None:
-                evicted.append((run[0], (run[1], run[2], run[3], note)))  # type: ignore[union-attr]
-            if ids:  # partially trimmed: still the same leaf
-                if keep:
-                    leaves.reposition(victim)
-                else:
-                    leaves.add(victim)
-                continue
-            parent = victim.parent
-            del parent.children[victim.key]  # type: ignore[union-attr]
-            if parent.parent is None:  # type: ignore[union-attr]
-                holders = self.root_child_keys[victim.key]
-                del holders[parent]
-                if not holders:
-                    del self.root_child_keys[victim.key]
-                if not parent.children and not parent.lock_ref:  # type: ignore[union-attr]
-                    self._drop_bare_root(parent)  # type: ignore[arg-type]
-            victim.parent = None
-            self.num_nodes -= 1
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                leaves.add(parent)  # type: ignore[arg-type]
-        return freed
+    #: ``evict(num_blocks, evicted=None) -> freed block ids``: block by block, each the tail
+    #: block of the leaf ranked first when it is taken (:func:`radixkv.cache.tree.evict.evict`,
+    #: bound as a method: no wrapper frame on the allocation path).
+    evict = evict_blocks
 
     # ---- locks --------------------------------------------------------------------------
     def _lock_one(self, node: Node) -> None:

@@ -1,0 +1,67 @@
+"""The cache's eviction path and the request-history fields it feeds to the policy.
+
+``CacheManager`` evicts in three steps, always together: the tree picks and trims blocks
+(block by block, :mod:`radixkv.cache.tree.evict`), the pool puts them back on the free list, the
+ghost list remembers the trimmed runs (``miss_causes.GhostList``), whose forgotten notes go to
+the policy's optional ``on_ghost_drop``. Also here: taking blocks for a request (evicting the
+shortfall) and stamping a released request's end on the path it held.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from radixkv.cache.events import KVEventLog
+from radixkv.cache.miss_causes import GhostList
+from radixkv.cache.pool import BlockPool
+from radixkv.cache.tree.node import Node
+from radixkv.cache.tree.radix_tree import RadixTree
+from radixkv.eviction import EvictionPolicy
+
+
+def make_ghost_list(policy: EvictionPolicy, capacity: int) -> GhostList:
+    """The cache's one ghost list (``capacity`` blocks), wired to the policy's
+    ``on_ghost_drop(notes)`` when it defines one that does something."""
+    hook = getattr(policy, "on_ghost_drop", None)
+    base = getattr(EvictionPolicy, "on_ghost_drop", None)
+    if hook is not None and base is not None and type(policy).on_ghost_drop is base:
+        hook = None  # the base class's no-op: skip collecting notes for it
+    return GhostList(capacity, on_drop=hook)
+
+
+def evict(tree: RadixTree, pool: BlockPool, ghost: GhostList, events: KVEventLog | None,
+          num_blocks: int) -> int:
+    """Evict up to ``num_blocks`` blocks through the policy: the tree drops them, the pool
+    frees them, the ghost list remembers them (KV events record the removal). Returns the
+    number evicted. ``tree.evict`` and ``ghost.add`` are looked up per call (a benchmark may
+    wrap them)."""
+    evicted: list = []
+    freed = tree.evict(num_blocks, evicted)
+    pool.free_cached(freed)
+    ghost.add(evicted)
+    if events is not None:
+        events.removed(evicted)
+    return len(freed)
+
+
+def take_blocks(pool: BlockPool, tree: RadixTree, evict_fn: Callable[[int], int],
+                num: int) -> list[int] | None:
+    """``num`` private blocks, evicting (``evict_fn``) if the free list is short; None changes
+    nothing (free + evictable blocks cannot cover ``num``)."""
+    short = num - pool.num_free_blocks
+    if short > 0:
+        if short > tree.num_evictable_blocks:
+            return None
+        evict_fn(short)
+    ids = pool.allocate(num)
+    if ids is None:  # pragma: no cover - guarded by the evictable count above
+        raise RuntimeError(f"allocate: {num} blocks not free after evicting {short}")
+    return ids
+
+
+def stamp_request_end(cursor: Node, end_s: float) -> None:
+    """Set ``request_end_s`` on every non-root node of the path a request holds (cursor up)."""
+    node: Node | None = cursor
+    while node is not None and node.parent is not None:
+        node.request_end_s = end_s
+        node = node.parent

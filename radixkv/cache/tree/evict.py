@@ -1,0 +1,230 @@
+"""Eviction from the radix tree: block by block, tail first, each from the first-ranked leaf.
+
+The rule: every evicted block is the tail block of the evictable leaf that ranks first *when
+that block is taken*. A leaf that loses a block is re-ranked before its next block is taken, so a
+policy that ranks a leaf by its last block (Belady's oracle keys a leaf by its tail block's next
+use) can spare a long leaf's front once the never-reused tail is gone; taking the whole
+shortfall from the first leaf and re-ranking afterwards (the rule before issue 19) lost such
+fronts. The blocks one leaf loses in a row are recorded as one run for the ghost list, with the
+note ``on_evict`` returned last (for the run's first block in token order, the one a returning
+request reaches first).
+
+How a policy's key moves on a trim decides the path (each makes the rule's choices):
+
+* **Unchanged** (``lru``, ``lfu``, ``fifo``: no ``num_blocks``, ``num_tokens`` or ``hashes`` in
+  the key): the first leaf stays first whatever it loses, so its share goes in one slice with
+  no key computed; ``on_evict`` is skipped when it is the base class's no-op.
+* **Never rises** (``gdsf``, ``cost``: GreedyDual credits ``∝ C(depth, n) / n``, the mean
+  recompute cost of the leaf's blocks, which only falls as its deepest blocks go, ``L`` and the
+  other inputs being fixed until the next event): the first leaf stays first too; its share
+  goes in one slice and one ``on_evict(leaf, n)`` reports it, as before issue 19, so these
+  policies make exactly the choices they made then.
+* **Anything else** (``belady``, ``belady-cost``, the learned policies): one block at a time,
+  each its own event (``on_evict(leaf, 1)``, then the leaf's new key); the leaf keeps losing
+  blocks while its new key still sorts before the index's second entry (which cannot change
+  meanwhile), so the sorted index is touched once per leaf, not per block.
+
+A policy declares its case with ``key_on_trim = "same" | "falls" | "any"``; else the exact
+classes named above are known and every other policy is ``"any"``. Victim-naming policies keep
+their own order: the named leaf loses up to the whole shortfall, then is handed back to the
+policy (``remove_leaf`` / ``add_leaf``) and the policy names the next victim.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from radixkv.cache.tree.edit import trim_tail
+from radixkv.cache.tree.node import GhostRun
+from radixkv.eviction import EvictionPolicy
+from radixkv.eviction.cost_aware import CostAwarePolicy
+from radixkv.eviction.fifo import FIFOPolicy
+from radixkv.eviction.gdsf import GDSFPolicy
+from radixkv.eviction.lfu import LFUPolicy
+from radixkv.eviction.lru import LRUPolicy
+
+if TYPE_CHECKING:
+    from radixkv.cache.tree.node import Node
+
+#: The tree these functions edit (``radix_tree.RadixTree``, which imports this module: typed
+#: loosely so the two stay free of an import cycle, type-only imports included).
+RadixTree = Any
+
+#: ``GhostRun`` from a 4-tuple in C (the NamedTuple constructor is a Python-level function).
+_ghost_run = partial(tuple.__new__, GhostRun)
+#: Registered policies by how their key moves when a leaf loses its tail (module docstring).
+_KEY_ON_TRIM = {LRUPolicy: "same", LFUPolicy: "same", FIFOPolicy: "same",
+                GDSFPolicy: "falls", CostAwarePolicy: "falls"}
+
+
+def key_on_trim(policy: EvictionPolicy) -> str:
+    """How ``policy``'s key of a leaf moves when the leaf loses its tail block and no other
+    event happens: ``"same"``, ``"falls"`` (never rises) or ``"any"``.
+
+    A policy says so with a ``key_on_trim`` attribute; else the exact classes of ``lru``,
+    ``lfu``, ``fifo`` (same) and ``gdsf``, ``cost`` (falls) are known (a subclass may key on
+    more), and every other policy is ``"any"`` (re-ranked after each block).
+
+    Raises:
+        ValueError: naming ``eviction_policy`` for a declared value not among the three.
+    """
+    declared = getattr(policy, "key_on_trim", None)
+    if declared is not None:
+        if declared not in ("same", "falls", "any"):
+            raise ValueError(f"eviction_policy: key_on_trim must be 'same', 'falls' or 'any', "
+                             f"got {declared!r}")
+        return declared
+    return _KEY_ON_TRIM.get(type(policy), "any")
+
+
+def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list[int]:
+    """Evict up to ``num_blocks`` blocks, block by block, each the tail block of the leaf that
+    ranks first when it is taken (the rule and its fast paths: this module's docstring).
+
+    Args:
+        tree: The tree; its counters, leaf index and root-key index are kept up to date.
+        num_blocks: Blocks wanted.
+        evicted: If given, one ``(key, GhostRun(tokens, hashes, extras, note))`` entry per run
+            trimmed off a leaf is appended for the ghost list: ``key`` is the hash input of the
+            run's first block (``parent hash || packed tokens || extras``), the run's fields
+            are in token order, ``note`` is what the policy's ``on_evict`` returned for its
+            first block (usually None).
+
+    Returns:
+        Freed block ids in eviction order (fewer than asked when nothing is evictable).
+    """
+    freed: list[int] = []
+    leaves = tree.leaves
+    if not leaves.by_priority or tree.trim_hook is not None:
+        _evict_named(tree, num_blocks, evicted, freed)
+        return freed
+    policy = tree.policy
+    sorted_entries, nodes = leaves.sorted, leaves.nodes
+    on_trim = tree.key_on_trim
+    whole = on_trim != "any"
+    priority, on_evict = policy.priority, policy.on_evict
+    # The base class's on_evict does nothing: skip it on the one-slice paths.
+    report = type(policy).on_evict is not EvictionPolicy.on_evict
+    left = num_blocks
+    # ``_lists[0][0]`` is ``sorted_entries[0]`` without SortedList's Python-level index checks
+    # (sortedcontainers keeps its entries in a list of sorted sublists, the first non-empty
+    # while any entry is left).
+    sublists = sorted_entries._lists
+    while left > 0 and sublists:
+        entry = sublists[0][0]
+        victim = nodes[entry[1]]
+        ids, hashes = victim.block_ids, victim.hashes
+        n = len(ids)
+        note = None
+        if whole:  # the key cannot rise: the whole share in one slice (same choices)
+            take = left if left < n else n
+            cut = n - take
+            freed.extend(reversed(ids[cut:]))
+            if cut:
+                run_hashes = hashes[cut:]
+                del ids[cut:], hashes[cut:]
+            else:  # the whole leaf goes: hand its list over, no copy
+                run_hashes, victim.hashes = hashes, []
+                del ids[:]
+            if report:
+                note = on_evict(victim, take)
+            new_entry = entry if on_trim == "same" else None
+        else:
+            second = sorted_entries[1] if len(sorted_entries) > 1 else None
+            run_hashes = []
+            uid = victim.uid
+            new_entry = None
+            while True:
+                freed.append(ids.pop())
+                run_hashes.append(hashes.pop())
+                note = on_evict(victim, 1)
+                if len(run_hashes) == left or not ids:
+                    break
+                new_entry = (priority(victim), uid)
+                if second is not None and not new_entry < second:
+                    break
+                new_entry = None
+            take = len(run_hashes)
+            run_hashes.reverse()
+            cut = n - take
+        left -= take
+        tree.num_cached_blocks -= take
+        bb = 4 * victim.block_size
+        tokens, x = victim.tokens, victim.extras
+        if evicted is not None:
+            # One copy of a partial run; a leaf that goes whole hands its buffer over (the
+            # detached node is never written again).
+            run_tokens = tokens[cut * bb :] if cut else tokens
+            run_x = x[cut:] if x is not None else None
+            parent_hash = victim.hashes[-1] if cut else victim.parent.end_hash  # type: ignore[union-attr]
+            evicted.append((parent_hash + run_tokens[:bb] + (run_x[0] if run_x else b""),
+                            _ghost_run((run_tokens, run_hashes, run_x, note))))
+        if ids:  # still a leaf: trim the rest of it and re-key it (an unmoved key stays put)
+            del tokens[cut * bb :]
+            if x is not None:
+                del x[cut:]
+            if new_entry is None:
+                new_entry = (priority(victim), victim.uid)
+            if new_entry != entry:
+                sorted_entries.remove(entry)
+                sorted_entries.add(new_entry)
+                victim.leaf_entry = new_entry
+            continue
+        leaves.remove(victim)
+        detach(tree, victim)
+    return freed
+
+
+def _evict_named(tree: RadixTree, num_blocks: int, evicted: list | None,
+                 freed: list[int]) -> None:
+    """Victim-naming policies, and any policy while a ``trim_hook`` (the store tier) must see
+    each trimmed run before it goes: one ``trim_tail`` per run."""
+    leaves = tree.leaves
+    by_priority = leaves.by_priority
+    whole = tree.key_on_trim != "any"
+    record = evicted is not None
+    while len(freed) < num_blocks:
+        victim = leaves.first()
+        if victim is None:
+            break
+        ids = victim.block_ids
+        # The shortfall at once from the leaf a victim-naming policy names, or a priority leaf
+        # whose key cannot rise on a trim (the same choices, one run for the hook); block by
+        # block (re-ranked after each) for any other priority policy.
+        take = 1 if by_priority and not whole else min(num_blocks - len(freed), len(ids))
+        keep = take < len(ids) and by_priority
+        if not keep:
+            leaves.remove(victim)
+        if tree.trim_hook is not None:
+            tree.trim_hook(victim, take)
+        run = trim_tail(victim, take, freed, record)
+        tree.num_cached_blocks -= take
+        note = tree.policy.on_evict(victim, take)
+        if run is not None:
+            evicted.append((run[0], (run[1], run[2], run[3], note)))  # type: ignore[union-attr]
+        if ids:
+            if keep:
+                leaves.reposition(victim)
+            else:
+                leaves.add(victim)
+            continue
+        detach(tree, victim)
+
+
+def detach(tree: RadixTree, victim: Node) -> None:
+    """Unlink a leaf left with no blocks (already out of the leaf index); its parent becomes
+    an evictable leaf if it is left childless and unlocked, a root left bare is dropped."""
+    parent = victim.parent
+    del parent.children[victim.key]  # type: ignore[union-attr]
+    if parent.parent is None:  # type: ignore[union-attr]
+        holders = tree.root_child_keys[victim.key]
+        del holders[parent]
+        if not holders:
+            del tree.root_child_keys[victim.key]
+        if not parent.children and not parent.lock_ref:  # type: ignore[union-attr]
+            tree._drop_bare_root(parent)  # type: ignore[arg-type]
+    victim.parent = None
+    tree.num_nodes -= 1
+    if parent.parent is not None and not parent.children and parent.lock_ref == 0:  # type: ignore[union-attr]
+        tree.leaves.add(parent)  # type: ignore[arg-type]
