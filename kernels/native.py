@@ -90,25 +90,27 @@ def _build() -> NativeKernels | None:
     if compiler is None:
         log.warning("native kernels: no C compiler found; staying on torch")
         return None
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"cpu_decode-{digest}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp, path)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            log.warning("native kernels: build failed (%s %s); staying on torch", exc,
-                        detail.decode(errors="replace")[-500:])
-            Path(tmp).unlink(missing_ok=True)
-            return None
-    # torch is imported (this module imports it), so libgomp.so.1 resolves to torch's runtime.
-    lib = ctypes.CDLL(str(path))
+    try:
+        source = _SOURCE.read_bytes()
+        digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+        path = _cache_dir() / f"cpu_decode-{digest}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+            try:
+                subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(tmp, path)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+        # torch is imported (this module imports it): libgomp.so.1 resolves to torch's runtime.
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:  # no source, unwritable cache, cc error
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning("native kernels: build or load failed (%s %s); staying on torch", exc,
+                    detail.decode(errors="replace")[-500:])
+        return None
     lib.rk_cpu_supported.restype = ctypes.c_int
     if not lib.rk_cpu_supported():
         log.info("native kernels: this CPU lacks AVX2/FMA; staying on torch")

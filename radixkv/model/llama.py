@@ -99,7 +99,8 @@ class LlamaForward:
             tensor = state_dict[name]
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"state_dict: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-            return tensor.to(device=self.device, dtype=dtype)
+            # Contiguous: the C kernels take raw row-major pointers (a loader may hand views).
+            return tensor.to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = get("model.embed_tokens.weight", (shape.vocab_size, hidden))
         if shape.tie_word_embeddings:

@@ -195,3 +195,13 @@ def test_pure_decode_step_runs_one_c_call_per_layer_and_matches_torch(tiny_d32: 
     assert results[True].shape == (2, 3, tiny_d32.shape.vocab_size)
     torch.testing.assert_close(results[True], results[False], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pools[True], pools[False], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_dir_it_cannot_write_keeps_torch(tiny_model: LoadedModel, monkeypatch, tmp_path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(blocked))  # mkdir under a file fails
+    assert native.load() is None
+    runner = ModelRunner(tiny_model, num_blocks=4, block_size=4)
+    assert runner.native is None and runner.forward_model.native is None
