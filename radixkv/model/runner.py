@@ -94,8 +94,8 @@ class ModelRunner:
         compile: ``torch.compile`` the decoder layers' dense math (see ``LlamaForward``).
         native_kernels: use the C decode kernels (``radixkv.kernels.native``: few-row
             projections and decode attention over the pool) on the ``torch`` backend with fp32
-            CPU weights; None = wherever they build and run (``RADIXKV_NATIVE_KERNELS=0`` turns
-            them off), False = never.
+            CPU weights and no ``compile``; None = wherever they build and run
+            (``RADIXKV_NATIVE_KERNELS=0`` turns them off), False = never.
 
     Attributes:
         k_pools / v_pools: per layer ``[M, B, Hkv, D]`` tensors of the model dtype.
@@ -122,7 +122,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         kernels = None
-        if (native_kernels is not False and self.attention_backend == "torch"
+        if (native_kernels is not False and self.attention_backend == "torch" and not compile
                 and self.device.type == "cpu" and self.dtype == torch.float32):
             kernels = native.load()
         self.native = kernels
@@ -279,6 +279,7 @@ class ModelRunner:
 
             nd = plan.native
             if (nd is not None and not plan.groups and batch.lora is None
+                    and self.forward_model.native is not None
                     and batch.num_tokens <= native.MAX_LINEAR_ROWS):
                 # A pure decode step: every layer is one C call (rows = sequences, in order).
                 return self.forward_model.decode_native(

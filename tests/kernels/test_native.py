@@ -159,6 +159,10 @@ def test_runner_native_off_for_bfloat16_and_by_env(tiny_model: LoadedModel, monk
     bf16 = dataclasses.replace(tiny_model, dtype=torch.bfloat16)
     assert ModelRunner(bf16, num_blocks=4, block_size=4).native is None
     assert ModelRunner(tiny_model, num_blocks=4, block_size=4, attention_backend="reference").native is None
+    # --compile keeps every projection on torch (the compiled graph takes no ctypes call), and
+    # the decode path with it: nothing may route a decode step to decode_native then.
+    compiled = ModelRunner(tiny_model, num_blocks=4, block_size=4, compile=True)
+    assert compiled.native is None and compiled._native_decode is None
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert ModelRunner(tiny_model, num_blocks=4, block_size=4).native is None
