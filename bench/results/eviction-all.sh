@@ -9,8 +9,8 @@
 # Env: OUT (default bench/results/eviction-issue19), JOBS (parallel replays, default 2),
 # CACHE (tokenized transcripts kept between runs), EXTRA (more flags for every run, e.g.
 # "--policies lru,cost,predicted-reuse,belady,belady-cost"), TRACES (subset, space-separated).
-# Measured on this 2-core machine with nothing else heavy running: about 15 minutes
-# (mini-swe-agent-gemini3's tokenization, ~2.5 min, is cached in $CACHE for later runs).
+# mini-swe-agent-gemini3's tokenization (~2.5 min) is cached in $CACHE for later runs; the
+# conversation trace took ~6 min for 10 policies x 4 capacities with JOBS=2 on this 2-core VM.
 set -eu
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/eviction-issue19}
