@@ -492,21 +492,17 @@ int rk_decode_layer_f32(float *hidden, int64_t num_seqs, int64_t hd, int64_t int
     int64_t *task_start = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (!task_start) return 2;
     const int64_t num_tasks = plan_tasks(kv_lens, num_seqs, window_left, chunk_tokens, task_start);
-    /* x: normed rows; qkv; attn; gu (gate | up), then act in its first half of each row */
+    /* x: normed rows; qkv; attn; gu (gate | up), then act in its first half of each row;
+     * parts; q (the rotated queries, packed for decode_for) */
     float *buf = malloc(sizeof(float) * (t * hd + t * qkv_n + t * q_n + t * 2 * inter
-                                         + (num_tasks > 0 ? num_tasks : 1) * hq * (d + 2)));
+                                         + (num_tasks > 0 ? num_tasks : 1) * hq * (d + 2) + t * q_n));
     if (!buf) {
         free(task_start);
         return 2;
     }
     float *x = buf, *qkv = x + t * hd, *attn = qkv + t * qkv_n, *gu = attn + t * q_n;
     float *parts = gu + t * 2 * inter;
-    float *q = malloc(sizeof(float) * t * q_n);
-    if (!q) {
-        free(buf);
-        free(task_start);
-        return 2;
-    }
+    float *q = parts + (num_tasks > 0 ? num_tasks : 1) * hq * (d + 2);
     const decode_args a = {q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
                            block_size, hq, hkv, d, scale, window_left, chunk_tokens, task_start,
                            parts, attn};
@@ -538,7 +534,6 @@ int rk_decode_layer_f32(float *hidden, int64_t num_seqs, int64_t hd, int64_t int
         for (int64_t i = 1; i < t; i++) memmove(gu + i * inter, gu + i * 2 * inter, sizeof(float) * inter);
         linear_for(gu, t, inter, w_down, hd, NULL, hidden, 1);
     }
-    free(q);
     free(buf);
     free(task_start);
     return 0;
