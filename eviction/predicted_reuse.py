@@ -1,306 +1,250 @@
-"""Learned-reuse eviction (``predicted-reuse``, ours) and its prior-only twin
-(``predicted-reuse-prior``): keep the blocks whose expected saved recompute per block-second held
-is largest, with the probability of reuse learned online from the cache's own ghost list.
+"""Predicted-reuse eviction (``predicted-reuse``, ours) and its prior-only twin
+(``predicted-reuse-prior``): keep the blocks whose expected saved recompute per block-second
+held is largest, with *when* each leaf is used next predicted from a learned model of how
+sessions come back.
 
 Formula
 -------
-A GreedyDual policy with ``cost``'s machinery (:class:`eviction.cost_aware.CostAwarePolicy`:
-inflation clock ``L`` rising to each victim's key, clock drift, pressure exponent ``γ``, ghost
-inheritance of the reuse count ``h``). A leaf accessed at clock ``t`` gets ``H = L(t) + v`` with
+The value of holding a leaf ``ν`` is its expected saved recompute per block-second,
 
-    v = ( P̂ · c / c₀ · (ĝ / τ̂) ^ β ) ^ γ
+    ρ(ν) = P(ν) · c(ν) / (t̂(ν) − now)
 
-* ``c / c₀`` — recompute FLOPs per block at the node's depth over those of a block at depth 0
-  (``eviction.cost_model``, as ``cost``).
-* ``P̂`` — probability that the node is asked for again within the horizon. The prior is
-  ``cost``'s Beta(1, 3) estimate ``P₀ = (h + 1) / (h + 4)``; the learned model is a logistic
-  regression over :data:`FEATURES` (the prior's logit among them) fitted by
-  :class:`eviction._reuse_learner.ReuseLearner` on evicted runs, and ``P̂ = P₀ · σ(w·x + b) /
-  r`` with ``r`` the share of evicted runs that came back (the model's *lift* over an average
-  victim, clipped to ``[1/4, 4]``), so an untrained or uninformative model gives the prior.
-* ``τ̂`` — expected time to that reuse: the mean of the node's last inter-access gaps
-  (``access_gaps``), else the gap between its session's last two requests (a live agent
-  session comes back within its tool-call latency), else ``ĝ``, the running mean of observed
-  reuse gaps; ``(ĝ / τ̂) ^ β`` is clipped to ``[1/4, 4]`` so one feature cannot dominate.
-  Dividing by ``τ̂`` turns the saved recompute into a rate: value per block-second held
-  (N. Beckmann et al., "LHD: Improving Cache Hit Rate by Maximizing Hit Density", NSDI 2018).
+(``P`` the probability that it is asked for again, ``c`` the recompute FLOPs of its blocks at
+their depth, ``t̂`` the predicted time of that reuse; N. Beckmann et al., "LHD: Improving Cache
+Hit Rate by Maximizing Hit Density", NSDI 2018, for value per space-time). The policy evicts the
+leaf of least ``ρ``, in one of two regimes chosen by the learned return-gap model
+(:class:`eviction._return_gaps.ReturnGapModel`: the distribution of the time from a session's
+request end to its next request, learned from the cache's own hits):
 
-Keys are computed at tree events only (insert, hit, unlock, split, trim); a model refit changes
-the keys given out afterwards, never those already in the leaf index.
+* **Regular returns** (most gaps within a factor 1.5 of their median ``ĝ``, as agent sessions
+  whose next call comes one tool latency after the last): a leaf released at ``e`` by its
+  session is used next at ``t̂ = e + ĝ``, with ``P ≈ 1`` while ``now ≤ e + k·ĝ`` (*live*) and
+  ``P ≈ 0`` after (*overdue*: the session ended; ``k = 1.1``). Overdue leaves go first, oldest
+  first; among live ones ``ρ`` is least for the furthest ``t̂``, i.e. the latest ``e`` — the
+  offline optimum's choice (L. Belady, IBM Systems Journal 1966) with the next use predicted.
+  A shared prefix (a node that had ≥ 2 children) is used next by whichever session comes, so
+  its own mean access gap, when longer than ``ĝ``, sets how long it stays live.
+  Keys are the absolute times ``e`` (set at tree events); the clock only decides which of the
+  oldest keys are overdue.
+* **Irregular returns** (chat users coming back after seconds or hours): ``t̂`` is not
+  predictable and ``ρ`` reduces to ``cost``'s credit — a GreedyDual key ``L + (P·c/c₀)^γ`` with
+  ``P`` from the leaf's reuse history (:class:`eviction.cost_aware.CostAwarePolicy`, kept
+  up to date in both regimes so a switch is instant).
 
-Labels (LRB: Z. Song et al., "Learning Relaxed Belady for Content Distribution Network
-Caching", NSDI 2020): :meth:`on_evict` returns the note ``(h, last access, sample id)`` that the
-cache keeps in its ghost list, and remembers the features the node was keyed with. The sample
-is labelled 1 when the run comes back (:meth:`on_ghost_hit`) within the horizon
-(``horizon_factor`` × the mean idle time of victims), and 0 when the ghost list forgets it
-(:meth:`on_ghost_drop`) or the horizon passes first.
+Before 32 gap samples the model assumes regular returns (its prior); without session keys
+(``prompt_cache_key`` / ``user``) a node's own release-to-next-hit gaps are the samples.
+``predicted-reuse-prior`` replaces the learned model by the no-information prior: every leaf's
+next use equally unpredictable, i.e. ``cost``'s ordering exactly.
 
-Training: every ``train_every`` evictions on the last ``window`` samples, synchronously with a
-fixed seed (``train_mode="sync"``, benchmarks: reproducible) or on a one-thread background
-worker (``"background"``, the server: the step loop never waits). ``train_cpu_s`` and
-``background_train_cpu_s`` report the time spent. scikit-learn is imported only by the fit.
+Both orders are kept over every evictable leaf in sorted indexes (``sortedcontainers``), keyed
+at tree events (insert, hit, unlock, trim), so choosing a victim is O(log n). A victim keeps its
+key when it loses its tail (the times do not move; ``cost``'s credit never rises), so the tree's
+block-by-block rule takes the shortfall from it in one run. ``on_evict`` returns ``cost``'s
+ghost note, so a run that comes back inherits its reuse history.
 """
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from typing import Any
 
-from ._reuse_learner import ReuseLearner, logistic
-from .base import NodeView, register
-from .cost_aware import CostAwarePolicy
-from .cost_model import CostShape, prefill_flops
+from sortedcontainers import SortedList
 
-#: Names of the predictor's inputs, in vector order (all known when the node is keyed).
-FEATURES = (
-    "prior_logit",          # logit of the Beta prior (h + 1) / (h + 4)
-    "log_reuses",           # log(1 + h), h = hits + inherited ghost reuses
-    "has_gaps",             # 1 when the node was hit at least twice (access_gaps non-empty)
-    "log_gap_ratio",        # log(mean access gap / ĝ), 0 without gaps
-    "log_depth",            # log(1 + depth_tokens / 1024)
-    "log_max_children",     # log(1 + most children the node ever had)
-    "has_session",          # 1 when a request carried a session key into the node
-    "log_session_gap",      # log(1 + gap between the session's last two requests / ĝ)
-    "log_request_s",        # log(1 + (request end - last access) / ĝ): how long it was held
-    "log_blocks",           # log(1 + num_blocks)
-)
-#: Bound of the pending (unlabelled) samples and of the per-session state kept.
-_PENDING_MAX = 1 << 16
-_SESSIONS_MAX = 1 << 16
+from ._return_gaps import ReturnGapModel
+from .base import NodeView, VictimPolicy, register
+from .cost_aware import CostAwarePolicy
+from .cost_model import CostShape
+
+_TRAIN_MODES = ("sync", "background")
 
 
 @register("predicted-reuse")
-class PredictedReusePolicy(CostAwarePolicy):
-    """GreedyDual with credit ``(P̂ · c / c₀ · (ĝ / τ̂)^β)^γ`` (see the module docstring).
+class PredictedReusePolicy(VictimPolicy):
+    """Evict the leaf of least predicted saved recompute per block-second (module docstring).
 
     Args:
         model_shape: Cost-model shape (preset name, ``CostShape``, ``ModelShape``-like, None:
             ``llama3-8b``).
-        learn: False replaces the learned ``P̂`` by its prior (``predicted-reuse-prior``).
-        train_mode: ``"background"`` (default; the server) or ``"sync"`` (benchmarks).
-        seed: Seed of the fit (reproducible sync runs).
-        train_every: Evictions (blocks) between fits (4096).
-        window: Labelled samples a fit uses, newest first (4096).
-        horizon_factor: Horizon of the label in mean victim idle times (2).
-        gap_weight: ``β``, weight of the expected time to reuse (1).
-        lift_max: Bound of the learned lift over the prior (4).
-        regularization: Inverse L2 strength ``C`` of the logistic fit (1).
-        lift_outside: Apply the learned lift outside the exponent ``γ`` (False).
-        prior_hits, prior_misses, gamma_max, drift: As ``cost``.
+        learn: False replaces the learned return-gap model by the no-information prior
+            (``predicted-reuse-prior``: ``cost``'s ordering).
+        overdue_factor: ``k``: a live leaf is overdue ``k · ĝ`` after its release (> 1).
+        min_samples: Gap samples before the fitted regime replaces the prior (32).
+        train_mode, seed: Accepted for the benchmark's and the server's uniform construction;
+            the model refits inline (a sort of ≤ 256 floats every 8 samples), so both modes
+            train on the calling thread and ``background_train_cpu_s`` stays 0.
+        prior_hits, prior_misses, gamma_max, drift: ``cost``'s parameters (irregular regime).
 
     Attributes:
-        train_cpu_s: CPU seconds spent fitting (any thread).
-        background_train_cpu_s: The part spent on the background worker.
-        train_mode: ``"sync"`` or ``"background"``.
-        learner: The :class:`ReuseLearner` (its ``coef``, ``fits``, label counts).
+        gaps: The :class:`ReturnGapModel`.
+        victims_by_rule: Victims named so far per rule: ``overdue``, ``latest`` (live, furthest
+            predicted next use), ``value`` (``cost``'s credit).
 
     Raises:
         ValueError: naming the argument when a value is out of range.
     """
 
+    uses_model_shape = True
+
     def __init__(self, model_shape: str | CostShape | Any | None = None, *, learn: bool = True,
-                 train_mode: str = "background", seed: int = 0, train_every: int = 4096,
-                 window: int = 4096, horizon_factor: float = 2.0, gap_weight: float = 1.0,
-                 lift_max: float = 4.0, regularization: float = 1.0, lift_outside: bool = False,
-                 prior_hits: float = 1.0, prior_misses: float = 3.0, gamma_max: float = 3.0,
-                 drift: float = 3.0) -> None:
-        super().__init__(model_shape, prior_hits=prior_hits, prior_misses=prior_misses,
-                         gamma_max=gamma_max, drift=drift)
-        if horizon_factor <= 0:
-            raise ValueError(f"horizon_factor: must be positive, got {horizon_factor!r}")
-        if gap_weight < 0:
-            raise ValueError(f"gap_weight: must be ≥ 0, got {gap_weight!r}")
+                 overdue_factor: float = 1.1, min_samples: int = 32, train_mode: str = "sync",
+                 seed: int = 0, prior_hits: float = 1.0, prior_misses: float = 3.0,
+                 gamma_max: float = 3.0, drift: float = 3.0) -> None:
+        if train_mode not in _TRAIN_MODES:
+            raise ValueError(f"train_mode: must be 'sync' or 'background', got {train_mode!r}")
+        if not overdue_factor > 1.0:
+            raise ValueError(f"overdue_factor: must be > 1, got {overdue_factor!r}")
         self.learn = learn
-        self.horizon_factor = horizon_factor
-        self.gap_weight = gap_weight
-        self.lift_max = lift_max
-        self.lift_outside = lift_outside
-        self.learner = ReuseLearner(len(FEATURES), window=window, train_every=train_every,
-                                    train_mode=train_mode, seed=seed,
-                                    regularization=regularization)
-        self._features: dict[int, tuple[float, ...]] = {}  # uid -> features of its latest key
-        self._pending: dict[int, tuple[float, ...]] = {}  # sample id -> features, unlabelled
-        self._pending_order: deque[tuple[int, float]] = deque()  # (sample id, eviction clock)
-        self._next_sample = 0
-        # uid -> (last access, hit count, P̂ · rate) of its latest key: a trim keeps them
-        self._credit: dict[int, tuple[float, int, float, float]] = {}
-        # The run being trimmed (blocks of one leaf taken in a row): one sample per run, as
-        # the tree records one ghost run (and note) per leaf per eviction pass.
-        self._run_uid, self._run_sid = -1, -1
-        self._sessions: dict[str, tuple[float, float]] = {}  # key -> (last request, gap before)
+        self.overdue_factor = overdue_factor
+        self.seed = seed
+        self._train_mode = train_mode
+        self.gaps = ReturnGapModel(min_samples=min_samples)
+        self.value_policy = CostAwarePolicy(model_shape, prior_hits=prior_hits,
+                                            prior_misses=prior_misses, gamma_max=gamma_max,
+                                            drift=drift)
+        self.victims_by_rule = {"overdue": 0, "latest": 0, "value": 0}
+        self._leaves: dict[int, NodeView] = {}
+        self._by_time = SortedList()  # (release time key, uid): live leaves
+        self._overdue = SortedList()  # (release time key, uid): leaves found overdue
+        self._by_value = SortedList()  # (cost key, uid): every leaf
+        self._time_key: dict[int, tuple] = {}
+        self._value_key: dict[int, tuple] = {}
+        self._is_overdue: set[int] = set()
+        self._released: dict[int, float] = {}  # uid -> release time of its latest key
+        self._victim_rule: str | None = None
+        self.now_s = float("-inf")  # latest clock reading seen on any node
 
     # ---- reporting --------------------------------------------------------------------------
     @property
     def train_mode(self) -> str:
-        return self.learner.train_mode
+        return self._train_mode
 
     @property
     def train_cpu_s(self) -> float:
-        return self.learner.train_cpu_s
+        return self.gaps.fit_s
 
     @property
     def background_train_cpu_s(self) -> float:
-        return self.learner.background_train_cpu_s
+        return 0.0
 
-    # ---- prediction -------------------------------------------------------------------------
-    def features(self, node: NodeView, h: int) -> tuple[float, ...]:
-        """The feature vector of :data:`FEATURES` for ``node`` keyed now with ``h`` reuses."""
-        p0 = self.reuse_probability(h)
-        g = self.reuse_gap_s
-        gaps = getattr(node, "access_gaps", ())
-        gap_ratio = 0.0
-        if gaps and g > 0:
-            mean_gap = sum(gaps) / len(gaps)
-            gap_ratio = math.log(max(mean_gap, 1e-9) / g)
-        session = getattr(node, "session_key", None)
-        session_gap = request_s = 0.0
-        if session is not None and g > 0:
-            state = self._sessions.get(session)
-            if state is not None and state[1] > 0:
-                session_gap = math.log1p(state[1] / g)
-        end_s = getattr(node, "request_end_s", None)
-        if end_s is not None and g > 0 and end_s > node.last_access_s:
-            request_s = math.log1p((end_s - node.last_access_s) / g)
-        return (math.log(p0 / (1.0 - p0)), math.log1p(h), 1.0 if gaps else 0.0, gap_ratio,
-                math.log1p(node.depth_tokens / 1024.0),
-                math.log1p(getattr(node, "max_children", 0)), 0.0 if session is None else 1.0,
-                session_gap, request_s, math.log1p(node.num_blocks))
+    @property
+    def regular(self) -> bool:
+        """The regime in force: regular returns (learned), never for the prior twin."""
+        return self.learn and self.gaps.regular
 
-    def reuse_probability_of(self, x: tuple[float, ...]) -> float:
-        """``P̂`` for feature vector ``x``: the prior's (before a fit, or ``learn=False``) times
-        the learned lift ``σ(w · x + b) / base rate``, clipped to ``[1/lift_max, lift_max]``.
+    # ---- events -----------------------------------------------------------------------------
+    def _seen(self, t: float) -> None:
+        if t > self.now_s:
+            self.now_s = t
 
-        The model sees only evicted runs, most of which never return (a base rate of a few
-        per cent), so its raw probability is on another scale than the prior's; the lift keeps
-        the credits of an average victim where the prior puts them and lets the model move
-        each node up or down from there."""
-        p0 = logistic(x[0])
-        coef = self.learner.coef if self.learn else None
-        if coef is None:
-            return p0
-        weights, intercept, base = coef
-        z = intercept
-        for w, v in zip(weights, x):
-            z += w * v
-        lift = logistic(z) / base
-        hi = self.lift_max
-        return p0 * (hi if lift > hi else 1.0 / hi if lift * hi < 1.0 else lift)
-
-    def expected_reuse_s(self, node: NodeView) -> float:
-        """``τ̂``: mean of the node's access gaps, else its session's gap, else ``ĝ`` (0 when
-        nothing was observed yet)."""
-        gaps = getattr(node, "access_gaps", ())
-        if gaps:
-            return sum(gaps) / len(gaps)
-        session = getattr(node, "session_key", None)
-        if session is not None:
-            state = self._sessions.get(session)
-            if state is not None and state[1] > 0:
-                return state[1]
-        return self.reuse_gap_s
-
-    def _track_session(self, node: NodeView) -> None:
-        """Remember when the node's session last sent a request, and the gap before it."""
-        session = getattr(node, "session_key", None)
-        if session is None:
-            return
+    def on_hit(self, node: NodeView) -> None:
         t = node.last_access_s
-        state = self._sessions.get(session)
-        if state is None:
-            if len(self._sessions) >= _SESSIONS_MAX:
-                self._sessions.clear()  # rare: forget old sessions wholesale
-            self._sessions[session] = (t, 0.0)
-        elif t > state[0]:
-            self._sessions[session] = (t, t - state[0])
+        self._seen(t)
+        session = getattr(node, "session_key", None)
+        self.gaps.observe_return(node.uid if session is None else session, t)
 
-    def value(self, node: NodeView) -> float:
-        uid, t, hits = node.uid, node.last_access_s, node.hit_count
-        g = self.reuse_gap_s
-        cached = self._credit.get(uid)
-        if cached is not None and cached[0] == t and cached[1] == hits:
-            reuse_rate, lift = cached[2], cached[3]  # a trim: only the node's length changed
-        else:
-            h = self.reuses(node)
-            self._track_session(node)
-            x = self.features(node, h)
-            self._features[uid] = x
-            rate = 1.0
-            tau = self.expected_reuse_s(node)
-            if self.gap_weight and tau > 0 and g > 0:
-                rate = min(4.0, max(0.25, (g / tau) ** self.gap_weight))
-            p0 = logistic(x[0])
-            reuse_rate = self.reuse_probability_of(x) * rate
-            lift = 1.0
-            if self.lift_outside:  # the credit is (P₀ · rate · c / c₀)^γ · lift
-                lift = reuse_rate / (p0 * rate)
-                reuse_rate = p0 * rate
-            self._credit[uid] = (t, hits, reuse_rate, lift)
-        blocks = node.num_blocks or 1
-        bs = node.num_tokens // blocks or 1
-        c0 = self._c0.get(bs)
-        if c0 is None:
-            c0 = self._c0[bs] = prefill_flops(self.shape, 0, bs) * 1e-12
-        idle = self.mean_victim_idle_s
-        if idle > 0 and g > 0:
-            self.gamma = min(self.gamma_max, (g / idle) ** 2)
-        return (reuse_rate * self.node_flops(node) / blocks / c0) ** self.gamma * lift
+    def on_insert(self, node: NodeView, num_blocks: int) -> None:
+        self._seen(node.last_access_s)
 
-    # ---- labels -----------------------------------------------------------------------------
-    def on_evict(self, node: NodeView, num_blocks: int) -> tuple[int, float, int]:
-        """Inflation (GreedyDual); returns the ghost note ``(h, last access, sample id)``."""
-        h, last_s = super().on_evict(node, num_blocks)
+    def release_time(self, node: NodeView) -> float:
+        """``e``: the end of the latest request holding the node, else its last access."""
+        end = getattr(node, "request_end_s", None)
+        t = node.last_access_s
+        return end if end is not None and end > t else t
+
+    def time_key(self, node: NodeView) -> float:
+        """The release time, pushed later for a shared prefix whose own mean access gap is
+        longer than the sessions' median return gap (it stays live that much longer)."""
+        e = self.release_time(node)
+        g = self.gaps.median_s
+        if g > 0 and getattr(node, "max_children", 0) >= 2:
+            gaps = getattr(node, "access_gaps", ())
+            if gaps:
+                mean = sum(gaps) / len(gaps)
+                if mean > g:
+                    e += (mean - g) * self.overdue_factor
+        return e
+
+    def add_leaf(self, node: NodeView) -> None:
         uid = node.uid
-        x = self._features.get(uid)
-        if node.num_blocks == 0:
-            self._features.pop(uid, None)
-            self._credit.pop(uid, None)
-        sid = -1
-        if x is not None and self.learn:
-            self.learner.tick()
-            if uid == self._run_uid:  # the same run grows: the tree keeps one note per run
-                return (h, last_s, self._run_sid)
-            sid = self._next_sample
-            self._next_sample += 1
-            self._pending[sid] = x
-            self._pending_order.append((sid, self._latest))
-            self._expire(self._latest)
-        self._run_uid, self._run_sid = uid, sid
-        return (h, last_s, sid)
+        if uid in self._leaves:
+            self.remove_leaf(node)
+        e = self.release_time(node)
+        self._seen(node.last_access_s)
+        if self._released.get(uid) != e:
+            self._released[uid] = e
+            session = getattr(node, "session_key", None)
+            self.gaps.observe_end(uid if session is None else session, e)
+        tk = (self.time_key(node), uid)
+        vk = (self.value_policy.priority(node), uid)
+        self._time_key[uid], self._value_key[uid] = tk, vk
+        self._by_time.add(tk)
+        self._by_value.add(vk)
+        self._leaves[uid] = node
 
-    def _expire(self, now: float) -> None:
-        """Label 0 every pending sample whose horizon passed (or beyond the bound)."""
-        order = self._pending_order
-        horizon = self.horizon_factor * self.mean_victim_idle_s
-        while order and (len(order) > _PENDING_MAX
-                         or (horizon > 0 and now - order[0][1] > horizon)):
-            sid, _ = order.popleft()
-            x = self._pending.pop(sid, None)
-            if x is not None:
-                self.learner.add(x, 0)
+    def remove_leaf(self, node: NodeView) -> None:
+        uid = node.uid
+        if self._leaves.pop(uid, None) is None:
+            return
+        tk = self._time_key.pop(uid)
+        if uid in self._is_overdue:
+            self._is_overdue.discard(uid)
+            self._overdue.remove(tk)
+        else:
+            self._by_time.remove(tk)
+        self._by_value.remove(self._value_key.pop(uid))
+
+    def choose_victim(self) -> NodeView | None:
+        if not self._leaves:
+            return None
+        if self.regular:
+            g = self.gaps.median_s
+            by_time, overdue = self._by_time, self._overdue
+            if g > 0:
+                horizon = self.now_s - self.overdue_factor * g
+                while by_time and by_time[0][0] < horizon:
+                    tk = by_time.pop(0)
+                    overdue.add(tk)
+                    self._is_overdue.add(tk[1])
+            if overdue:
+                self._victim_rule = "overdue"
+                return self._leaves[overdue[0][1]]
+            self._victim_rule = "latest"
+            return self._leaves[by_time[-1][1]]
+        if self._overdue:  # back from the regular regime: nothing is known to be overdue
+            for tk in self._overdue:
+                self._by_time.add(tk)
+            self._overdue.clear()
+            self._is_overdue.clear()
+        self._victim_rule = "value"
+        return self._leaves[self._by_value[0][1]]
+
+    def on_evict(self, node: NodeView, num_blocks: int) -> tuple[int, float]:
+        """Returns ``cost``'s ghost note ``(h, last access)``.
+
+        A victim named by the time rule may carry a larger GreedyDual key than the least one;
+        ``L`` must not rise past that least key (``cost`` would have evicted it first), so the
+        victim's key is capped there before ``cost`` records the eviction."""
+        rule = self._victim_rule
+        if rule is not None:
+            self.victims_by_rule[rule] += 1
+            self._victim_rule = None
+        vp = self.value_policy
+        if rule != "value" and self._by_value:
+            least = self._by_value[0][0][0]
+            h = vp._keys.get(node.uid)
+            if h is not None and h > least:
+                vp._keys[node.uid] = least
+        if node.num_blocks == 0:
+            self._released.pop(node.uid, None)
+        return vp.on_evict(node, num_blocks)
 
     def on_ghost_hit(self, node: NodeView, notes: list) -> None:
-        """Runs came back: their samples are labelled 1; ``h`` is inherited as in ``cost``."""
-        inherited = []
-        for note in notes:
-            h, last_s, sid = note
-            x = self._pending.pop(sid, None)
-            if x is not None:
-                self.learner.add(x, 1)
-            inherited.append((h, last_s))
-        super().on_ghost_hit(node, inherited)
-
-    def on_ghost_drop(self, notes: list) -> None:
-        """The ghost list forgot these runs before they came back: labelled 0."""
-        for note in notes:
-            x = self._pending.pop(note[2], None)
-            if x is not None:
-                self.learner.add(x, 0)
+        self.value_policy.on_ghost_hit(node, notes)
 
 
 @register("predicted-reuse-prior")
 class PredictedReusePriorPolicy(PredictedReusePolicy):
-    """``predicted-reuse`` with ``P̂`` replaced by its Beta prior (no learning, no labels)."""
+    """``predicted-reuse`` with the return-gap model replaced by the no-information prior
+    (every leaf's next use equally unpredictable): ``cost``'s ordering."""
 
     def __init__(self, model_shape: str | CostShape | Any | None = None, **kwargs: Any) -> None:
         kwargs["learn"] = False

@@ -1,0 +1,128 @@
+"""Online model of when a cached prefix is asked for again: the distribution of *return gaps*
+(time from the end of a request to the next request of the same session), learned from the
+cache's own events, for ``predicted-reuse`` (:mod:`eviction.predicted_reuse`).
+
+An agent session alternates model calls and tool calls: its next request arrives one tool
+latency after its previous request ended, and after its last request nothing comes back. When
+those gaps are *regular* (most fall in a narrow band around their median), the time at which a
+session's leaf is used next is predictable (its request's end plus the median gap), and a leaf
+whose session is well past that time has most likely finished. When the gaps are spread over
+orders of magnitude (chat users coming back after seconds or hours), neither holds and a
+policy must fall back to value and recency.
+
+What is learned (all from events the policy already sees; nothing is rescored by the clock):
+
+* a gap sample per returning session: the session's latest release (``request_end_s`` of the
+  leaf it left, :meth:`ReturnGapModel.observe_end`) to the first hit of its next request
+  (:meth:`ReturnGapModel.observe_return`); for nodes without a session key, the node's own
+  release to its next hit;
+* over the last ``window`` samples (a ring): the median ``median_s`` and the share of samples
+  within ``[median / band, median · band]``; the gaps are *regular* when that share is at least
+  ``share_min``. Refitted every ``refit_every`` new samples (one sort of ≤ ``window`` floats).
+
+Before ``min_samples`` samples exist the model answers with its prior (``prior_regular``).
+"""
+
+from __future__ import annotations
+
+import time
+
+#: Sessions whose latest end is remembered; past this the table is cleared (rare).
+_SESSIONS_MAX = 1 << 16
+
+
+class ReturnGapModel:
+    """Learned return-gap distribution (module docstring).
+
+    Args:
+        window: Gap samples kept (newest replace oldest), ≥ 1.
+        min_samples: Samples needed before the fitted answer replaces the prior, ≥ 1.
+        refit_every: New samples between refits, ≥ 1.
+        band: Half-width of the regular band as a factor around the median, > 1.
+        share_min: Share of samples in the band that makes the gaps regular, in (0, 1].
+        prior_regular: Answer of :attr:`regular` before ``min_samples`` samples.
+
+    Attributes:
+        median_s: Median of the kept samples at the last refit (clock units; 0 before any).
+        in_band_share: Share of kept samples within the band at the last refit.
+        num_samples: Samples observed in total.
+        fit_s: Wall seconds spent refitting (reported as the policy's training time).
+
+    Raises:
+        ValueError: naming the argument when a value is out of range.
+    """
+
+    def __init__(self, *, window: int = 256, min_samples: int = 32, refit_every: int = 8,
+                 band: float = 1.5, share_min: float = 0.6, prior_regular: bool = True) -> None:
+        if window < 1:
+            raise ValueError(f"window: must be ≥ 1, got {window!r}")
+        if min_samples < 1:
+            raise ValueError(f"min_samples: must be ≥ 1, got {min_samples!r}")
+        if refit_every < 1:
+            raise ValueError(f"refit_every: must be ≥ 1, got {refit_every!r}")
+        if not band > 1.0:
+            raise ValueError(f"band: must be > 1, got {band!r}")
+        if not 0.0 < share_min <= 1.0:
+            raise ValueError(f"share_min: must be in (0, 1], got {share_min!r}")
+        self.window = window
+        self.min_samples = min_samples
+        self.refit_every = refit_every
+        self.band = band
+        self.share_min = share_min
+        self.prior_regular = prior_regular
+        self.median_s = 0.0
+        self.in_band_share = 0.0
+        self.num_samples = 0
+        self.fit_s = 0.0
+        self._gaps: list[float] = []
+        self._next = 0  # ring position of the oldest sample once full
+        self._since_fit = 0
+        self._regular = prior_regular
+        self._ends: dict[object, float] = {}  # session key (or node uid) -> latest release
+
+    @property
+    def regular(self) -> bool:
+        """Whether return gaps are regular (the prior until ``min_samples`` samples)."""
+        return self._regular
+
+    def observe_end(self, key: object, end_s: float) -> None:
+        """A request of session ``key`` (or the node ``key``) released its path at ``end_s``."""
+        ends = self._ends
+        if len(ends) >= _SESSIONS_MAX and key not in ends:
+            ends.clear()
+        ends[key] = end_s
+
+    def observe_return(self, key: object, now_s: float) -> float | None:
+        """Session (or node) ``key`` is back at ``now_s``: record the gap since its latest end
+        once (later hits of the same request find no end); returns the gap or None."""
+        end = self._ends.pop(key, None)
+        if end is None or now_s < end:
+            return None
+        gap = now_s - end
+        self.add(gap)
+        return gap
+
+    def add(self, gap_s: float) -> None:
+        """Record one return gap (clock units, ≥ 0) and refit when due."""
+        gaps = self._gaps
+        if len(gaps) < self.window:
+            gaps.append(gap_s)
+        else:
+            gaps[self._next] = gap_s
+            self._next = (self._next + 1) % self.window
+        self.num_samples += 1
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or len(gaps) <= self.min_samples:
+            self._fit()
+
+    def _fit(self) -> None:
+        t0 = time.perf_counter()
+        self._since_fit = 0
+        s = sorted(self._gaps)
+        m = s[len(s) // 2]
+        lo, hi = m / self.band, m * self.band
+        share = sum(1 for g in s if lo <= g <= hi) / len(s)
+        self.median_s, self.in_band_share = m, share
+        self._regular = (share >= self.share_min if len(s) >= self.min_samples
+                         else self.prior_regular)
+        self.fit_s += time.perf_counter() - t0
