@@ -95,9 +95,10 @@ class ReturnGapModel:
     def observe_return(self, key: object, now_s: float) -> float | None:
         """Session (or node) ``key`` is back at ``now_s``: record the gap since its latest end
         once (later hits of the same request find no end); returns the gap or None."""
-        end = self._ends.pop(key, None)
-        if end is None or now_s < end:
+        end = self._ends.get(key)
+        if end is None or now_s < end:  # an overlapping request of the session: not a return
             return None
+        del self._ends[key]
         gap = now_s - end
         self.add(gap)
         return gap

@@ -121,6 +121,11 @@ class EvictionPolicy(abc.ABC):  # noqa: B024 - the abstract methods are in its t
         first. With :meth:`on_ghost_hit` this labels every note: came back, or forgotten
         (a learned policy's positive and negative examples)."""
 
+    def bind_clock(self, clock: Callable[[], float]) -> None:  # noqa: B027 - optional hook
+        """Hook: the tree that owns the policy hands over its clock (the one node fields are
+        stamped with), once, when it is built. A policy whose keys are absolute times may read
+        it when asked for a victim (never to re-key leaves: keys change on tree events only)."""
+
     def on_hit(self, node: NodeView) -> None:  # noqa: B027 - optional hook
         """Hook (victim-naming policies only): a lookup matched ``node`` (leaf or not).
 

@@ -45,7 +45,7 @@ ghost note, so a run that comes back inherits its reuse history.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from sortedcontainers import SortedList
 
@@ -111,6 +111,12 @@ class PredictedReusePolicy(VictimPolicy):
         self._released: dict[int, float] = {}  # uid -> release time of its latest key
         self._victim_rule: str | None = None
         self.now_s = float("-inf")  # latest clock reading seen on any node
+        self._clock: Callable[[], float] | None = None
+
+    def bind_clock(self, clock: Callable[[], float]) -> None:
+        """The tree's clock: read when naming a victim, to tell which release times are past
+        their horizon (without it, the latest reading seen on a node stands in)."""
+        self._clock = clock
 
     # ---- reporting --------------------------------------------------------------------------
     @property
@@ -199,6 +205,8 @@ class PredictedReusePolicy(VictimPolicy):
             g = self.gaps.median_s
             by_time, overdue = self._by_time, self._overdue
             if g > 0:
+                if self._clock is not None:
+                    self._seen(self._clock())
                 horizon = self.now_s - self.overdue_factor * g
                 while by_time and by_time[0][0] < horizon:
                     tk = by_time.pop(0)

@@ -1,190 +1,180 @@
-"""``predicted-reuse`` / ``predicted-reuse-prior``: exact keys on hand-built node views, labels
-from the ghost list's hit / drop hooks, reproducible synchronous training, a background fit that
-never blocks a hook, and the session key path from a chat request to the node."""
+"""``predicted-reuse`` / ``predicted-reuse-prior``: the learned return-gap model (exact medians,
+bands and regimes), the victims of each regime on a real cache (exact blocks), the prior twin
+making exactly ``cost``'s choices, and the session key path from a chat request to the node."""
 
 from __future__ import annotations
 
-import math
 import random
-import threading
-from dataclasses import dataclass, field
 
 import pytest
 
+from radixkv.cache.evict_path import make_ghost_list
 from radixkv.cache.hashing import CacheIdentity
 from radixkv.cache.manager import CacheManager
 from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.eviction import available_policies, make_policy
-from radixkv.eviction.cost_model import get_shape, prefill_flops
-from radixkv.eviction.predicted_reuse import FEATURES, PredictedReusePolicy
+from radixkv.eviction._return_gaps import ReturnGapModel
+from radixkv.eviction.predicted_reuse import PredictedReusePolicy
 
-BS = 16
-
-
-@dataclass
-class FakeNode:
-    """A NodeView with the contract's extra fields (session_key … max_children)."""
-
-    uid: int
-    last_access_s: float = 1.0
-    hit_count: int = 0
-    created_s: float = 0.0
-    depth_tokens: int = 0
-    num_blocks: int = 1
-    lock_ref: int = 0
-    hashes: list = field(default_factory=list)
-    session_key: str | None = None
-    request_end_s: float | None = None
-    access_gaps: tuple = ()
-    max_children: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * BS
-
-
-def prior(**kw) -> PredictedReusePolicy:
-    return make_policy("predicted-reuse-prior", model_shape="smollm2-135m", **kw)
+BS = 4
 
 
 def learned(**kw) -> PredictedReusePolicy:
-    kw.setdefault("train_mode", "sync")
     return make_policy("predicted-reuse", model_shape="smollm2-135m", **kw)
 
 
-def test_registered_names_and_modes():
+def test_registered_names_kinds_and_argument_errors():
     assert {"predicted-reuse", "predicted-reuse-prior"} <= set(available_policies())
-    assert learned().train_mode == "sync"
-    assert make_policy("predicted-reuse").train_mode == "background"
-    assert prior().learn is False
+    p = learned()
+    assert p.kind == "victims" and p.learn and p.train_mode == "sync"
+    assert make_policy("predicted-reuse", train_mode="background").train_mode == "background"
+    assert make_policy("predicted-reuse-prior").learn is False
     with pytest.raises(ValueError, match="train_mode"):
         learned(train_mode="later")
+    with pytest.raises(ValueError, match="overdue_factor"):
+        learned(overdue_factor=1.0)
+    for kw, name in (({"window": 0}, "window"), ({"min_samples": 0}, "min_samples"),
+                     ({"refit_every": 0}, "refit_every"), ({"band": 1.0}, "band"),
+                     ({"share_min": 0.0}, "share_min")):
+        with pytest.raises(ValueError, match=name):
+            ReturnGapModel(**kw)
 
 
-def test_prior_keys_are_beta_prior_times_depth_cost():
-    p = prior()
-    # Fresh policy: L = 0, γ = 1, no gap observed (rate 1): H = (h + 1) / (h + 4) · c / c0.
-    assert p.priority(FakeNode(1, hit_count=0)) == (0.25, 1.0, 0)
-    assert p.priority(FakeNode(2, hit_count=2)) == (0.5, 1.0, 0)
-    shape = get_shape("smollm2-135m")
-    ratio = prefill_flops(shape, 4096, BS) / prefill_flops(shape, 0, BS)
-    key = p.priority(FakeNode(3, depth_tokens=4096))
-    assert key[0] == pytest.approx(0.25 * ratio, rel=1e-12) and key[1:] == (1.0, -4096)
-    # Eviction order: the cheap one-off node first, the often-hit one, then the deep one.
-    keys = sorted((p.priority(n), n.uid) for n in
-                  (FakeNode(1), FakeNode(2, hit_count=2), FakeNode(3, depth_tokens=4096)))
-    assert [uid for _, uid in keys] == [1, 2, 3]
+def test_return_gap_model_median_band_and_regime():
+    m = ReturnGapModel(window=8, min_samples=4, refit_every=2, band=1.5, share_min=0.6,
+                       prior_regular=False)
+    for g in (1.0, 1.2, 0.9):
+        m.add(g)
+    # Three samples (< min_samples): fitted, but the prior still answers.
+    assert m.median_s == 1.0 and m.in_band_share == 1.0 and m.regular is False
+    m.add(1.1)
+    assert m.median_s == 1.1 and m.regular is True  # sorted [0.9, 1.0, 1.1, 1.2]
+    for g in (10.0, 100.0, 1000.0, 5.0):  # ring of 8 now full: [0.9 1 1.1 1.2 5 10 100 1000]
+        m.add(g)
+    assert m.median_s == 5.0 and m.in_band_share == 1 / 8 and m.regular is False
+    for g in (1.0, 1.0, 1.0, 1.0):  # replace the four oldest: [1 1 1 1 5 10 100 1000]
+        m.add(g)
+    assert m.median_s == 5.0 and m.regular is False
+    assert m.num_samples == 12 and m.fit_s > 0
 
 
-def test_expected_reuse_time_divides_the_credit():
-    p = prior()
-    p.reuse_gap_s = 10.0  # ĝ as if observed
-    # β = 1: τ̂ = mean access gap 5 -> ĝ / τ̂ = 2; τ̂ = 20 -> 0.5; clipped to [1/4, 4].
-    assert p.priority(FakeNode(1, access_gaps=(4.0, 6.0)))[0] == pytest.approx(0.5)
-    assert p.priority(FakeNode(2, access_gaps=(20.0,)))[0] == pytest.approx(0.125)
-    assert p.priority(FakeNode(3, access_gaps=(0.001,)))[0] == pytest.approx(1.0)
-    assert p.priority(FakeNode(4))[0] == pytest.approx(0.25)  # no gaps: τ̂ = ĝ
+def test_return_gap_is_counted_once_per_return():
+    m = ReturnGapModel(min_samples=1)
+    m.observe_end("s", 2.0)
+    assert m.observe_return("s", 1.5) is None  # before the end: not a return
+    assert m.observe_return("s", 3.25) == 1.25
+    assert m.observe_return("s", 3.5) is None  # the same request's deeper hit
+    assert m.num_samples == 1 and m.median_s == 1.25
 
 
-def test_learned_coefficients_are_applied_inline():
+class Replay:
+    """A real cache (tree + pool + ghost list) on a settable clock, requests served whole."""
+
+    def __init__(self, policy, num_blocks: int) -> None:
+        self.t = 0.0
+        self.cache = CacheManager(num_blocks, BS, clock=lambda: self.t)
+        self.cache.tree = RadixTree(BS, policy, lambda: self.t)
+        self.cache.ghost = make_ghost_list(policy, 1024)
+        self.root = self.cache.identity_root(CacheIdentity(model_revision="t", block_size=BS,
+                                                              kv_dtype="none", rope="none"))
+        self.policy = policy
+
+    def request(self, t: float, tokens: list[int], session: str | None, end_s: float) -> int:
+        self.t = t
+        c = self.cache
+        hit = c.begin("r", self.root, tokens, session_key=session)
+        assert c.allocate("r", len(tokens))
+        c.publish("r", tokens, len(tokens))
+        c.release("r", end_s=end_s)
+        return hit
+
+    def blocks_of(self, first_token: int) -> list[int]:
+        """Block ids of the leaf path whose first token is ``first_token``, root to tip."""
+        out = []
+        for node in self.cache.tree.iter_nodes():
+            if node.num_blocks and bytes(node.tokens)[:4] == first_token.to_bytes(4, "little"):
+                out = list(node.block_ids)
+        return out
+
+
+def _tokens(first: int, n_blocks: int) -> list[int]:
+    return [first] + [first * 100 + i for i in range(1, n_blocks * BS)]
+
+
+def test_regular_returns_evict_the_latest_live_session_then_an_overdue_one():
+    p = learned(min_samples=1)
+    r = Replay(p, num_blocks=9)
+    a, b = _tokens(1, 4), _tokens(2, 4)
+    assert r.request(0.0, a[: 2 * BS], "A", 0.5) == 0
+    assert r.request(0.1, b[: 2 * BS], "B", 0.6) == 0
+    assert r.request(1.5, a[: 3 * BS], "A", 2.0) == 2 * BS  # A returns 1.0 after its end
+    assert r.request(1.6, b[: 3 * BS], "B", 2.1) == 2 * BS  # so does B
+    assert p.regular and p.gaps.median_s == 1.0
+    a_ids, b_ids = r.blocks_of(1), r.blocks_of(2)
+    assert len(a_ids) == 3 and len(b_ids) == 3  # 6 of 9 blocks held, 3 free
+    # C needs 5 blocks at 2.2: both A (released 2.0) and B (2.1) are live; B's next use is
+    # predicted last (2.1 + 1.0), so B loses its tail -- LRU would take A's (accessed first).
+    assert r.request(2.2, _tokens(3, 5), "C", 2.5) == 0
+    assert r.blocks_of(2) == b_ids[:1] and r.blocks_of(1) == a_ids
+    assert p.victims_by_rule == {"overdue": 0, "latest": 1, "value": 0}
+    # At 3.3, A (released 2.0) is overdue (3.3 - 2.0 > 1.1 x 1.0): its tail goes first, though
+    # C (released 2.5, live) was accessed last.
+    c_ids = r.blocks_of(3)
+    assert r.request(3.3, _tokens(4, 2), "D", 3.6) == 0
+    assert r.blocks_of(1) == a_ids[:1] and r.blocks_of(3) == c_ids
+    assert p.victims_by_rule["overdue"] == 1
+    assert r.cache.evicted_blocks_total == 4
+
+
+def _random_workload(seed: int, n: int) -> list[tuple[float, list[int], str, float]]:
+    """Sessions growing turn by turn on a shared prefix, with spread-out return gaps."""
+    rng = random.Random(seed)
+    shared = [9000 + i for i in range(2 * BS)]
+    sessions: dict[str, list[int]] = {}
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(1.0) * rng.choice((0.1, 1.0, 30.0))
+        s = f"s{rng.randrange(12)}"
+        hist = sessions.setdefault(s, shared + [int(s[1:]) * 1000 + 500])
+        hist += [rng.randrange(1, 10**6) for _ in range(rng.randrange(1, 3 * BS))]
+        out.append((t, list(hist), s, t + rng.random()))
+    return out
+
+
+def _evictions(policy_name: str | PredictedReusePolicy, workload, num_blocks: int):
+    policy = (make_policy(policy_name, model_shape="smollm2-135m")
+              if isinstance(policy_name, str) else policy_name)
+    r = Replay(policy, num_blocks)
+    freed: list[int] = []
+    real = r.cache.tree.evict
+
+    def spy(n, evicted=None):
+        ids = real(n, evicted)
+        freed.extend(ids)
+        return ids
+
+    r.cache.tree.evict = spy
+    hits = [r.request(t, toks[: (len(toks) // BS) * BS], s, e) for t, toks, s, e in workload]
+    return freed, hits
+
+
+def test_prior_twin_makes_exactly_cost_choices():
+    work = _random_workload(3, 300)
+    cost_freed, cost_hits = _evictions("cost", work, 60)
+    prior_freed, prior_hits = _evictions("predicted-reuse-prior", work, 60)
+    assert len(cost_freed) > 500
+    assert prior_freed == cost_freed and prior_hits == cost_hits
+
+
+def test_irregular_returns_fall_back_to_cost_choices():
+    work = _random_workload(5, 300)
     p = learned()
-    weights = [0.0] * len(FEATURES)
-    weights[FEATURES.index("has_session")] = math.log(3.0)
-    p.learner.coef = (tuple(weights), 0.0, 0.25)
-    # Lift σ(z) / base rate 0.25 times the prior 0.25: σ(0) -> lift 2 without a session,
-    # σ(ln 3) = 0.75 -> lift 3 with one; a 1.0 base rate would give lift 0.5 and 0.75.
-    assert p.priority(FakeNode(1))[0] == pytest.approx(0.5)
-    assert p.priority(FakeNode(2, session_key="s"))[0] == pytest.approx(0.75)
-    p.learner.coef = (tuple(weights), -20.0, 0.25)  # lift clipped to 1/4
-    assert p.priority(FakeNode(3, session_key="s"))[0] == pytest.approx(0.25 / 4)
-    assert prior().reuse_probability_of(p.features(FakeNode(2, session_key="s"), 0)) == 0.25
-
-
-def _evict(p: PredictedReusePolicy, node: FakeNode):
-    p.priority(node)
-    node.num_blocks = 0
-    return p.on_evict(node, 1)
-
-
-def test_labels_from_ghost_hit_drop_and_horizon():
-    p = learned(train_every=10_000)
-    a, b, c = FakeNode(1, last_access_s=1.0), FakeNode(2, last_access_s=1.0), FakeNode(3)
-    xa, xb = p.features(a, 0), p.features(b, 0)
-    note_a, note_b = _evict(p, a), _evict(p, b)
-    assert note_a == (0, 1.0, 0) and note_b == (0, 1.0, 1)
-    p.on_ghost_hit(FakeNode(10, last_access_s=2.0), [note_a])  # came back: 1
-    p.on_ghost_drop([note_b])                                   # forgotten: 0
-    p.on_ghost_drop([note_a])                                   # already labelled: nothing
-    assert list(p.learner.samples) == [(xa, 1), (xb, 0)]
-    # Horizon: 4 × mean victim idle time. c is evicted idle 1 s (mean idle 1 -> horizon 4);
-    # an eviction at clock 10 labels c's still pending sample 0.
-    c.last_access_s = 2.0
-    p.priority(FakeNode(50, last_access_s=3.0))
-    note_c = _evict(p, c)
-    assert note_c[2] == 2 and p.learner.negatives == 1
-    _evict(p, FakeNode(4, last_access_s=10.0))
-    assert p.learner.negatives == 2 and p.learner.samples[-1][1] == 0
-    p.on_ghost_hit(FakeNode(11, last_access_s=11.0), [note_c])  # too late: stays 0
-    assert p.learner.positives == 1
-
-
-def _workload(policy) -> tuple[list[int], PredictedReusePolicy]:
-    """A seeded multi-session workload on a 48-block pool; returns per-request hits."""
-    clock = [0.0]
-    cache = CacheManager(48, 4, eviction_policy="lru", clock=lambda: clock[0], ghost_capacity=256)
-    cache.tree = RadixTree(4, policy, lambda: clock[0])
-    root = cache.identity_root(CacheIdentity(model_revision="t", block_size=4, kv_dtype="none",
-                                             rope="none"))
-    rng = random.Random(7)
-    sessions = {k: [1000 * k + i for i in range(8)] for k in range(12)}
-    hits = []
-    for step in range(400):
-        clock[0] = float(step)
-        k = rng.randrange(12) if rng.random() < 0.7 else rng.randrange(4)
-        prompt = sessions[k] + [rng.randrange(50_000, 60_000) for _ in range(rng.randrange(4, 12))]
-        sessions[k] = prompt if len(prompt) < 80 else sessions[k][:8]
-        hits.append(cache.begin("r", root, prompt))
-        assert cache.allocate("r", len(prompt))
-        cache.publish("r", prompt, len(prompt))
-        cache.release("r")
-    return hits, policy
-
-
-def test_sync_training_is_reproducible_with_a_seed():
-    h1, p1 = _workload(learned(seed=0, train_every=128, window=256))
-    h2, p2 = _workload(learned(seed=0, train_every=128, window=256))
-    assert p1.learner.fits >= 1 and p1.learner.positives > 0 and p1.learner.negatives > 0
-    assert h1 == h2
-    assert p1.learner.coef == p2.learner.coef and p1.learner.trusted_fits == p2.learner.trusted_fits
-    assert p1.learner._models[0].coef_.tolist() == p2.learner._models[0].coef_.tolist()
-    assert p1.train_cpu_s > 0 and p1.background_train_cpu_s == 0.0
-
-
-def test_background_training_never_blocks_the_hook(monkeypatch):
-    p = learned(train_mode="background", train_every=2, window=64)
-    p.learner.min_samples = 2
-    for i in range(4):
-        p.learner.add(tuple(float(i % 2) for _ in FEATURES), i % 2)
-    release, started = threading.Event(), threading.Event()
-    real_fit = p.learner._fit
-
-    def slow_fit(batch, num_new, background):
-        started.set()
-        release.wait(10)
-        real_fit(batch, num_new, background)
-
-    monkeypatch.setattr(p.learner, "_fit", slow_fit)
-    _evict(p, FakeNode(1))
-    _evict(p, FakeNode(2))  # the second tick starts a fit on the worker ...
-    assert started.wait(10)
-    _evict(p, FakeNode(3))  # ... and hooks keep returning while it runs
-    _evict(p, FakeNode(4))  # (a fit asked for meanwhile is skipped)
-    assert p.learner.coef is None and p.learner._worker.is_alive()
-    release.set()
-    p.learner.wait(10)
-    # A first fit has no held-out samples to be checked on: fitted, not published.
-    assert p.learner.fits == 1 and p.learner._models is not None and p.learner.coef is None
-    assert p.background_train_cpu_s == p.train_cpu_s > 0
+    p.gaps = ReturnGapModel(min_samples=1, prior_regular=False)
+    for g in (0.01, 0.1, 1.0, 10.0, 100.0):
+        p.gaps.add(g)  # spread over four decades: never regular
+    freed, hits = _evictions(p, work, 60)
+    assert not p.regular and p.victims_by_rule["overdue"] == p.victims_by_rule["latest"] == 0
+    assert (freed, hits) == _evictions("cost", work, 60)
 
 
 @pytest.mark.parametrize("hints,expected", [({"prompt_cache_key": "conv-42", "user": "u"}, "conv-42"),

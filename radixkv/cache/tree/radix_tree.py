@@ -60,6 +60,7 @@ class RadixTree:
         #: How the policy's key moves when a leaf loses its tail (picks ``evict``'s path).
         self.key_on_trim = key_on_trim(policy)
         self._clock = clock
+        policy.bind_clock(clock)
         self._uids = itertools.count()
         self.roots: dict[bytes, Node] = {}
         # First-block key -> roots having a child with that key (cheap "isolated" miss check).
