@@ -53,7 +53,7 @@ class ReturnGapModel:
     """
 
     def __init__(self, *, window: int = 256, min_samples: int = 32, refit_every: int = 8,
-                 band: float = 1.5, share_min: float = 0.6, prior_regular: bool = True) -> None:
+                 band: float = 1.5, share_min: float = 0.8, prior_regular: bool = True) -> None:
         if window < 1:
             raise ValueError(f"window: must be ≥ 1, got {window!r}")
         if min_samples < 1:
