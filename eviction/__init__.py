@@ -5,7 +5,7 @@ Installed as ``radixkv.eviction``. Import a policy by name with :func:`get_polic
 (``gdsf``, ``cost``, the oracles) and not to the others.
 
 Registered: ``lru``, ``lfu``, ``fifo``, ``gdsf``, ``s3fifo``, ``cost`` (ours),
-``predicted-reuse`` / ``predicted-reuse-prior`` (ours, learned reuse prediction), and the offline
+``predicted-reuse`` / ``predicted-reuse-prior`` (ours, learned next-use prediction), and the offline
 oracles ``belady`` / ``belady-cost`` (benchmarks only: they need the trace's future).
 """
 
