@@ -109,6 +109,7 @@ class PredictedReusePolicy(VictimPolicy):
         self._value_key: dict[int, tuple] = {}
         self._is_overdue: set[int] = set()
         self._released: dict[int, float] = {}  # uid -> release time of its latest key
+        self._key_hits: dict[int, int] = {}  # uid -> hit_count when it was last keyed
         self._victim_rule: str | None = None
         self.now_s = float("-inf")  # latest clock reading seen on any node
         self._clock: Callable[[], float] | None = None
@@ -175,7 +176,12 @@ class PredictedReusePolicy(VictimPolicy):
             self.remove_leaf(node)
         e = self.release_time(node)
         self._seen(node.last_access_s)
-        if self._released.get(uid) != e:
+        hits = node.hit_count
+        rekey_on_hit = hits > self._key_hits.get(uid, hits)
+        self._key_hits[uid] = hits
+        # A leaf hit while unlocked is re-keyed just before on_hit: that is its return, not a
+        # release (recording it as one would measure a zero gap).
+        if not rekey_on_hit and self._released.get(uid) != e:
             self._released[uid] = e
             session = getattr(node, "session_key", None)
             self.gaps.observe_end(uid if session is None else session, e)
@@ -243,6 +249,7 @@ class PredictedReusePolicy(VictimPolicy):
                 vp._keys[node.uid] = least
         if node.num_blocks == 0:
             self._released.pop(node.uid, None)
+            self._key_hits.pop(node.uid, None)
         return vp.on_evict(node, num_blocks)
 
     def on_ghost_hit(self, node: NodeView, notes: list) -> None:

@@ -105,6 +105,12 @@ EXPECTED = {
     # B 0.25·2.07, D 0.25·1.0, A 0.4·2.6, C 0.4·1.27; the drifting clock adds recency, so the
     # never-reused B and D go first, then A (and S behind it, last used at 4) before C (at 6).
     "cost": [14, 30, 15, 13, 12, 11, 10, 21, 20],
+    # Two returns seen (A released at 1 and hit at 4, C at 3 and 6): median gap 3, regular.
+    # At 6, B (released at 2 < 6 - 1.1 x 3) is overdue and goes first; then the latest
+    # release first (furthest predicted next use): C@6, D@5, A@4, S once A is gone.
+    "predicted-reuse": [14, 21, 20, 30, 15, 13, 12, 11, 10],
+    # No next use predictable: cost's order.
+    "predicted-reuse-prior": [14, 30, 15, 13, 12, 11, 10, 21, 20],
 }
 
 

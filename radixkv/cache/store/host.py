@@ -112,6 +112,7 @@ class HostStore(StoreBackend):
         self.block_size = block_size
         self.policy = policy
         self._clock = clock
+        policy.bind_clock(clock)
         self._lock = threading.Lock()
         self._leaves = LeafIndex(policy)
         self._notify_policy = not self._leaves.by_priority
