@@ -103,7 +103,7 @@ class PredictedReusePolicy(VictimPolicy):
         self.victims_by_rule = {"overdue": 0, "latest": 0, "value": 0}
         self._leaves: dict[int, NodeView] = {}
         self._by_time = SortedList()  # (release time key, uid): live leaves
-        self._overdue = SortedList()  # (release time key, uid): leaves found overdue
+        self._overdue = SortedList()  # (cost key, uid): leaves found overdue
         self._by_value = SortedList()  # (cost key, uid): every leaf
         self._time_key: dict[int, tuple] = {}
         self._value_key: dict[int, tuple] = {}
@@ -197,12 +197,13 @@ class PredictedReusePolicy(VictimPolicy):
         if self._leaves.pop(uid, None) is None:
             return
         tk = self._time_key.pop(uid)
+        vk = self._value_key.pop(uid)
         if uid in self._is_overdue:
             self._is_overdue.discard(uid)
-            self._overdue.remove(tk)
+            self._overdue.remove(vk)
         else:
             self._by_time.remove(tk)
-        self._by_value.remove(self._value_key.pop(uid))
+        self._by_value.remove(vk)
 
     def choose_victim(self) -> NodeView | None:
         if not self._leaves:
@@ -215,17 +216,17 @@ class PredictedReusePolicy(VictimPolicy):
                     self._seen(self._clock())
                 horizon = self.now_s - self.overdue_factor * g
                 while by_time and by_time[0][0] < horizon:
-                    tk = by_time.pop(0)
-                    overdue.add(tk)
-                    self._is_overdue.add(tk[1])
+                    uid = by_time.pop(0)[1]
+                    overdue.add(self._value_key[uid])
+                    self._is_overdue.add(uid)
             if overdue:
                 self._victim_rule = "overdue"
                 return self._leaves[overdue[0][1]]
             self._victim_rule = "latest"
             return self._leaves[by_time[-1][1]]
         if self._overdue:  # back from the regular regime: nothing is known to be overdue
-            for tk in self._overdue:
-                self._by_time.add(tk)
+            for uid in self._is_overdue:
+                self._by_time.add(self._time_key[uid])
             self._overdue.clear()
             self._is_overdue.clear()
         self._victim_rule = "value"
