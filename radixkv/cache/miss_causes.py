@@ -149,34 +149,48 @@ class GhostList:
     def add(self, evicted: Iterable[tuple[bytes, tuple]]) -> None:
         """Remember evicted runs ``(first block's hash input, (tokens, hashes, extras[, note]))``.
 
-        Forgets the oldest entries beyond the capacity.
+        Forgets the oldest entries beyond the capacity. Every allocation that evicts calls this
+        (most with one run of one block, extending the entry its leaf's previous eviction made):
+        kept to a few dict operations per run.
         """
-        runs, by_parent, noted = self._runs, self._by_parent, self._noted
+        runs, by_parent = self._runs, self._by_parent
         dropped: list = []
-        for key, raw in evicted:
-            run = raw if type(raw) is GhostRun else GhostRun(*raw)
-            hashes = run.hashes
-            if run.note is not None:
-                noted[id(run)] = run
+        added = 0
+        for key, run in evicted:
+            if type(run) is not GhostRun:
+                run = GhostRun(*run)
+            hashes = run[1]
+            if run[3] is not None:
+                self._noted[id(run)] = run
             parent_hash = key[: len(hashes[0])]
-            old = runs.pop(key, None)
-            if old is not None:  # that very block is evicted again: so it had come back
-                self.num_blocks -= old.num_blocks
-                if by_parent.get(old.parent_hash) == key:
-                    del by_parent[old.parent_hash]
-                if noted:
-                    dropped += self._dropped_notes(old, skip_first=True)
             next_key = by_parent.pop(hashes[-1], None)
-            chain = runs.pop(next_key, None) if next_key is not None else None
-            if chain is not None:  # this run ends where that entry begins: extend it
+            if next_key is not None:  # this run ends where that entry begins: extend it
+                chain = runs.pop(next_key)
                 chain.newest_first.append(run)
                 chain.parent_hash = parent_hash
                 chain.num_blocks += len(hashes)
             else:
                 chain = _Chain(parent_hash, run)
-            runs[key] = chain
+            old = runs.setdefault(key, chain)
+            if old is not chain:  # that very block is evicted again: so it had come back
+                self.num_blocks -= old.num_blocks
+                if self._noted:
+                    dropped += self._dropped_notes(old, skip_first=True)
+                del runs[key]
+                runs[key] = chain
             by_parent[parent_hash] = key
-            self.num_blocks += len(hashes)
+            added += len(hashes)
+        self.num_blocks += added
+        if self.num_blocks > self.capacity:
+            dropped += self._forget_oldest()
+        if dropped and self.on_drop is not None:
+            self.on_drop(dropped)
+
+    def _forget_oldest(self) -> list:
+        """Forget the oldest entries until at most ``capacity`` blocks are held; return the
+        notes of their runs that did not come back, oldest first."""
+        runs, by_parent, noted = self._runs, self._by_parent, self._noted
+        dropped: list = []
         while self.num_blocks > self.capacity:
             key, chain = runs.popitem(last=False)
             self.num_blocks -= chain.num_blocks
@@ -184,8 +198,7 @@ class GhostList:
                 del by_parent[chain.parent_hash]
             if noted:
                 dropped += self._dropped_notes(chain)
-        if dropped and self.on_drop is not None:
-            self.on_drop(dropped)
+        return dropped
 
 
 def empty_breakdown() -> dict[str, int]:

@@ -252,29 +252,52 @@ class BlockPool:
         self._num_cached += num
 
     def free_cached(self, block_ids: list[int]) -> None:
-        """Return blocks the tree evicted to the free list.
+        """Return blocks the tree evicted (in eviction order) to the free list.
+
+        Like :meth:`to_cached`, the hot path checks the run's ends and the cached count, then
+        writes one ownership byte per block (the tree's bookkeeping guarantees the rest, and
+        ``check_integrity`` verifies it); with :attr:`check_every_block` set every block is
+        checked first.
 
         Raises:
-            RuntimeError: if a block is not owned exactly once, appears twice, or more blocks
-                are given than are cached (nothing is changed then).
+            RuntimeError: if a checked block is not owned exactly once, appears twice, or more
+                blocks are given than are cached (nothing is changed then).
         """
+        own = self._own
+        num = len(block_ids)
+        if num == 1 and not self.check_every_block:  # one block per decode step: the commonest
+            block_id = block_ids[0]
+            if 0 <= block_id < self.num_blocks and own[block_id] == 1 and self._num_cached:
+                own[block_id] = _OWN_FREE
+                self._num_cached -= 1
+                self._free.append(block_id)
+                return
+        if not num:
+            return
+        first, last = block_ids[0], block_ids[-1]
+        if (num > self._num_cached or self.check_every_block or not 0 <= first < self.num_blocks
+                or not 0 <= last < self.num_blocks or own[first] != 1 or own[last] != 1):
+            self._check_free_cached(block_ids)
+        for block_id in block_ids:
+            own[block_id] = _OWN_FREE
+        self._num_cached -= num
+        self._free.extend(block_ids)
+
+    def _check_free_cached(self, block_ids: list[int]) -> None:
+        """Check every block of a :meth:`free_cached` call before anything changes."""
         own = self._own
         if len(block_ids) > self._num_cached:
             raise RuntimeError(f"free_cached: {len(block_ids)} blocks given, "
                                f"{self._num_cached} cached")
-        for i, block_id in enumerate(block_ids):
+        seen: set[int] = set()
+        for block_id in block_ids:
+            if block_id in seen:
+                raise RuntimeError(f"block {block_id}: given twice to free_cached")
+            seen.add(block_id)
             if not 0 <= block_id < self.num_blocks or own[block_id] != 1:
-                repeated = block_id in block_ids[:i]
-                for done in block_ids[:i]:  # all-or-nothing: undo, then report
-                    own[done] = 1
-                if repeated:
-                    raise RuntimeError(f"block {block_id}: given twice to free_cached")
                 self._expect(block_id, OWNED)
                 raise RuntimeError(f"block {block_id}: evicted from the tree with "
                                    f"{own[block_id]} owners")
-            own[block_id] = _OWN_FREE  # marks it done: a repeated id fails the check above
-        self._num_cached -= len(block_ids)
-        self._free.extend(block_ids)
 
     def _expect(self, block_id: int, state: int) -> None:
         if not 0 <= block_id < self.num_blocks:

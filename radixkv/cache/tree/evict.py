@@ -13,7 +13,9 @@ How a policy's key moves on a trim decides the path (each makes the rule's choic
 
 * **Unchanged** (``lru``, ``lfu``, ``fifo``: no ``num_blocks``, ``num_tokens`` or ``hashes`` in
   the key): the first leaf stays first whatever it loses, so its share goes in one slice with
-  no key computed; ``on_evict`` is skipped when it is the base class's no-op.
+  no key computed; ``on_evict`` is skipped when it is the base class's no-op. One block off a
+  longer text leaf (each decode step's eviction once the pool is full: most calls) has a path
+  of its own with the fewest operations.
 * **Never rises** (``gdsf``, ``cost``: GreedyDual credits ``∝ C(depth, n) / n``, the mean
   recompute cost of the leaf's blocks, which only falls as its deepest blocks go, ``L`` and the
   other inputs being fixed until the next event): the first leaf stays first too; its share
@@ -94,60 +96,155 @@ def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list
     Returns:
         Freed block ids in eviction order (fewer than asked when nothing is evictable).
     """
-    freed: list[int] = []
     leaves = tree.leaves
-    if not leaves.by_priority or tree.trim_hook is not None:
-        _evict_named(tree, num_blocks, evicted, freed)
-        return freed
-    policy = tree.policy
-    sorted_entries, nodes = leaves.sorted, leaves.nodes
-    on_trim = tree.key_on_trim
-    whole = on_trim != "any"
-    priority, on_evict = policy.priority, policy.on_evict
-    # The base class's on_evict does nothing: skip it on the one-slice paths.
-    report = type(policy).on_evict is not EvictionPolicy.on_evict
-    left = num_blocks
+    if num_blocks == 1 and leaves.trim_keeps_order and tree.trim_hook is None:
+        # The commonest eviction (one block per decode step once the pool is full), off a
+        # leaf that keeps its front and its unmoved key: the fewest operations.
+        sublists = leaves.sorted._lists  # see _evict_slices
+        if sublists:
+            victim = leaves.nodes[sublists[0][0][1]]
+            ids = victim.block_ids
+            if len(ids) > 1 and victim.extras is None:
+                tokens, hashes = victim.tokens, victim.hashes
+                bb = tree.block_bytes
+                freed = [ids.pop()]
+                run_tokens = tokens[-bb:]
+                del tokens[-bb:]
+                tree.num_cached_blocks -= 1
+                run_hash = hashes.pop()
+                if evicted is not None:
+                    evicted.append((hashes[-1] + run_tokens,
+                                    _ghost_run((run_tokens, [run_hash], None, None))))
+                return freed
+    if leaves.by_priority and tree.trim_hook is None:
+        path = tree.key_on_trim
+        if path == "any":
+            return _evict_each(tree, num_blocks, evicted)
+        return _evict_slices(tree, num_blocks, evicted, path == "same")
+    freed = []
+    _evict_named(tree, num_blocks, evicted, freed)
+    return freed
+
+
+def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
+                  same: bool) -> list[int]:
+    """Priority policies whose key of a leaf cannot rise when it loses its tail (``"same"``
+    or ``"falls"``): the first leaf stays first, so its whole share goes in one slice.
+
+    The hot path of every allocation that evicts (most take one block off a long leaf): kept
+    to the fewest Python operations, as the per-call cost decides ``bench tree``'s evict
+    ratio. ``same``: the key does not move, so the leaf is not re-keyed.
+    """
+    leaves = tree.leaves
+    sorted_entries = leaves.sorted
     # ``_lists[0][0]`` is ``sorted_entries[0]`` without SortedList's Python-level index checks
     # (sortedcontainers keeps its entries in a list of sorted sublists, the first non-empty
     # while any entry is left).
     sublists = sorted_entries._lists
+    nodes = leaves.nodes
+    policy = tree.policy
+    report = leaves.report_evict
+    bb = tree.block_bytes
+    freed: list[int] = []
+    left = num_blocks
+    while left > 0 and sublists:
+        entry = sublists[0][0]
+        victim = nodes[entry[1]]
+        ids = victim.block_ids
+        hashes = victim.hashes
+        tokens = victim.tokens
+        n = len(ids)
+        if left < n:  # the leaf keeps its front and stays first: its last share
+            cut = n - left
+            start = cut * bb
+            if left == 1:
+                freed.append(ids.pop())
+                run_hashes = [hashes.pop()]
+            else:
+                run_ids = ids[cut:].tolist()  # ints made in one C loop
+                del ids[cut:]
+                run_ids.reverse()
+                freed += run_ids
+                run_hashes = hashes[cut:]
+                del hashes[cut:]
+            run_tokens = tokens[start:]
+            del tokens[start:]
+            x = victim.extras
+            run_x = None
+            if x is not None:
+                run_x = x[cut:]
+                del x[cut:]
+            tree.num_cached_blocks -= left
+            note = policy.on_evict(victim, left) if report else None
+            if evicted is not None:
+                key = hashes[-1] + (run_tokens if left == 1 else run_tokens[:bb])
+                if run_x is not None:
+                    key += run_x[0]
+                evicted.append((key, _ghost_run((run_tokens, run_hashes, run_x, note))))
+            if not same:  # re-key it (an unmoved key stays put)
+                new_entry = (policy.priority(victim), victim.uid)
+                if new_entry != entry:
+                    sorted_entries.remove(entry)
+                    sorted_entries.add(new_entry)
+                    victim.leaf_entry = new_entry
+            return freed
+        # The whole leaf goes: hand its buffers over to the ghost run, no copy (the detached
+        # node is never written again).
+        run_ids = ids.tolist()
+        run_ids.reverse()
+        freed += run_ids
+        del ids[:]
+        victim.hashes = []
+        left -= n
+        tree.num_cached_blocks -= n
+        note = policy.on_evict(victim, n) if report else None
+        if evicted is not None:
+            x = victim.extras
+            key = victim.parent.end_hash + tokens[:bb]  # type: ignore[union-attr]
+            if x is not None:
+                key += x[0]
+                x = x[:]
+            evicted.append((key, _ghost_run((tokens, hashes, x, note))))
+        sorted_entries.pop(0)  # the victim's entry (SortedList's fast path for index 0)
+        victim.leaf_entry = None
+        del nodes[victim.uid]
+        detach(tree, victim)
+    return freed
+
+
+def _evict_each(tree: RadixTree, num_blocks: int, evicted: list | None) -> list[int]:
+    """Priority policies whose key of a leaf may move any way on a trim: one block at a time,
+    each its own ``on_evict(leaf, 1)``; the leaf keeps losing blocks while its new key still
+    sorts before the index's second entry (which cannot change meanwhile)."""
+    freed: list[int] = []
+    leaves = tree.leaves
+    policy = tree.policy
+    sorted_entries, nodes = leaves.sorted, leaves.nodes
+    priority, on_evict = policy.priority, policy.on_evict
+    left = num_blocks
+    sublists = sorted_entries._lists  # see _evict_slices
     while left > 0 and sublists:
         entry = sublists[0][0]
         victim = nodes[entry[1]]
         ids, hashes = victim.block_ids, victim.hashes
         n = len(ids)
-        note = None
-        if whole:  # the key cannot rise: the whole share in one slice (same choices)
-            take = left if left < n else n
-            cut = n - take
-            freed.extend(reversed(ids[cut:]))
-            if cut:
-                run_hashes = hashes[cut:]
-                del ids[cut:], hashes[cut:]
-            else:  # the whole leaf goes: hand its list over, no copy
-                run_hashes, victim.hashes = hashes, []
-                del ids[:]
-            if report:
-                note = on_evict(victim, take)
-            new_entry = entry if on_trim == "same" else None
-        else:
-            second = sorted_entries[1] if len(sorted_entries) > 1 else None
-            run_hashes = []
-            uid = victim.uid
+        second = sorted_entries[1] if len(sorted_entries) > 1 else None
+        run_hashes = []
+        uid = victim.uid
+        new_entry = None
+        while True:
+            freed.append(ids.pop())
+            run_hashes.append(hashes.pop())
+            note = on_evict(victim, 1)
+            if len(run_hashes) == left or not ids:
+                break
+            new_entry = (priority(victim), uid)
+            if second is not None and not new_entry < second:
+                break
             new_entry = None
-            while True:
-                freed.append(ids.pop())
-                run_hashes.append(hashes.pop())
-                note = on_evict(victim, 1)
-                if len(run_hashes) == left or not ids:
-                    break
-                new_entry = (priority(victim), uid)
-                if second is not None and not new_entry < second:
-                    break
-                new_entry = None
-            take = len(run_hashes)
-            run_hashes.reverse()
-            cut = n - take
+        take = len(run_hashes)
+        run_hashes.reverse()
+        cut = n - take
         left -= take
         tree.num_cached_blocks -= take
         bb = 4 * victim.block_size

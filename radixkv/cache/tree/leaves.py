@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
 
+from radixkv.cache.tree.evict import key_on_trim
 from radixkv.eviction import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -33,6 +34,14 @@ class LeafIndex:
             raise ValueError(f"eviction_policy: policy kind {policy.kind!r} is not supported")
         self.policy = policy
         self.by_priority = policy.kind == "priority"
+        #: Whether the policy's ``on_evict`` does something (the base class's is a no-op that
+        #: eviction skips).
+        self.report_evict = type(policy).on_evict is not EvictionPolicy.on_evict
+        #: A priority policy whose key of a leaf does not move when it loses its tail, and
+        #: that needs no ``on_evict``: the first leaf stays first whatever it loses (the tree's
+        #: one-block eviction takes its tail without consulting the policy).
+        self.trim_keeps_order = (self.by_priority and not self.report_evict
+                                 and key_on_trim(policy) == "same")
         self.sorted: SortedList = SortedList()
         self.nodes: dict[int, Node] = {}
 
