@@ -254,6 +254,11 @@ class PredictedReusePolicy(VictimPolicy):
         return vp.on_evict(node, num_blocks)
 
     def on_ghost_hit(self, node: NodeView, notes: list) -> None:
+        """Evicted runs came back: a return of the node's session (a gap sample, when no
+        resident node of the request counted it already) and ``cost``'s inherited history."""
+        session = getattr(node, "session_key", None)
+        if session is not None:
+            self.gaps.observe_return(session, node.last_access_s)
         self.value_policy.on_ghost_hit(node, notes)
 
 

@@ -102,7 +102,7 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
         if not req.known_hashes:
             req.ghost_notes = []
     result = tree.insert(req.cursor, tb, ids, hasher, extras=extras, known_hashes=known,
-                         ghost_notes=[(i, note) for i, note, _ in noted])
+                         ghost_notes=[(i, note) for i, note, _ in noted], session_key=session_key)
     result.node.session_key = session_key
     pool.to_cached(result.inserted_ids)
     if events is not None and result.inserted_ids:

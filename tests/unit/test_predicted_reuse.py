@@ -196,3 +196,15 @@ def test_chat_session_hint_reaches_the_nodes(tiny_model, hints, expected):
     nodes = [n for n in engine.cache.tree.iter_nodes() if n.num_blocks]
     assert nodes and {n.session_key for n in nodes} == {expected}
     assert all(n.request_end_s is not None for n in nodes)
+
+
+def test_a_session_whose_blocks_were_all_evicted_returns_through_the_ghost_list():
+    p = learned()
+    r = Replay(p, num_blocks=4)
+    assert r.request(0.0, _tokens(1, 2), "A", 0.5) == 0
+    assert r.request(0.6, _tokens(2, 4), "B", 1.0) == 0  # evicts all of A
+    assert r.blocks_of(1) == [] and p.gaps.num_samples == 0
+    # A comes back 1.25 after its end, one block longer: nothing of it is resident, the ghost
+    # list knows its two blocks (within the hit cap of the 3-block prompt).
+    assert r.request(1.75, _tokens(1, 3), "A", 2.0) == 0
+    assert p.gaps.num_samples == 1 and p.gaps.median_s == 1.25

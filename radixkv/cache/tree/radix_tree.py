@@ -195,7 +195,8 @@ class RadixTree:
     def insert(self, cursor: Node, tokens: Sequence[int] | bytes, block_ids: list[int],
                hasher: RunHasher, *, extras: Sequence[bytes] | None = None,
                known_hashes: Sequence[bytes] = (),
-               ghost_notes: Sequence[tuple[int, object]] = ()) -> InsertResult:
+               ghost_notes: Sequence[tuple[int, object]] = (),
+               session_key: str | None = None) -> InsertResult:
         """Publish full blocks continuing the chain at the end of ``cursor``.
 
         The caller's lock at ``cursor`` (its request cursor) moves to the returned node. Blocks
@@ -214,6 +215,8 @@ class RadixTree:
                 this insert brings back from the ghost list (``note``: what the policy's
                 ``on_evict`` returned); those inserted, not followed, go to the policy's
                 ``on_ghost_hit`` with the node receiving them.
+            session_key: The publishing request's session hint, set on the new node before
+                the policy hears of it (its ``on_ghost_hit`` may read it); None leaves it unset.
 
         Raises:
             RuntimeError: if the caller does not lock ``cursor``.
@@ -255,6 +258,8 @@ class RadixTree:
                                             rest_tb[len(known) * bb :], self.block_size,
                                             rest_x[len(known) :] if rest_x is not None else None)
         result = self._add_run(node, rest_tb, rest_ids, rest_x, hashes, now, block_ids[:k].tolist())
+        if session_key is not None:
+            result.node.session_key = session_key
         notes = [note for i, note in ghost_notes if i >= k]
         if notes:
             self.policy.on_ghost_hit(result.node, notes)
