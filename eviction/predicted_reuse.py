@@ -14,18 +14,21 @@ their depth, ``t̂`` the predicted time of that reuse; N. Beckmann et al., "LHD:
 Hit Rate by Maximizing Hit Density", NSDI 2018, for value per space-time). The policy evicts the
 leaf of least ``ρ``, in one of two regimes chosen by the learned return-gap model
 (:class:`eviction._return_gaps.ReturnGapModel`: the distribution of the time from a session's
-request end to its next request, learned from the cache's own hits):
+request end to its next request, learned from the cache's own hits and ghost-list returns):
 
-* **Regular returns** (most gaps within a factor 1.5 of their median ``ĝ``, as agent sessions
-  whose next call comes one tool latency after the last): a leaf released at ``e`` by its
-  session is used next at ``t̂ = e + ĝ``, with ``P ≈ 1`` while ``now ≤ e + k·ĝ`` (*live*) and
-  ``P ≈ 0`` after (*overdue*: the session ended; ``k = 1.1``). Overdue leaves go first, oldest
-  first; among live ones ``ρ`` is least for the furthest ``t̂``, i.e. the latest ``e`` — the
-  offline optimum's choice (L. Belady, IBM Systems Journal 1966) with the next use predicted.
+* **Regular returns** (≥ 80 % of gaps within a factor 1.5 of their median ``ĝ``, as agent
+  sessions whose next call comes one tool latency after the last): a leaf released at ``e`` by
+  its session is used next at ``t̂ = e + ĝ``, with ``P ≈ 1`` while ``now ≤ e + k·ĝ`` (*live*)
+  and, for its own session, ``P ≈ 0`` after (*overdue*: the session ended; ``k = 1.1``).
+  Overdue leaves go first; among them only other sessions may still reuse a leaf (a shared
+  prompt, a task run again), which ``cost``'s credit ranks (reuse history, depth), so they go
+  in ``cost``'s order. Among live leaves ``ρ`` is least for the furthest ``t̂``, i.e. the
+  latest ``e`` — the offline optimum's choice (L. Belady, IBM Systems Journal 1966) with the
+  next use predicted.
   A shared prefix (a node that had ≥ 2 children) is used next by whichever session comes, so
   its own mean access gap, when longer than ``ĝ``, sets how long it stays live.
-  Keys are the absolute times ``e`` (set at tree events); the clock only decides which of the
-  oldest keys are overdue.
+  Keys are the absolute times ``e`` and ``cost``'s keys (set at tree events); the clock only
+  decides which of the oldest release times are overdue.
 * **Irregular returns** (chat users coming back after seconds or hours): ``t̂`` is not
   predictable and ``ρ`` reduces to ``cost``'s credit — a GreedyDual key ``L + (P·c/c₀)^γ`` with
   ``P`` from the leaf's reuse history (:class:`eviction.cost_aware.CostAwarePolicy`, kept
