@@ -121,6 +121,14 @@ class GreedyDualPolicy(PriorityPolicy):
         self._memo[node.uid] = (state, key)
         return key
 
+    def cap_key(self, uid: int, level: float) -> None:
+        """Lower the ``H`` recorded for leaf ``uid`` to ``level`` when above it: a policy that
+        evicts the leaf out of GreedyDual's order (``predicted-reuse``) keeps ``L`` from rising
+        past the least key, where GreedyDual's own victim would have left it."""
+        h = self._keys.get(uid)
+        if h is not None and h > level:
+            self._keys[uid] = level
+
     def on_evict(self, node: NodeView, num_blocks: int) -> None:
         h = self._keys.get(node.uid)
         if node.num_blocks == 0:

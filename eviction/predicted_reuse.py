@@ -247,10 +247,7 @@ class PredictedReusePolicy(VictimPolicy):
             self._victim_rule = None
         vp = self.value_policy
         if rule != "value" and self._by_value:
-            least = self._by_value[0][0][0]
-            h = vp._keys.get(node.uid)
-            if h is not None and h > least:
-                vp._keys[node.uid] = least
+            vp.cap_key(node.uid, self._by_value[0][0][0])  # entries: ((H, t, -depth), uid)
         if node.num_blocks == 0:
             self._released.pop(node.uid, None)
             self._key_hits.pop(node.uid, None)
