@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Sequence
 
 from radixkv.cache.tree.compare import matching_blocks, walk
 from radixkv.cache.tree.node import GhostRun, Node, child_key
+from radixkv.cache.tree.node import ghost_run_from_tuple as _ghost_run
 from radixkv.cache.tree.radix_tree import RadixTree
 
 __all__ = ["MISS_CAUSES", "GhostList", "GhostRun", "classify_miss", "empty_breakdown"]
@@ -173,11 +174,7 @@ class GhostList:
                 chain = _Chain(parent_hash, run)
             old = runs.setdefault(key, chain)
             if old is not chain:  # that very block is evicted again: so it had come back
-                self.num_blocks -= old.num_blocks
-                if self._noted:
-                    dropped += self._dropped_notes(old, skip_first=True)
-                del runs[key]
-                runs[key] = chain
+                dropped += self._replace(key, old, chain)
             by_parent[parent_hash] = key
             added += len(hashes)
         self.num_blocks += added
@@ -185,6 +182,40 @@ class GhostList:
             dropped += self._forget_oldest()
         if dropped and self.on_drop is not None:
             self.on_drop(dropped)
+
+    def add_block(self, parent_hash: bytes, tokens: bytearray, block_hash: bytes) -> None:
+        """:meth:`add` of one evicted text block with no note (a decode step's eviction: the
+        commonest), given apart: its parent's chained hash, packed tokens, chained hash."""
+        run = _ghost_run((tokens, [block_hash], None, None))
+        key = parent_hash + tokens
+        runs, by_parent = self._runs, self._by_parent
+        next_key = by_parent.pop(block_hash, None)
+        if next_key is not None:  # this block ends where that entry begins: extend it
+            chain = runs.pop(next_key)
+            chain.newest_first.append(run)
+            chain.parent_hash = parent_hash
+            chain.num_blocks += 1
+        else:
+            chain = _Chain(parent_hash, run)
+        old = runs.setdefault(key, chain)
+        dropped = self._replace(key, old, chain) if old is not chain else None
+        by_parent[parent_hash] = key
+        self.num_blocks += 1
+        if self.num_blocks > self.capacity:
+            dropped = (dropped or []) + self._forget_oldest()
+        if dropped and self.on_drop is not None:
+            self.on_drop(dropped)
+
+    def _replace(self, key: bytes, old: _Chain, chain: _Chain) -> list:
+        """A run whose first block is ``old``'s first block was evicted again (so ``old`` had
+        come back): ``chain`` takes its key, at the newest end; returns the notes of ``old``'s
+        other runs, which did not come back."""
+        self.num_blocks -= old.num_blocks
+        dropped = self._dropped_notes(old, skip_first=True) if self._noted else []
+        runs = self._runs
+        del runs[key]
+        runs[key] = chain
+        return dropped
 
     def _forget_oldest(self) -> list:
         """Forget the oldest entries until at most ``capacity`` blocks are held; return the

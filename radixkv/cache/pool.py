@@ -283,6 +283,18 @@ class BlockPool:
         self._num_cached -= num
         self._free.extend(block_ids)
 
+    def free_one_cached(self, block_id: int) -> None:
+        """:meth:`free_cached` of one block (each decode step's eviction: the commonest), with
+        the same checks and errors."""
+        own = self._own
+        if (self.check_every_block or not 0 <= block_id < self.num_blocks or own[block_id] != 1
+                or not self._num_cached):
+            self.free_cached([block_id])
+            return
+        own[block_id] = _OWN_FREE
+        self._num_cached -= 1
+        self._free.append(block_id)
+
     def _check_free_cached(self, block_ids: list[int]) -> None:
         """Check every block of a :meth:`free_cached` call before anything changes."""
         own = self._own

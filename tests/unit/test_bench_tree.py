@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.cli import load_bench, main
 
 bt = load_bench("tree")
@@ -117,17 +118,39 @@ def test_pool_holds_the_largest_request_whatever_the_fraction() -> None:
     assert bt.pool_blocks(default, 16, 2048, 0.35) == (10128, 28939, 889)
 
 
-def test_evict_sums_tree_pool_and_ghost_list(monkeypatch) -> None:
-    ticks = iter(range(10**9))
-    # A clock advancing one per read: each eviction reads it three times (the tree call's
-    # start and end, the ghost-list call's end), so evict_tree counts 1 ns and evict (tree
-    # call start to ghost-list end, spanning free_cached) 2 ns per eviction.
+def test_evict_is_one_clock_pair_per_cache_eviction(monkeypatch) -> None:
+    from radixkv.cache import manager as cache_manager
+
+    # A clock advancing one per read: ``evict`` reads it twice per cache eviction (its start
+    # and end, spanning the tree, the pool and the ghost list), so it counts 1 ns per call;
+    # the tree-timed replay counts 1 ns per tree call the same way.
     monkeypatch.setattr(bt, "time", types.SimpleNamespace(perf_counter_ns=lambda: next(ticks)))
+    ticks = iter(range(10**9))
+    calls = {"cache": 0, "tree": 0, "tail": 0}
+    real_evict = cache_manager.CacheManager._evict
+    real_tree_evict = RadixTree.evict
+    real_take = RadixTree.take_tail_block
+
+    def count(name, fn):
+        def wrapped(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapped
+
+    monkeypatch.setattr(cache_manager.CacheManager, "_evict", count("cache", real_evict))
+    monkeypatch.setattr(RadixTree, "evict", count("tree", real_tree_evict))
+    monkeypatch.setattr(RadixTree, "take_tail_block", count("tail", real_take))
     workload = bt.make_workload(4, 2, 2048, 0)
     res = bt.replay(workload, 16, 229, "lru", 16)
-    ns, blocks = res["ns"], res["blocks"]
-    assert blocks["evict"] == blocks["evict_tree"] == res["evicted_blocks_total"] == 267
-    assert ns["evict_tree"] > 0 and ns["evict"] == 2 * ns["evict_tree"]
+    assert res["blocks"]["evict"] == res["evicted_blocks_total"] == 267
+    assert res["ns"]["evict"] == calls["cache"] == 51 and res["ns"]["evict_tree"] == 0
+    # 44 of the 51 take one block off a longer leaf (decode: take_tail_block), 7 more (223
+    # blocks) go through the tree's evict.
+    assert (calls["tail"], calls["tree"]) == (44, 7)
+    calls.update(cache=0, tree=0, tail=0)
+    res = bt.replay(workload, 16, 229, "lru", 16, time_tree=True)
+    assert res["blocks"]["evict_tree"] == res["evicted_blocks_total"] == 267
+    assert res["ns"]["evict_tree"] == calls["tree"] + calls["tail"] and res["ns"]["evict"] == 0
 
 
 def test_replay_restores_the_cache_manager_methods(monkeypatch) -> None:
@@ -137,13 +160,15 @@ def test_replay_restores_the_cache_manager_methods(monkeypatch) -> None:
     real = cache_manager.CacheManager.check_integrity
 
     def check(self, *args, **kwargs):
-        seen.append(("evict" in vars(self.tree), "free_cached" in vars(self.pool),
-                     "add" in vars(self.ghost)))
+        seen.append(("evict" in vars(self.tree), "take_tail_block" in vars(self.tree),
+                     "_evict" in vars(self)))
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(cache_manager.CacheManager, "check_integrity", check)
-    bt.replay(bt.make_workload(4, 2, 2048, 0), 16, 229, "lru", 16)
-    assert seen == [(False, False, False)]
+    workload = bt.make_workload(4, 2, 2048, 0)
+    bt.replay(workload, 16, 229, "lru", 16)
+    bt.replay(workload, 16, 229, "lru", 16, time_tree=True)
+    assert seen == [(False, False, False)] * 2
 
 
 def test_small_run_reports_targets_and_keeps_exit_0(tmp_path: Path, capsys) -> None:

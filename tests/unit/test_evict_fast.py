@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from radixkv.cache import evict_path
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.miss_causes import GhostList
 from radixkv.cache.pool import BlockPool
@@ -134,3 +135,85 @@ def test_ghost_list_re_evicted_block_replaces_its_entry() -> None:
     small.add([(h[2] + tok[3], (tok[3], [h[3]], None))])  # extends the second: 3 blocks held
     assert len(small) == 1 and small.num_blocks == 2
     assert small.get(h[2] + tok[3]).hashes == [h[3], h[4]]
+
+
+def cached_pool(tree: RadixTree) -> BlockPool:
+    """A pool holding every block of ``tree`` as cached (ids 0..n-1 as make_tree numbers them)."""
+    ids = sorted(i for n in tree.iter_nodes() for i in n.block_ids)
+    pool = BlockPool(ids[-1] + 1)
+    pool.to_cached(pool.allocate(ids[-1] + 1))
+    pool.free_cached([i for i in range(ids[-1] + 1) if i not in set(ids)])
+    return pool
+
+
+def ghost_state(ghost: GhostList) -> list:
+    return [(key, ghost.parts(key)) for key in ghost._runs] + [sorted(ghost._by_parent.items()),
+                                                              ghost.num_blocks]
+
+
+@pytest.mark.parametrize("policy_name", ["lru", "lfu", "cost"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_cache_one_block_path_matches_the_general_path(policy_name: str, seed: int) -> None:
+    """``evict_path.evict(…, 1)`` through ``take_tail_block`` / ``free_one_cached`` /
+    ``add_block`` leaves the tree, the pool and the ghost list exactly as ``tree.evict`` /
+    ``free_cached`` / ``add`` do (``cost`` reports ``on_evict``: never the fast path)."""
+    fast, ref = make_tree(policy_name, seed, False), make_tree(policy_name, seed, False)
+    ref.take_tail_block = lambda: None  # the general path only
+    pools = cached_pool(fast), cached_pool(ref)
+    ghosts = GhostList(12), GhostList(12)  # small: entries are forgotten along the way
+    real_take, taken = fast.take_tail_block, []
+    fast.take_tail_block = lambda: taken.append(real_take()) or taken[-1]
+    while fast.num_cached_blocks:
+        n = [evict_path.evict(t, p, g, None, 1) for t, p, g in zip((fast, ref), pools, ghosts)]
+        assert n == [1, 1]
+        assert pools[0]._free == pools[1]._free
+        assert ghost_state(ghosts[0]) == ghost_state(ghosts[1])
+        assert ({n.uid: list(n.block_ids) for n in fast.iter_nodes()}
+                == {n.uid: list(n.block_ids) for n in ref.iter_nodes()})
+    fast.check_integrity()
+    pools[0].check_integrity()
+    # Every eviction asked; 123 of the 214 / 223 blocks were a text leaf's tail off a longer
+    # leaf under a policy that needs no call, so they took the fast path.
+    fast_taken = sum(t is not None for t in taken)
+    assert (len(taken), fast_taken) == ({0: 214, 3: 223}[seed],
+                                        0 if policy_name == "cost" else 123)
+    assert pools[0].num_cached_blocks == 0 and evict_path.evict(fast, pools[0], ghosts[0], None,
+                                                                1) == 0
+
+
+def test_take_tail_block_applies_only_where_no_policy_call_is_needed() -> None:
+    tree = RadixTree(B, make_policy("lru"), clock=lambda: 0.0)
+    root = tree.root(b"r" * 16)
+    tree.lock(root)
+    node = tree.insert(root, list(range(2 * B)), [3, 4], BlockHasher()).node
+    tree.unlock(node)
+    hashes = list(node.hashes)
+    tail = b"".join(t.to_bytes(4, "little") for t in range(B, 2 * B))
+    assert tree.take_tail_block() == (4, hashes[0], tail, hashes[1])
+    assert tree.take_tail_block() is None  # a one-block leaf would go whole: evict() does it
+    assert tree.num_cached_blocks == 1 and list(node.block_ids) == [3]
+    tree.trim_hook = lambda leaf, take: None
+    tree.lock(node)
+    grown = tree.insert(node, list(range(B, 3 * B)), [5, 6], BlockHasher()).node
+    tree.unlock(grown)
+    assert tree.take_tail_block() is None  # a store tier must see every trim
+    tree.trim_hook = None
+    assert tree.take_tail_block()[0] == 6
+    for name in ("cost", "gdsf", "predicted-reuse"):  # they key or hear every trim
+        other = RadixTree(B, make_policy(name), clock=lambda: 0.0)
+        r = other.root(b"r" * 16)
+        other.lock(r)
+        other.unlock(other.insert(r, list(range(2 * B)), [3, 4], BlockHasher()).node)
+        assert other.take_tail_block() is None and other.num_cached_blocks == 2
+
+
+def test_ghost_add_block_is_add_of_one_block() -> None:
+    h = [bytes([i]) * 2 for i in range(5)]
+    tok = [bytearray([10 + i]) * 8 for i in range(5)]
+    steps = [(2, 3), (1, 2), (1, 2), (0, 1), (3, 4), (2, 3)]  # parent, block
+    for capacity in (100, 2):
+        one, ref = GhostList(capacity), GhostList(capacity)
+        for parent, block in steps:
+            one.add_block(h[parent], tok[block], h[block])
+            ref.add([(h[parent] + tok[block], (tok[block], [h[block]], None, None))])
+            assert ghost_state(one) == ghost_state(ref)

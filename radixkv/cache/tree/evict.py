@@ -34,11 +34,10 @@ policy (``remove_leaf`` / ``add_leaf``) and the policy names the next victim.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.tree.edit import trim_tail
-from radixkv.cache.tree.node import GhostRun
+from radixkv.cache.tree.node import ghost_run_from_tuple as _ghost_run
 from radixkv.eviction import EvictionPolicy
 from radixkv.eviction.cost_aware import CostAwarePolicy
 from radixkv.eviction.fifo import FIFOPolicy
@@ -53,8 +52,6 @@ if TYPE_CHECKING:
 #: loosely so the two stay free of an import cycle, type-only imports included).
 RadixTree = Any
 
-#: ``GhostRun`` from a 4-tuple in C (the NamedTuple constructor is a Python-level function).
-_ghost_run = partial(tuple.__new__, GhostRun)
 #: Registered policies by how their key moves when a leaf loses its tail (module docstring).
 _KEY_ON_TRIM = {LRUPolicy: "same", LFUPolicy: "same", FIFOPolicy: "same",
                 GDSFPolicy: "falls", CostAwarePolicy: "falls"}
@@ -97,25 +94,14 @@ def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list
         Freed block ids in eviction order (fewer than asked when nothing is evictable).
     """
     leaves = tree.leaves
-    if num_blocks == 1 and leaves.trim_keeps_order and tree.trim_hook is None:
-        # The commonest eviction (one block per decode step once the pool is full), off a
-        # leaf that keeps its front and its unmoved key: the fewest operations.
-        sublists = leaves.sorted._lists  # see _evict_slices
-        if sublists:
-            victim = leaves.nodes[sublists[0][0][1]]
-            ids = victim.block_ids
-            if len(ids) > 1 and victim.extras is None:
-                tokens, hashes = victim.tokens, victim.hashes
-                bb = tree.block_bytes
-                freed = [ids.pop()]
-                run_tokens = tokens[-bb:]
-                del tokens[-bb:]
-                tree.num_cached_blocks -= 1
-                run_hash = hashes.pop()
-                if evicted is not None:
-                    evicted.append((hashes[-1] + run_tokens,
-                                    _ghost_run((run_tokens, [run_hash], None, None))))
-                return freed
+    if num_blocks == 1:
+        taken = take_tail_block(tree)
+        if taken is not None:
+            block_id, parent_hash, run_tokens, run_hash = taken
+            if evicted is not None:
+                evicted.append((parent_hash + run_tokens,
+                                _ghost_run((run_tokens, [run_hash], None, None))))
+            return [block_id]
     if leaves.by_priority and tree.trim_hook is None:
         path = tree.key_on_trim
         if path == "any":
@@ -124,6 +110,38 @@ def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list
     freed = []
     _evict_named(tree, num_blocks, evicted, freed)
     return freed
+
+
+def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytes] | None:
+    """The commonest eviction, one block (each decode step's once the pool is full), when it
+    can skip the policy: the first leaf's tail block, taken if the policy's key of a leaf does
+    not move on a trim and needs no ``on_evict`` (``LeafIndex.trim_keeps_order``), no
+    ``trim_hook`` must see it, and the leaf is text that keeps a front block (so it stays a
+    leaf, first in the order). The fewest Python operations: this is most of ``bench tree``'s
+    evict time.
+
+    Returns:
+        ``(block id, parent hash, packed tokens, chained hash)`` of the block taken (the parent
+        hash being the leaf's new last hash), or None when the case does not apply (nothing
+        changed: use :func:`evict`).
+    """
+    leaves = tree.leaves
+    if not leaves.trim_keeps_order or tree.trim_hook is not None:
+        return None
+    sublists = leaves.sorted._lists  # see _evict_slices
+    if not sublists:
+        return None
+    victim = leaves.nodes[sublists[0][0][1]]
+    ids = victim.block_ids
+    if len(ids) < 2 or victim.extras is not None:
+        return None
+    tokens, hashes = victim.tokens, victim.hashes
+    bb = tree.block_bytes
+    run_tokens = tokens[-bb:]
+    del tokens[-bb:]
+    tree.num_cached_blocks -= 1
+    run_hash = hashes.pop()
+    return ids.pop(), hashes[-1], run_tokens, run_hash
 
 
 def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,

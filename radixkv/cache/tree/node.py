@@ -13,6 +13,7 @@ Node-level edits (split, grow, trim) are in :mod:`radixkv.cache.tree.edit`, run 
 from __future__ import annotations
 
 from array import array
+from functools import partial
 from typing import NamedTuple, Protocol, Sequence
 
 from radixkv.cache.hashing import unpack_tokens
@@ -192,6 +193,11 @@ class GhostRun(NamedTuple):
     hashes: list[bytes]
     extras: list[bytes] | None
     note: object = None
+
+
+#: ``GhostRun`` from a 4-tuple in C (the NamedTuple constructor is a Python-level function; the
+#: eviction path makes one per evicted run).
+ghost_run_from_tuple = partial(tuple.__new__, GhostRun)
 
 
 class RunHasher(Protocol):

@@ -24,7 +24,7 @@ from radixkv.cache.tree.check import check_tree
 from radixkv.cache.tree.compare import walk
 from radixkv.cache.tree.edit import add_child, as_block_ids, grow_node, split_node
 from radixkv.cache.tree.evict import evict as evict_blocks
-from radixkv.cache.tree.evict import key_on_trim
+from radixkv.cache.tree.evict import key_on_trim, take_tail_block
 from radixkv.cache.tree.leaves import LeafIndex
 from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, InsertResult, MatchResult, Node, RunHasher
 from radixkv.config import check_block_size
@@ -325,6 +325,10 @@ class RadixTree:
     #: block of the leaf ranked first when it is taken (:func:`radixkv.cache.tree.evict.evict`,
     #: bound as a method: no wrapper frame on the allocation path).
     evict = evict_blocks
+    #: ``take_tail_block() -> (block id, parent hash, tokens, hash) | None``: ``evict(1)`` with
+    #: its result given apart, where that needs no policy call (the cache's hot path; see
+    #: :func:`radixkv.cache.tree.evict.take_tail_block`).
+    take_tail_block = take_tail_block
 
     # ---- locks --------------------------------------------------------------------------
     def _lock_one(self, node: Node) -> None:
