@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d["seed"])
     parser.add_argument("--repeat", type=positive_int, default=3,
                         help="replays of the workload (>= 1); each operation keeps its fastest "
-                             "replay (the machine may be shared)")
+                             "replay (the machine may be shared); as many more, alternating, "
+                             "time the tree's eviction alone (evict_tree)")
     parser.add_argument("--c18-sizes", type=_sizes, default="5000,50000",
                         help="leaf counts for C18 (comma list), each >= 3 x --c18-ops")
     parser.add_argument("--c18-ops", type=positive_int, default=1000,
