@@ -141,7 +141,9 @@ def replay(workload: list, block_size: int, num_blocks: int, policy: str,
 
     Each prompt arrives as a list of fresh Python ints (as from a tokenizer) and is packed
     once (``pack``, timed apart); the lookup, the floor and the inserts then work on the same
-    packed bytes, as an engine that keeps each request's tokens packed does.
+    packed bytes, as an engine that keeps each request's tokens packed does. ``time_tree``:
+    time the tree's eviction calls alone (``evict_tree``) instead of the cache's whole
+    eviction (``evict``), so neither's clocks land inside the other.
     """
     cm = CacheManager(num_blocks, block_size, eviction_policy=policy)
     root = cm.identity_root(CacheIdentity("bench-rev", block_size, "bfloat16", "theta=1e4"))
