@@ -263,17 +263,13 @@ class BlockPool:
             RuntimeError: if a checked block is not owned exactly once, appears twice, or more
                 blocks are given than are cached (nothing is changed then).
         """
-        own = self._own
         num = len(block_ids)
-        if num == 1 and not self.check_every_block:  # one block per decode step: the commonest
-            block_id = block_ids[0]
-            if 0 <= block_id < self.num_blocks and own[block_id] == 1 and self._num_cached:
-                own[block_id] = _OWN_FREE
-                self._num_cached -= 1
-                self._free.append(block_id)
-                return
+        if num == 1:  # one block per decode step: the commonest
+            self.free_one_cached(block_ids[0])
+            return
         if not num:
             return
+        own = self._own
         first, last = block_ids[0], block_ids[-1]
         if (num > self._num_cached or self.check_every_block or not 0 <= first < self.num_blocks
                 or not 0 <= last < self.num_blocks or own[first] != 1 or own[last] != 1):
@@ -289,8 +285,7 @@ class BlockPool:
         own = self._own
         if (self.check_every_block or not 0 <= block_id < self.num_blocks or own[block_id] != 1
                 or not self._num_cached):
-            self.free_cached([block_id])
-            return
+            self._check_free_cached([block_id])
         own[block_id] = _OWN_FREE
         self._num_cached -= 1
         self._free.append(block_id)
