@@ -154,7 +154,6 @@ class GhostList:
         (most with one run of one block, extending the entry its leaf's previous eviction made):
         kept to a few dict operations per run.
         """
-        runs, by_parent = self._runs, self._by_parent
         dropped: list = []
         added = 0
         for key, run in evicted:
@@ -163,44 +162,42 @@ class GhostList:
             hashes = run[1]
             if run[3] is not None:
                 self._noted[id(run)] = run
-            parent_hash = key[: len(hashes[0])]
-            next_key = by_parent.pop(hashes[-1], None)
-            if next_key is not None:  # this run ends where that entry begins: extend it
-                chain = runs.pop(next_key)
-                chain.newest_first.append(run)
-                chain.parent_hash = parent_hash
-                chain.num_blocks += len(hashes)
-            else:
-                chain = _Chain(parent_hash, run)
-            old = runs.setdefault(key, chain)
-            if old is not chain:  # that very block is evicted again: so it had come back
-                dropped += self._replace(key, old, chain)
-            by_parent[parent_hash] = key
+            replaced = self._link(key, run, key[: len(hashes[0])], hashes[-1], len(hashes))
+            if replaced:
+                dropped += replaced
             added += len(hashes)
-        self.num_blocks += added
-        if self.num_blocks > self.capacity:
-            dropped += self._forget_oldest()
-        if dropped and self.on_drop is not None:
-            self.on_drop(dropped)
+        self._grew(added, dropped)
 
     def add_block(self, parent_hash: bytes, tokens: bytearray, block_hash: bytes) -> None:
         """:meth:`add` of one evicted text block with no note (a decode step's eviction: the
         commonest), given apart: its parent's chained hash, packed tokens, chained hash."""
         run = _ghost_run((tokens, [block_hash], None, None))
-        key = parent_hash + tokens
+        self._grew(1, self._link(parent_hash + tokens, run, parent_hash, block_hash, 1))
+
+    def _link(self, key: bytes, run: GhostRun, parent_hash: bytes, last_hash: bytes,
+              num: int) -> list | None:
+        """Enter a run of ``num`` blocks under ``key``: it extends the entry that begins right
+        after its last block (hash ``last_hash``) if there is one, else starts an entry. Returns
+        the notes dropped when it replaces an entry (see :meth:`_replace`), else None."""
         runs, by_parent = self._runs, self._by_parent
-        next_key = by_parent.pop(block_hash, None)
-        if next_key is not None:  # this block ends where that entry begins: extend it
+        next_key = by_parent.pop(last_hash, None)
+        if next_key is not None:  # this run ends where that entry begins: extend it
             chain = runs.pop(next_key)
             chain.newest_first.append(run)
             chain.parent_hash = parent_hash
-            chain.num_blocks += 1
+            chain.num_blocks += num
         else:
             chain = _Chain(parent_hash, run)
         old = runs.setdefault(key, chain)
-        dropped = self._replace(key, old, chain) if old is not chain else None
         by_parent[parent_hash] = key
-        self.num_blocks += 1
+        if old is not chain:  # that very block is evicted again: so it had come back
+            return self._replace(key, old, chain)
+        return None
+
+    def _grew(self, num_added: int, dropped: list | None) -> None:
+        """Count ``num_added`` blocks, forget the oldest entries beyond the capacity, hand the
+        notes dropped on the way to ``on_drop``."""
+        self.num_blocks += num_added
         if self.num_blocks > self.capacity:
             dropped = (dropped or []) + self._forget_oldest()
         if dropped and self.on_drop is not None:
