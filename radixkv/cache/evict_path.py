@@ -2,7 +2,7 @@
 
 ``CacheManager`` evicts in three steps, always together: the tree picks and trims blocks
 (block by block, :mod:`radixkv.cache.tree.evict`), the pool puts them back on the free list, the
-ghost list remembers the trimmed runs (``miss_causes.GhostList``), whose forgotten notes go to
+ghost list remembers the trimmed runs (``ghost.GhostList``), whose forgotten notes go to
 the policy's optional ``on_ghost_drop``. Also here: taking blocks for a request (evicting the
 shortfall) and stamping a released request's end on the path it held.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from radixkv.cache.events import KVEventLog
-from radixkv.cache.miss_causes import GhostList
+from radixkv.cache.ghost import GhostList
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tree.node import Node
 from radixkv.cache.tree.radix_tree import RadixTree

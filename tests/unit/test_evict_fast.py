@@ -11,7 +11,7 @@ import pytest
 
 from radixkv.cache import evict_path
 from radixkv.cache.hashing import BlockHasher
-from radixkv.cache.miss_causes import GhostList
+from radixkv.cache.ghost import GhostList
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tree.node import GhostRun
 from radixkv.cache.tree.radix_tree import RadixTree
@@ -147,7 +147,7 @@ def cached_pool(tree: RadixTree) -> BlockPool:
 
 
 def ghost_state(ghost: GhostList) -> list:
-    return [(key, ghost.parts(key)) for key in ghost._runs] + [sorted(ghost._by_parent.items()),
+    return [(key, ghost.parts(key)) for key in ghost.keys()] + [sorted(ghost._by_parent.items()),
                                                               ghost.num_blocks]
 
 

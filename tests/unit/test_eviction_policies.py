@@ -228,7 +228,7 @@ def test_cost_keeps_reuse_history_across_eviction() -> None:
     serve(1.0, [1] * 8)
     serve(2.0, [1] * 8 + [2] * 4)  # grows in place, h = 1
     assert cm.evict(3) == 3  # the ghost list keeps the run with the note (h = 1, t = 2)
-    assert [run.note for run in cm.ghost.parts(next(iter(cm.ghost._runs)))] == [(1, 2.0)]
+    assert [run.note for run in cm.ghost.parts(cm.ghost.keys()[0])] == [(1, 2.0)]
     serve(9.0, [1] * 8 + [2] * 4 + [3] * 4)
     (node,) = cm.tree.iter_nodes()
     assert node.hit_count == 0 and policy.reuses(node) == 2  # h_old + 1

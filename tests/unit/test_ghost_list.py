@@ -8,7 +8,7 @@ import itertools
 
 from radixkv.cache.hashing import CacheIdentity
 from radixkv.cache.manager import CacheManager
-from radixkv.cache.miss_causes import GhostList
+from radixkv.cache.ghost import GhostList
 
 B = 4
 

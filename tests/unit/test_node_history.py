@@ -129,7 +129,7 @@ def test_ghost_drop_labels_runs_forgotten_without_coming_back(monkeypatch) -> No
     cm = c.cm
     c.serve(1.0, [1] * 8)
     assert cm.evict(2) == 2 and dropped == []
-    (run1,) = cm.ghost.parts(next(iter(cm.ghost._runs)))
+    (run1,) = cm.ghost.parts(cm.ghost.keys()[0])
     assert run1.note == (0, 1.0)  # (reuses, last access) of P1
     c.serve(2.0, [2] * 8)
     assert cm.evict(2) == 2
@@ -140,7 +140,7 @@ def test_ghost_drop_labels_runs_forgotten_without_coming_back(monkeypatch) -> No
     assert cm.evict(2) == 2  # P2 goes again (last access 3 < 4): its entry is replaced
     assert c.nodes().keys() == {(3, 3)}
     assert dropped == [[(0, 1.0)]]  # nothing for P2's first run: it came back
-    (run2,) = cm.ghost.parts(next(iter(cm.ghost._runs)))
+    (run2,) = cm.ghost.parts(cm.ghost.keys()[0])
     assert run2.note == (1, 3.0)  # P2 again, one reuse inherited from its first run
     c.serve(5.0, [4] * 8)
     assert cm.evict(2) == 2  # P3 goes; P2's second run is forgotten without coming back

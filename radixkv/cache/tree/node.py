@@ -177,7 +177,7 @@ class GhostRun(NamedTuple):
     """Blocks evicted from one chain of leaf tails, in token order.
 
     Built by the tree's eviction (``RadixTree.evict``), kept by the cache's ghost list
-    (``radixkv.cache.miss_causes.GhostList``).
+    (``radixkv.cache.ghost.GhostList``).
 
     Attributes:
         tokens: Packed tokens of the run (``len(hashes) * B * 4`` bytes; a ``bytearray`` cut

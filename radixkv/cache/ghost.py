@@ -1,0 +1,280 @@
+"""The ghost list: a bounded FIFO of recently evicted runs (``evicted`` misses, ghost labels).
+
+Every eviction enters what it trimmed here (``radixkv.cache.evict_path``); a lookup probes it to
+tell an ``evicted`` miss from a ``cold`` one and recovers the blocks' chained hashes without
+hashing (``radixkv.cache.miss_causes.classify_miss``); a policy's notes on evicted runs come back
+to it as "reused" (``on_ghost_hit``) or "forgotten unused" (``on_ghost_drop``) labels.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterable
+
+from radixkv.cache.tree.node import GhostRun
+from radixkv.cache.tree.node import ghost_run_from_tuple as _ghost_run
+
+__all__ = ["GhostList", "GhostRun"]
+
+
+class _Chain:
+    """A ghost entry: evicted runs that continue one another.
+
+    A leaf is evicted tail first, often one block per allocation during decode, so the runs of
+    one leaf arrive in reverse token order. Each new run that ends where the entry begins is
+    appended to ``newest_first`` instead of making a new entry, so eviction stays O(1) per run
+    and a lookup probes the dict once per chain and compares the runs in token order
+    (``parts()``), copying nothing.
+    """
+
+    __slots__ = ("parent_hash", "newest_first", "num_blocks")
+
+    def __init__(self, parent_hash: bytes, run: GhostRun) -> None:
+        self.parent_hash = parent_hash
+        self.newest_first = [run]
+        self.num_blocks = len(run.hashes)
+
+    def parts(self) -> list[GhostRun]:
+        """The entry's runs in token order."""
+        return self.newest_first[::-1]
+
+
+def _joined(parts: list[GhostRun]) -> GhostRun:
+    """Runs in token order as one run (inspection; lookups compare the parts)."""
+    hashes: list[bytes] = []
+    for part in parts:
+        hashes += part.hashes
+    extras = None
+    if any(part.extras is not None for part in parts):
+        extras = []
+        for part in parts:
+            extras += part.extras if part.extras is not None else [b""] * len(part.hashes)
+    return GhostRun(b"".join([part.tokens for part in parts]), hashes, extras)
+
+
+class GhostList:
+    """Bounded FIFO of recently evicted runs, keyed by their first block's hash input.
+
+    The key ``parent hash || packed tokens || extras`` is exactly what ``H`` hashed for that
+    block, so a lookup can tell "this very block was evicted" and recover its chained hash
+    without hashing. A run evicted just before the run an entry starts with (the same leaf
+    trimmed again) extends that entry instead of adding one (see :class:`_Chain`).
+
+    Runs carrying a policy note are tracked until they come back (:meth:`came_back`) or are
+    forgotten: the notes of runs forgotten for capacity without having come back go to
+    ``on_drop`` (the eviction policy's ``on_ghost_drop``: a "not reused within the ghost
+    horizon" label).
+
+    Args:
+        capacity: Most blocks remembered (> 0); the oldest entries are forgotten first.
+        on_drop: Called as ``on_drop(notes)`` (a non-empty list, oldest first) when entries are
+            forgotten for capacity holding noted runs that did not come back; None: nobody.
+    """
+
+    def __init__(self, capacity: int, on_drop: Callable[[list], None] | None = None) -> None:
+        if capacity <= 0:
+            raise ValueError(f"ghost_capacity: must be positive, got {capacity}")
+        self.capacity = capacity
+        self.on_drop = on_drop
+        self.num_blocks = 0
+        self._runs: OrderedDict[bytes, _Chain] = OrderedDict()
+        # Parent hash of an entry's first block -> the entry's key (to extend it in front).
+        self._by_parent: dict[bytes, bytes] = {}
+        # id(run) -> run, for runs held here whose note is not None and that have not come
+        # back (ids are stable while this dict holds the run).
+        self._noted: dict[int, GhostRun] = {}
+        # The newest entry while one-block evictions extend it in front (``add_block``: each
+        # decode step's eviction takes the next block off the same leaf): its blocks in plain
+        # lists, the entry out of ``_runs`` / ``_by_parent`` with its current key. Entering it
+        # under each new key (pop the old, insert the new, in two dicts) and making a run per
+        # block was most of that eviction's cost. It is entered (``_settle``) before anything
+        # reads the entries or adds another run, and stays open only while entering it later
+        # gives what entering it block by block would have: its key is in no other entry and
+        # no other entry has its parent hash (else it is entered at once, through ``_link``).
+        self._open_hashes: list[bytes] = []  # chained hashes, newest first
+        self._open_tokens: list[bytearray] = []  # packed tokens per block, newest first
+        self._open_parent = self._open_key = b""  # of its first block
+        self._open_base: _Chain | None = None  # the entry it extends, taken out of _runs
+
+    def __len__(self) -> int:
+        """Entries remembered."""
+        return len(self._runs) + bool(self._open_hashes)
+
+    def keys(self) -> list[bytes]:
+        """Every entry's key (its first block's hash input), oldest entry first."""
+        if self._open_hashes:
+            self._settle()
+        return list(self._runs)
+
+    def get(self, key: bytes) -> GhostRun | None:
+        """The evicted run whose first block had hash input ``key``, or None."""
+        if self._open_hashes:
+            self._settle()
+        chain = self._runs.get(key)
+        return _joined(chain.parts()) if chain is not None else None
+
+    def parts(self, key: bytes) -> list[GhostRun] | None:
+        """The entry whose first block had hash input ``key`` as its runs in token order (each
+        a whole run, the first starting at that block), or None."""
+        if self._open_hashes:
+            self._settle()
+        chain = self._runs.get(key)
+        return chain.parts() if chain is not None else None
+
+    def came_back(self, runs: Iterable[GhostRun]) -> None:
+        """These runs (from :meth:`parts`) were inserted into the tree again, their notes handed
+        to the policy's ``on_ghost_hit``: forgetting them later is no "not reused" label."""
+        noted = self._noted
+        for run in runs:
+            if noted.get(id(run)) is run:
+                del noted[id(run)]
+
+    def _dropped_notes(self, chain: _Chain, skip_first: bool = False) -> list:
+        """Notes of the chain's runs that did not come back (the chain is being forgotten),
+        oldest eviction first; ``skip_first``: its first run (in token order) is being evicted
+        again, so it came back."""
+        noted = self._noted
+        chain_runs = chain.newest_first  # evicted oldest first; the last starts the chain
+        notes = []
+        for run in chain_runs[:-1] if skip_first else chain_runs:
+            if noted.pop(id(run), None) is not None:
+                notes.append(run.note)
+        if skip_first:
+            noted.pop(id(chain_runs[-1]), None)
+        return notes
+
+    def add(self, evicted: Iterable[tuple[bytes, tuple]]) -> None:
+        """Remember evicted runs ``(first block's hash input, (tokens, hashes, extras[, note]))``.
+
+        Forgets the oldest entries beyond the capacity. Every allocation that evicts calls this
+        (most with one run of one block, extending the entry its leaf's previous eviction made):
+        kept to a few dict operations per run.
+        """
+        if self._open_hashes:
+            self._settle()
+        dropped: list = []
+        added = 0
+        for key, run in evicted:
+            if type(run) is not GhostRun:
+                run = GhostRun(*run)
+            hashes = run[1]
+            if run[3] is not None:
+                self._noted[id(run)] = run
+            replaced = self._link(key, run, key[: len(hashes[0])], hashes[-1], len(hashes))
+            if replaced:
+                dropped += replaced
+            added += len(hashes)
+        self._grew(added, dropped)
+
+    def add_block(self, parent_hash: bytes, tokens: bytearray, block_hash: bytes) -> None:
+        """:meth:`add` of one evicted text block with no note (a decode step's eviction: the
+        commonest), given apart: its parent's chained hash, packed tokens, chained hash.
+
+        The entry it starts or extends stays open (see ``_open_hashes``) while the next such
+        block extends it in front: a few list appends per block, no dict entered, no run made.
+        """
+        key = parent_hash + tokens
+        runs, by_parent = self._runs, self._by_parent
+        hashes = self._open_hashes
+        if hashes:
+            if (self._open_parent == block_hash and key not in runs
+                    and parent_hash not in by_parent):  # extends the open entry in front
+                hashes.append(block_hash)
+                self._open_tokens.append(tokens)
+                self._open_parent, self._open_key = parent_hash, key
+                self.num_blocks += 1
+                if self.num_blocks > self.capacity:
+                    self._grew(0, None)
+                return
+            self._settle()
+        if key in runs or parent_hash in by_parent:  # entering it later would differ
+            run = _ghost_run((tokens, [block_hash], None, None))
+            self._grew(1, self._link(key, run, parent_hash, block_hash, 1))
+            return
+        next_key = by_parent.pop(block_hash, None)
+        # It ends where that entry begins: that entry is taken out to be extended.
+        self._open_base = runs.pop(next_key) if next_key is not None else None
+        self._open_hashes.append(block_hash)
+        self._open_tokens.append(tokens)
+        self._open_parent, self._open_key = parent_hash, key
+        self.num_blocks += 1
+        if self.num_blocks > self.capacity:
+            self._grew(0, None)
+
+    def _settle(self) -> None:
+        """Enter the open entry under its key (the newest entry: nothing was entered since it
+        was opened) with its open blocks as one run, as ``_link`` of each would have (one run
+        where ``_link`` would have kept one per block: the same blocks, none with a note)."""
+        hashes, tokens = self._open_hashes, self._open_tokens
+        hashes.reverse()
+        tokens.reverse()
+        run = _ghost_run((b"".join(tokens), hashes, None, None))
+        self._open_hashes, self._open_tokens = [], []
+        chain, parent_hash, key = self._open_base, self._open_parent, self._open_key
+        if chain is None:
+            chain = _Chain(parent_hash, run)
+        else:
+            chain.newest_first.append(run)
+            chain.parent_hash = parent_hash
+            chain.num_blocks += len(hashes)
+        self._open_base = None
+        self._runs[key] = chain
+        self._by_parent[parent_hash] = key
+
+    def _link(self, key: bytes, run: GhostRun, parent_hash: bytes, last_hash: bytes,
+              num: int) -> list | None:
+        """Enter a run of ``num`` blocks under ``key``: it extends the entry that begins right
+        after its last block (hash ``last_hash``) if there is one, else starts an entry. Returns
+        the notes dropped when it replaces an entry (see :meth:`_replace`), else None."""
+        runs, by_parent = self._runs, self._by_parent
+        next_key = by_parent.pop(last_hash, None)
+        if next_key is not None:  # this run ends where that entry begins: extend it
+            chain = runs.pop(next_key)
+            chain.newest_first.append(run)
+            chain.parent_hash = parent_hash
+            chain.num_blocks += num
+        else:
+            chain = _Chain(parent_hash, run)
+        old = runs.setdefault(key, chain)
+        by_parent[parent_hash] = key
+        if old is not chain:  # that very block is evicted again: so it had come back
+            return self._replace(key, old, chain)
+        return None
+
+    def _grew(self, num_added: int, dropped: list | None) -> None:
+        """Count ``num_added`` blocks, forget the oldest entries beyond the capacity, hand the
+        notes dropped on the way to ``on_drop``."""
+        self.num_blocks += num_added
+        if self.num_blocks > self.capacity:
+            dropped = (dropped or []) + self._forget_oldest()
+        if dropped and self.on_drop is not None:
+            self.on_drop(dropped)
+
+    def _replace(self, key: bytes, old: _Chain, chain: _Chain) -> list:
+        """A run whose first block is ``old``'s first block was evicted again (so ``old`` had
+        come back): ``chain`` takes its key, at the newest end; returns the notes of ``old``'s
+        other runs, which did not come back."""
+        self.num_blocks -= old.num_blocks
+        dropped = self._dropped_notes(old, skip_first=True) if self._noted else []
+        runs = self._runs
+        del runs[key]
+        runs[key] = chain
+        return dropped
+
+    def _forget_oldest(self) -> list:
+        """Forget the oldest entries until at most ``capacity`` blocks are held; return the
+        notes of their runs that did not come back, oldest first."""
+        runs, by_parent, noted = self._runs, self._by_parent, self._noted
+        dropped: list = []
+        while self.num_blocks > self.capacity:
+            if not runs:  # only the open entry is left (the newest): it goes last
+                self._settle()
+            key, chain = runs.popitem(last=False)
+            self.num_blocks -= chain.num_blocks
+            if by_parent.get(chain.parent_hash) == key:
+                del by_parent[chain.parent_hash]
+            if noted:
+                dropped += self._dropped_notes(chain)
+        return dropped
+
+
