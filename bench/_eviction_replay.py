@@ -101,8 +101,7 @@ class Oracle:
 
     def next_use(self, node) -> float:
         """Index of the next request after the current one that could match ``node``'s tail."""
-        hashes = node.hashes
-        b = self.block_of.get(hashes[-1]) if hashes else None
+        b = self.block_of.get(node.end_hash) if node.num_blocks else None
         uses = self.accesses.get(b) if b is not None else None
         if not uses:
             return math.inf

@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 from array import array
 
-from radixkv.cache.tree.node import Node
+from radixkv.cache.tree.node import Node, split_hashes
 
 _U32_CODE = next(code for code in ("I", "L") if array(code).itemsize == 4)
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -113,17 +113,17 @@ class KVEventLog:
         lora_name = self._roots.get(root_hash, _MISSING)
         if lora_name is _MISSING or count <= 0:
             return
-        hashes = node.hashes
-        start = len(hashes) - count  # the run is node blocks [start, len)
+        start = node.num_blocks - count  # the run is node blocks [start, len)
         if node.extras is not None:  # a router keys blocks by tokens alone: stop at media
             count = next((j for j, x in enumerate(node.extras[start:]) if x), count)
             if not count:
                 return
-            hashes = hashes[: start + count]
-        if len(hashes) > count:
-            parent: bytes | None = hashes[-count - 1]
+        # The run's hashes, with its parent's in front when that is in this node.
+        hashes = node.hash_list(start - 1 if start else 0)[: count + (start > 0)]
+        if start:
+            parent: bytes | None = hashes[0]
         elif node.parent is not None and node.parent.parent is not None:
-            parent = node.parent.hashes[-1]
+            parent = node.parent.end_hash
         else:
             parent = None
         if parent is not None and parent not in self._published:
@@ -136,12 +136,13 @@ class KVEventLog:
                               lora_name))
 
     def removed(self, evicted_runs: list) -> None:
-        """Eviction dropped these runs: ``(key, (tokens, hashes, extras, note))`` entries, as
-        ``RadixTree.evict`` reports them."""
+        """Eviction dropped these runs: ``(key, GhostRun)`` entries, as ``RadixTree.evict``
+        reports them."""
         published = self._published
         dropped: list[bytes] = []
-        for _key, (_run_tokens, hashes, _extras, _note) in evicted_runs:
-            hit = published.intersection(hashes)  # in any order: a removal is a set
+        for _key, run in evicted_runs:
+            # in any order: a removal is a set
+            hit = published.intersection(split_hashes(run.hash_bytes, run.hash_size))
             if hit:
                 published.difference_update(hit)
                 dropped += hit

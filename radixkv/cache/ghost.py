@@ -32,7 +32,7 @@ class _Chain:
     def __init__(self, parent_hash: bytes, run: GhostRun) -> None:
         self.parent_hash = parent_hash
         self.newest_first = [run]
-        self.num_blocks = len(run.hashes)
+        self.num_blocks = len(run.hash_bytes) // run.hash_size
 
     def parts(self) -> list[GhostRun]:
         """The entry's runs in token order."""
@@ -41,15 +41,29 @@ class _Chain:
 
 def _joined(parts: list[GhostRun]) -> GhostRun:
     """Runs in token order as one run (inspection; lookups compare the parts)."""
-    hashes: list[bytes] = []
-    for part in parts:
-        hashes += part.hashes
     extras = None
     if any(part.extras is not None for part in parts):
         extras = []
         for part in parts:
-            extras += part.extras if part.extras is not None else [b""] * len(part.hashes)
-    return GhostRun(b"".join([part.tokens for part in parts]), hashes, extras)
+            extras += part.extras if part.extras is not None else [b""] * part.num_blocks
+    return GhostRun(b"".join([part.tokens for part in parts]),
+                    b"".join([part.hash_bytes for part in parts]), extras, None,
+                    parts[0].hash_size)
+
+
+def as_ghost_run(run: tuple) -> GhostRun:
+    """A :class:`GhostRun` from ``(tokens, hashes, extras[, note[, hash_size]])`` where
+    ``hashes`` is concatenated bytes or a list of ``bytes`` (one per block, their width then
+    giving ``hash_size``)."""
+    if type(run) is GhostRun:
+        return run
+    fields = list(run) + [None] * (4 - len(run))
+    hashes = fields[1]
+    if isinstance(hashes, list):
+        fields[1] = b"".join(hashes)
+        if len(fields) < 5:
+            fields.append(len(hashes[0]))
+    return GhostRun(*fields)
 
 
 class GhostList:
@@ -144,7 +158,8 @@ class GhostList:
         return notes
 
     def add(self, evicted: Iterable[tuple[bytes, tuple]]) -> None:
-        """Remember evicted runs ``(first block's hash input, (tokens, hashes, extras[, note]))``.
+        """Remember evicted runs ``(first block's hash input, run)``, each ``run`` a
+        :class:`GhostRun` or a tuple :func:`as_ghost_run` takes.
 
         Forgets the oldest entries beyond the capacity. Every allocation that evicts calls this
         (most with one run of one block, extending the entry its leaf's previous eviction made):
@@ -156,19 +171,21 @@ class GhostList:
         added = 0
         for key, run in evicted:
             if type(run) is not GhostRun:
-                run = GhostRun(*run)
-            hashes = run[1]
+                run = as_ghost_run(run)
+            hashes, w = run[1], run[4]
             if run[3] is not None:
                 self._noted[id(run)] = run
-            replaced = self._link(key, run, key[: len(hashes[0])], hashes[-1], len(hashes))
+            num = len(hashes) // w
+            replaced = self._link(key, run, key[:w], bytes(hashes[-w:]), num)
             if replaced:
                 dropped += replaced
-            added += len(hashes)
+            added += num
         self._grew(added, dropped)
 
     def add_block(self, parent_hash: bytes, tokens: bytearray, block_hash: bytes) -> None:
         """:meth:`add` of one evicted text block with no note (a decode step's eviction: the
-        commonest), given apart: its parent's chained hash, packed tokens, chained hash.
+        commonest), given apart: its parent's chained hash (``bytes``), packed tokens, chained
+        hash (``bytes`` or a ``bytearray`` cut).
 
         The entry it starts or extends stays open (see ``_open_hashes``) while the next such
         block extends it in front: a few list appends per block, no dict entered, no run made.
@@ -188,10 +205,10 @@ class GhostList:
                 return
             self._settle()
         if key in runs or parent_hash in by_parent:  # entering it later would differ
-            run = _ghost_run((tokens, [block_hash], None, None))
-            self._grew(1, self._link(key, run, parent_hash, block_hash, 1))
+            run = _ghost_run((tokens, block_hash, None, None, len(block_hash)))
+            self._grew(1, self._link(key, run, parent_hash, bytes(block_hash), 1))
             return
-        next_key = by_parent.pop(block_hash, None)
+        next_key = by_parent.pop(bytes(block_hash), None)
         # It ends where that entry begins: that entry is taken out to be extended.
         self._open_base = runs.pop(next_key) if next_key is not None else None
         self._open_hashes.append(block_hash)
@@ -208,7 +225,7 @@ class GhostList:
         hashes, tokens = self._open_hashes, self._open_tokens
         hashes.reverse()
         tokens.reverse()
-        run = _ghost_run((b"".join(tokens), hashes, None, None))
+        run = _ghost_run((b"".join(tokens), b"".join(hashes), None, None, len(hashes[0])))
         self._open_hashes, self._open_tokens = [], []
         chain, parent_hash, key = self._open_base, self._open_parent, self._open_key
         if chain is None:

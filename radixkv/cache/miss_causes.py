@@ -32,7 +32,7 @@ from typing import Sequence
 
 from radixkv.cache.ghost import GhostList, GhostRun
 from radixkv.cache.tree.compare import matching_blocks, walk
-from radixkv.cache.tree.node import Node, child_key
+from radixkv.cache.tree.node import HashRun, Node, child_key
 from radixkv.cache.tree.radix_tree import RadixTree
 
 __all__ = ["MISS_CAUSES", "GhostList", "GhostRun", "classify_miss", "empty_breakdown"]
@@ -49,7 +49,7 @@ def empty_breakdown() -> dict[str, int]:
 
 def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | None,
                   num_prompt_tokens: int, num_matched_blocks: int, last_hash: bytes,
-                  ghost: GhostList) -> tuple[dict[str, int], list[bytes], list[tuple]]:
+                  ghost: GhostList) -> tuple[dict[str, int], Sequence[bytes], list[tuple]]:
     """Split a lookup's missed tokens by cause; hashes nothing.
 
     Args:
@@ -65,21 +65,23 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
     Returns:
         ``(breakdown, hashes, notes)``: tokens per cause (summing to ``N - m``), the chained
         hashes of the evicted blocks ``num_matched_blocks, …`` found in the ghost list (for
-        ``insert(known_hashes=…)``), and ``(block position of its last block, note, run)``
-        for each evicted run (a :class:`GhostRun`) the prompt holds whole whose policy note is
-        not None (for ``insert(ghost_notes=…)`` and :meth:`GhostList.came_back`).
+        ``insert(known_hashes=…)``: a :class:`HashRun`, or an empty list), and ``(block
+        position of its last block, note, run)`` for each evicted run (a :class:`GhostRun`) the
+        prompt holds whole whose policy note is not None (for ``insert(ghost_notes=…)`` and
+        :meth:`GhostList.came_back`).
     """
     bs = tree.block_size
     bb = tree.block_bytes
     cap_blocks = (num_prompt_tokens - 1) // bs
     missing = cap_blocks - num_matched_blocks
-    hashes: list[bytes] = []
     notes: list[tuple] = []
     if missing <= 0:
         return {"cold": 0, "evicted": 0, "isolated": 0,
                 "unaligned_tail": num_prompt_tokens - cap_blocks * bs, "store_timeout": 0,
-                "store_rejected": 0}, hashes, notes
+                "store_rejected": 0}, [], notes
     i, h, bb_x = num_matched_blocks, last_hash, b""
+    recovered = bytearray()  # the recovered blocks' hashes, one buffer (no object per block)
+    evicted = w = 0
     while len(ghost) and i < cap_blocks:
         if px is not None:
             bb_x = px[i]
@@ -89,20 +91,23 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
         # Compare part by part (an entry's runs are not joined: see _Chain). The probe's key
         # proved the first part's first block; later parts' first blocks are compared too.
         for n, run in enumerate(parts):
-            run_hashes = run.hashes
+            run_hb, w = run.hash_bytes, run.hash_size
+            run_blocks = len(run_hb) // w
             j = matching_blocks(pb, i * bb, run.tokens, run.extras, px,
-                                min(len(run_hashes), cap_blocks - i), bb, 0 if n else 1)
-            hashes += run_hashes if j == len(run_hashes) else run_hashes[:j]
+                                min(run_blocks, cap_blocks - i), bb, 0 if n else 1)
+            recovered += run_hb if j == run_blocks else memoryview(run_hb)[: j * w]
+            evicted += j
             i += j
-            if j < len(run_hashes):
+            if j < run_blocks:
                 break
             if run.note is not None:
                 notes.append((i - 1, run.note, run))
         else:
-            h = parts[-1].hashes[-1]
+            last = parts[-1]
+            h = bytes(last.hash_bytes[-last.hash_size :])
             continue
         break
-    evicted = len(hashes)
+    hashes: Sequence[bytes] = HashRun(bytes(recovered), w) if evicted else []
     isolated = 0
     if evicted == 0 and num_matched_blocks == 0:
         key = child_key(pb[:bb], px[0] if px is not None else b"")

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from radixkv.cache import evict_path
-from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.ghost import GhostList
+from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tree.node import GhostRun
 from radixkv.cache.tree.radix_tree import RadixTree
@@ -56,8 +56,8 @@ def make_tree(policy_name: str, seed: int, hook: bool) -> RadixTree:
 
 def records(evicted: list) -> list[tuple]:
     """Ghost-list entries as plain values (the trim_tail path gives plain 4-tuples)."""
-    return [(bytes(key), bytes(tokens), list(hashes), extras, note)
-            for key, (tokens, hashes, extras, note) in evicted]
+    return [(bytes(key), bytes(run.tokens), run.hashes, run.extras, run.note, run.hash_size)
+            for key, run in evicted]
 
 
 @pytest.mark.parametrize("policy_name", ["lru", "fifo", "lfu", "gdsf", "cost"])
@@ -89,8 +89,9 @@ def test_one_block_path_takes_the_tail_and_records_it() -> None:
     assert tree.evict(1, evicted) == [9]
     # Tokens 8..11, packed uint32-LE, keyed after the hash of the block before them.
     tail = b"".join(t.to_bytes(4, "little") for t in range(2 * B, 3 * B))
-    assert evicted == [(hashes[1] + tail, GhostRun(tail, [hashes[2]], None, None))]
+    assert evicted == [(hashes[1] + tail, GhostRun(tail, hashes[2], None, None, 16))]
     assert list(node.block_ids) == [7, 8] and node.hashes == hashes[:2]
+    assert bytes(node.hash_bytes) == hashes[0] + hashes[1]
     assert bytes(node.tokens) == b"".join(t.to_bytes(4, "little") for t in range(2 * B))
     assert tree.num_cached_blocks == 2
     tree.check_integrity()

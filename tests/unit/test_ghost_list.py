@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import itertools
 
+from radixkv.cache.ghost import GhostList
 from radixkv.cache.hashing import CacheIdentity
 from radixkv.cache.manager import CacheManager
-from radixkv.cache.ghost import GhostList
 
 B = 4
 

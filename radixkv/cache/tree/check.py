@@ -81,13 +81,15 @@ def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
         n = node.num_blocks
         assert n >= 1, f"{node!r}: empty non-root node"
         assert len(node.tokens) == n * bb, f"{node!r}: {len(node.tokens)} token bytes for {n} blocks"
-        assert len(node.hashes) == n, f"{node!r}: ragged hashes"
+        assert node.hash_size > 0 and len(node.hash_bytes) == n * node.hash_size, (
+            f"{node!r}: ragged hashes")
         assert node.extras is None or len(node.extras) == n, f"{node!r}: ragged extras"
         if hash_fn is not None:
             h = node.parent.end_hash
+            stored = node.hashes
             for j in range(n):
                 h = hash_fn(h + bytes(node.tokens[j * bb : (j + 1) * bb]) + node.block_extras(j))
-                assert node.hashes[j] == h, f"{node!r}: block {j} hash breaks the chain"
+                assert stored[j] == h, f"{node!r}: block {j} hash breaks the chain"
         for block_id in node.block_ids:
             assert block_id not in owned, f"block {block_id} held by two tree positions"
             owned.add(block_id)

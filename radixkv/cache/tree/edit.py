@@ -25,7 +25,9 @@ def split_node(node: Node, j: int, uid: int) -> Node:
     head = Node(uid, node.parent, node.block_size, node.created_s)
     head.key = node.key
     head.tokens = node.tokens[: j * bb]
-    head.hashes = node.hashes[:j]
+    w = node.hash_size
+    head.hash_bytes = node.hash_bytes[: j * w]
+    head.hash_size = w
     head.block_ids = node.block_ids[:j]
     if node.extras is not None:
         head.extras = node.extras[:j]
@@ -41,7 +43,7 @@ def split_node(node: Node, j: int, uid: int) -> Node:
     head.last_hit_s = node.last_hit_s
     head.max_children = max(node.max_children, 1)
     node.parent.children[head.key] = head  # type: ignore[union-attr]
-    del node.tokens[: j * bb], node.hashes[:j], node.block_ids[:j]
+    del node.tokens[: j * bb], node.hash_bytes[: j * w], node.block_ids[:j]
     node.key = child_key(bytes(node.tokens[:bb]), node.block_extras(0))
     node.parent = head
     node.depth_tokens += j * node.block_size
@@ -49,26 +51,28 @@ def split_node(node: Node, j: int, uid: int) -> Node:
     return head
 
 
-def grow_node(node: Node, tb: bytes, ids: array, hashes: list[bytes],
+def grow_node(node: Node, tb: bytes, ids: array, hash_bytes: bytes,
               extras: Sequence[bytes] | None) -> None:
-    """Append full blocks (packed tokens ``tb``, ids, hashes, extras or None) to ``node``."""
+    """Append full blocks (packed tokens ``tb``, ids, chained hashes concatenated at the
+    node's ``hash_size``, extras or None) to ``node``."""
     if extras is not None or node.extras is not None:
         old = node.extras if node.extras is not None else [b""] * len(node.block_ids)
         node.extras = old + (list(extras) if extras is not None else [b""] * len(ids))
     node.block_ids += ids
     node.tokens += tb
-    node.hashes += hashes
+    node.hash_bytes += hash_bytes
 
 
-def add_child(parent: Node, uid: int, tb: bytes, ids: array, hashes: list[bytes],
+def add_child(parent: Node, uid: int, tb: bytes, ids: array, hash_bytes: bytes, hash_size: int,
               extras: Sequence[bytes] | None, now: float) -> Node:
-    """A new child of ``parent`` holding the given full blocks, locked once (the caller's cursor)."""
+    """A new child of ``parent`` holding the given full blocks (chained hashes concatenated,
+    ``hash_size`` bytes each), locked once (the caller's cursor)."""
     bb = 4 * parent.block_size
     new = Node(uid, parent, parent.block_size, now)
     new.key = child_key(tb[:bb], extras[0] if extras is not None else b"")
     new.tokens = bytearray(tb)
     new.extras = list(extras) if extras is not None else None
-    new.hashes, new.block_ids = hashes, ids
+    new.hash_bytes, new.hash_size, new.block_ids = bytearray(hash_bytes), hash_size, ids
     new.depth_tokens = parent.depth_tokens + len(parent.block_ids) * parent.block_size
     new.lock_ref = 1  # the caller's cursor moves here; ancestors already count it
     parent.children[new.key] = new
@@ -87,22 +91,23 @@ def trim_tail(node: Node, take: int, freed: list[int], record: bool) -> tuple | 
         record: Describe the removed run for the ghost list.
 
     Returns:
-        With ``record``: ``(key, tokens, hashes, extras)``: ``key`` is the hash input of the
-        run's first block (``parent hash || packed tokens || extras``), then the run's packed
-        tokens, chained hashes and extras (None for text), in token order. Else None.
+        With ``record``: ``(key, tokens, hash_bytes, extras)``: ``key`` is the hash input of
+        the run's first block (``parent hash || packed tokens || extras``), then the run's
+        packed tokens, chained hashes (concatenated, ``node.hash_size`` bytes each) and extras
+        (None for text), in token order. Else None.
     """
     ids = node.block_ids
     bb = 4 * node.block_size
     freed.extend(reversed(ids[-take:]))
     run = None
     if record:
-        first, hs, x = len(ids) - take, node.hashes, node.extras
-        parent_hash = hs[first - 1] if first else node.parent.end_hash  # type: ignore[union-attr]
+        first, w, x = len(ids) - take, node.hash_size, node.extras
+        parent_hash = node.block_hash(first - 1) if first else node.parent.end_hash  # type: ignore[union-attr]
         run_tokens = bytes(node.tokens[first * bb :])
         run_x = x[first:] if x is not None else None
         run = (parent_hash + run_tokens[:bb] + (run_x[0] if run_x else b""), run_tokens,
-               hs[first:], run_x)
-    del node.tokens[-take * bb :], node.hashes[-take:], ids[-take:]
+               bytes(node.hash_bytes[first * w :]), run_x)
+    del node.tokens[-take * bb :], node.hash_bytes[-take * node.hash_size :], ids[-take:]
     if node.extras is not None:
         del node.extras[-take:]
     return run

@@ -84,11 +84,11 @@ def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list
     Args:
         tree: The tree; its counters, leaf index and root-key index are kept up to date.
         num_blocks: Blocks wanted.
-        evicted: If given, one ``(key, GhostRun(tokens, hashes, extras, note))`` entry per run
-            trimmed off a leaf is appended for the ghost list: ``key`` is the hash input of the
-            run's first block (``parent hash || packed tokens || extras``), the run's fields
-            are in token order, ``note`` is what the policy's ``on_evict`` returned for its
-            first block (usually None).
+        evicted: If given, one ``(key, GhostRun(tokens, hash_bytes, extras, note, hash_size))``
+            entry per run trimmed off a leaf is appended for the ghost list: ``key`` (bytes) is
+            the hash input of the run's first block (``parent hash || packed tokens ||
+            extras``), the run's fields are in token order, ``note`` is what the policy's
+            ``on_evict`` returned for its first block (usually None).
 
     Returns:
         Freed block ids in eviction order (fewer than asked when nothing is evictable).
@@ -100,7 +100,7 @@ def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list
             block_id, parent_hash, run_tokens, run_hash = taken
             if evicted is not None:
                 evicted.append((parent_hash + run_tokens,
-                                _ghost_run((run_tokens, [run_hash], None, None))))
+                                _ghost_run((run_tokens, run_hash, None, None, len(run_hash)))))
             return [block_id]
     if leaves.by_priority and tree.trim_hook is None:
         path = tree.key_on_trim
@@ -112,7 +112,7 @@ def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list
     return freed
 
 
-def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytes] | None:
+def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytearray] | None:
     """The commonest eviction, one block (each decode step's once the pool is full), when it
     can skip the policy: the first leaf's tail block, taken if the policy's key of a leaf does
     not move on a trim and needs no ``on_evict`` (``LeafIndex.trim_keeps_order``), no
@@ -122,8 +122,9 @@ def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytes] | No
 
     Returns:
         ``(block id, parent hash, packed tokens, chained hash)`` of the block taken (the parent
-        hash being the leaf's new last hash), or None when the case does not apply (nothing
-        changed: use :func:`evict`).
+        hash, ``bytes``, being the leaf's new last hash; the tokens and the hash are
+        ``bytearray`` cuts), or None when the case does not apply (nothing changed: use
+        :func:`evict`).
     """
     leaves = tree.leaves
     if not leaves.trim_keeps_order or tree.trim_hook is not None:
@@ -135,13 +136,16 @@ def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytes] | No
     ids = victim.block_ids
     if len(ids) < 2 or victim.extras is not None:
         return None
-    tokens, hashes = victim.tokens, victim.hashes
+    tokens, hb = victim.tokens, victim.hash_bytes
     bb = tree.block_bytes
     run_tokens = tokens[-bb:]
     del tokens[-bb:]
     tree.num_cached_blocks -= 1
-    run_hash = hashes.pop()
-    return ids.pop(), hashes[-1], run_tokens, run_hash
+    w = victim.hash_size
+    cut = len(hb) - w
+    run_hash = hb[cut:]
+    del hb[cut:]
+    return ids.pop(), bytes(hb[-w:]), run_tokens, run_hash
 
 
 def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
@@ -169,7 +173,6 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
         entry = sublists[0][0]
         victim = nodes[entry[1]]
         ids = victim.block_ids
-        hashes = victim.hashes
         tokens = victim.tokens
         n = len(ids)
         if left < n:  # the leaf keeps its front and stays first: its last share
@@ -177,14 +180,14 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
             start = cut * bb
             if left == 1:
                 freed.append(ids.pop())
-                run_hashes = [hashes.pop()]
             else:
                 run_ids = ids[cut:].tolist()  # ints made in one C loop
                 del ids[cut:]
                 run_ids.reverse()
                 freed += run_ids
-                run_hashes = hashes[cut:]
-                del hashes[cut:]
+            hb, w = victim.hash_bytes, victim.hash_size
+            run_hashes = hb[cut * w :]  # one copy: no Python object per block
+            del hb[cut * w :]
             run_tokens = tokens[start:]
             del tokens[start:]
             x = victim.extras
@@ -195,10 +198,10 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
             tree.num_cached_blocks -= left
             note = policy.on_evict(victim, left) if report else None
             if evicted is not None:
-                key = hashes[-1] + (run_tokens if left == 1 else run_tokens[:bb])
+                key = bytes(hb[-w:]) + (run_tokens if left == 1 else run_tokens[:bb])
                 if run_x is not None:
                     key += run_x[0]
-                evicted.append((key, _ghost_run((run_tokens, run_hashes, run_x, note))))
+                evicted.append((key, _ghost_run((run_tokens, run_hashes, run_x, note, w))))
             if not same:  # re-key it (an unmoved key stays put)
                 new_entry = (policy.priority(victim), victim.uid)
                 if new_entry != entry:
@@ -212,7 +215,8 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
         run_ids.reverse()
         freed += run_ids
         del ids[:]
-        victim.hashes = []
+        hashes = victim.hash_bytes
+        victim.hash_bytes = bytearray()
         left -= n
         tree.num_cached_blocks -= n
         note = policy.on_evict(victim, n) if report else None
@@ -222,7 +226,7 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
             if x is not None:
                 key += x[0]
                 x = x[:]
-            evicted.append((key, _ghost_run((tokens, hashes, x, note))))
+            evicted.append((key, _ghost_run((tokens, hashes, x, note, victim.hash_size))))
         sorted_entries.pop(0)  # the victim's entry (SortedList's fast path for index 0)
         victim.leaf_entry = None
         del nodes[victim.uid]
@@ -244,24 +248,26 @@ def _evict_each(tree: RadixTree, num_blocks: int, evicted: list | None) -> list[
     while left > 0 and sublists:
         entry = sublists[0][0]
         victim = nodes[entry[1]]
-        ids, hashes = victim.block_ids, victim.hashes
+        ids, hb, w = victim.block_ids, victim.hash_bytes, victim.hash_size
         n = len(ids)
         second = sorted_entries[1] if len(sorted_entries) > 1 else None
-        run_hashes = []
+        cut_hashes = []  # each block's hash as cut, last block first
         uid = victim.uid
         new_entry = None
         while True:
             freed.append(ids.pop())
-            run_hashes.append(hashes.pop())
+            cut_hashes.append(hb[-w:])
+            del hb[-w:]  # the policy may key the leaf by its new last hash
             note = on_evict(victim, 1)
-            if len(run_hashes) == left or not ids:
+            if len(cut_hashes) == left or not ids:
                 break
             new_entry = (priority(victim), uid)
             if second is not None and not new_entry < second:
                 break
             new_entry = None
-        take = len(run_hashes)
-        run_hashes.reverse()
+        take = len(cut_hashes)
+        cut_hashes.reverse()
+        run_hashes = b"".join(cut_hashes)
         cut = n - take
         left -= take
         tree.num_cached_blocks -= take
@@ -272,9 +278,9 @@ def _evict_each(tree: RadixTree, num_blocks: int, evicted: list | None) -> list[
             # detached node is never written again).
             run_tokens = tokens[cut * bb :] if cut else tokens
             run_x = x[cut:] if x is not None else None
-            parent_hash = victim.hashes[-1] if cut else victim.parent.end_hash  # type: ignore[union-attr]
+            parent_hash = victim.end_hash if cut else victim.parent.end_hash  # type: ignore[union-attr]
             evicted.append((parent_hash + run_tokens[:bb] + (run_x[0] if run_x else b""),
-                            _ghost_run((run_tokens, run_hashes, run_x, note))))
+                            _ghost_run((run_tokens, run_hashes, run_x, note, w))))
         if ids:  # still a leaf: trim the rest of it and re-key it (an unmoved key stays put)
             del tokens[cut * bb :]
             if x is not None:
@@ -317,7 +323,8 @@ def _evict_named(tree: RadixTree, num_blocks: int, evicted: list | None,
         tree.num_cached_blocks -= take
         note = tree.policy.on_evict(victim, take)
         if run is not None:
-            evicted.append((run[0], (run[1], run[2], run[3], note)))  # type: ignore[union-attr]
+            evicted.append((run[0], _ghost_run((run[1], run[2], run[3], note,  # type: ignore[union-attr]
+                                                victim.hash_size))))
         if ids:
             if keep:
                 leaves.reposition(victim)

@@ -2,9 +2,11 @@
 
 A :class:`Node` holds a run of full KV blocks of one cache identity: their tokens packed as
 little-endian uint32 (one ``bytearray``, ``num_blocks * B * 4`` bytes, so a run is compared with
-one ``memcmp``), their extras (multimodal keys, None for an all-text run), chained hashes and
-physical block ids. A node is keyed in its parent by its first block's exact token bytes (plus
-its extras when non-empty), so a lookup never needs a hash.
+one ``memcmp``), their extras (multimodal keys, None for an all-text run), chained hashes (one
+``bytearray`` too, ``hash_size`` bytes per block: cutting, recording and forgetting an evicted
+run then touch one buffer, not a Python object per block) and physical block ids. A node is
+keyed in its parent by its first block's exact token bytes (plus its extras when non-empty), so
+a lookup never needs a hash.
 
 Node-level edits (split, grow, trim) are in :mod:`radixkv.cache.tree.edit`, run comparison in
 :mod:`radixkv.cache.tree.compare`, the evictable-leaf index in :mod:`radixkv.cache.tree.leaves`.
@@ -27,6 +29,59 @@ BLOCK_ID_TYPECODE = "q"
 MAX_ACCESS_GAPS = 4
 
 
+def split_hashes(buf: bytes | bytearray, hash_size: int, start: int = 0) -> list[bytes]:
+    """Concatenated chained hashes (``hash_size`` bytes each) as a list, from block ``start``."""
+    return [bytes(buf[i : i + hash_size]) for i in range(start * hash_size, len(buf), hash_size)]
+
+
+class HashRun(Sequence[bytes]):
+    """Chained hashes of consecutive blocks as one buffer, read as a sequence of ``bytes``.
+
+    What a lookup recovers from the ghost list and hands to ``insert(known_hashes=…)``: the
+    buffer goes from the ghost run into the node without a Python object per block. Slicing
+    (step 1) gives a ``HashRun``; an index gives one hash.
+
+    Args:
+        buf: ``len(self) * hash_size`` bytes.
+        hash_size: Bytes per hash (> 0).
+    """
+
+    __slots__ = ("buf", "hash_size")
+
+    def __init__(self, buf: bytes, hash_size: int) -> None:
+        self.buf = buf
+        self.hash_size = hash_size
+
+    def __len__(self) -> int:
+        return len(self.buf) // self.hash_size
+
+    def __getitem__(self, index):  # type: ignore[override]
+        w = self.hash_size
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("HashRun: slices take step 1")
+            return HashRun(self.buf[start * w : max(start, stop) * w], w)
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"hash {index} of {n}")
+        start = (index % n) * w
+        return bytes(self.buf[start : start + w])
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"HashRun({len(self)} hashes of {self.hash_size} bytes)"
+
+
+def hash_buffer(hashes: Sequence[bytes]) -> bytes:
+    """``hashes`` (a :class:`HashRun` or ``bytes`` items) concatenated."""
+    return hashes.buf if type(hashes) is HashRun else b"".join(hashes)  # type: ignore[attr-defined]
+
+
 def child_key(first_block: bytes, extras: bytes = b"") -> object:
     """Key of a child node: its first block's packed tokens, paired with its extras if any.
 
@@ -46,7 +101,8 @@ class Node:
         children: Child nodes by key.
         tokens: Packed uint32-LE tokens of every block (``num_blocks * B * 4`` bytes).
         extras: Extras of each block (``b""`` for text), or None when every block is text.
-        hashes: Chained hash of each block.
+        hash_bytes: Chained hash of each block, concatenated (``num_blocks * hash_size`` bytes).
+        hash_size: Bytes per chained hash (16 for xxh3-128; 0 before the node holds a block).
         block_ids: Physical block id of each block (``array('q')``).
         lock_ref: Request cursors at this node or below (a held path is locked to the root).
         last_access_s, hit_count, created_s: Policy inputs (clock units).
@@ -67,7 +123,8 @@ class Node:
     """
 
     __slots__ = (
-        "uid", "parent", "key", "children", "tokens", "extras", "hashes", "block_ids", "lock_ref",
+        "uid", "parent", "key", "children", "tokens", "extras", "hash_bytes", "hash_size",
+        "block_ids", "lock_ref",
         "last_access_s", "hit_count", "created_s", "depth_tokens", "block_size", "root_hash",
         "tenant", "leaf_entry", "session_key", "request_end_s", "access_gaps", "last_hit_s",
         "max_children",
@@ -80,7 +137,8 @@ class Node:
         self.children: dict[object, Node] = {}
         self.tokens = bytearray()
         self.extras: list[bytes] | None = None
-        self.hashes: list[bytes] = []
+        self.hash_bytes = bytearray()
+        self.hash_size = 0
         self.block_ids = array(BLOCK_ID_TYPECODE)
         self.lock_ref = 0
         self.last_access_s = now
@@ -122,7 +180,26 @@ class Node:
     @property
     def end_hash(self) -> bytes:
         """Chained hash of the node's last block (the root hash for a root)."""
-        return self.hashes[-1] if self.hashes else self.root_hash
+        h = self.hash_bytes
+        return bytes(h[-self.hash_size :]) if h else self.root_hash
+
+    def block_hash(self, j: int) -> bytes:
+        """Chained hash of block ``j`` (negative: from the end). IndexError when out of range."""
+        n = len(self.block_ids)
+        if not -n <= j < n:
+            raise IndexError(f"block {j} of a node with {n} blocks")
+        w = self.hash_size
+        start = (j % n) * w
+        return bytes(self.hash_bytes[start : start + w])
+
+    def hash_list(self, start: int = 0) -> list[bytes]:
+        """Chained hashes of blocks ``[start, num_blocks)`` as a list (one ``bytes`` each)."""
+        return split_hashes(self.hash_bytes, self.hash_size, start)
+
+    @property
+    def hashes(self) -> list[bytes]:
+        """Chained hash of each block, in token order (a new list: ``NodeView.hashes``)."""
+        return split_hashes(self.hash_bytes, self.hash_size)
 
     def block_tokens(self, j: int) -> tuple[int, ...]:
         """Token ids of block ``j`` (slow path: tests and debugging)."""
@@ -180,23 +257,37 @@ class GhostRun(NamedTuple):
     (``radixkv.cache.ghost.GhostList``).
 
     Attributes:
-        tokens: Packed tokens of the run (``len(hashes) * B * 4`` bytes; a ``bytearray`` cut
+        tokens: Packed tokens of the run (``num_blocks * B * 4`` bytes; a ``bytearray`` cut
             off the evicted node, never written again).
-        hashes: Chained hash of each block.
+        hash_bytes: Chained hash of each block, concatenated (``hash_size`` bytes each; cut off
+            the node like ``tokens``).
         extras: Extras of each block, or None for text.
         note: What the eviction policy's ``on_evict`` returned for the run's first block (the
             last one taken; None: nothing), handed back to its ``on_ghost_hit`` when the run is
             inserted again, or to its ``on_ghost_drop`` when the ghost list forgets it first.
+        hash_size: Bytes per chained hash.
     """
 
     tokens: bytes | bytearray
-    hashes: list[bytes]
+    hash_bytes: bytes | bytearray
     extras: list[bytes] | None
     note: object = None
+    hash_size: int = 16
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the run."""
+        return len(self.hash_bytes) // self.hash_size
+
+    @property
+    def hashes(self) -> list[bytes]:
+        """Chained hash of each block, in token order (a new list)."""
+        return split_hashes(self.hash_bytes, self.hash_size)
 
 
-#: ``GhostRun`` from a 4-tuple in C (the NamedTuple constructor is a Python-level function; the
-#: eviction path makes one per evicted run).
+#: ``GhostRun`` from a 5-tuple ``(tokens, hash_bytes, extras, note, hash_size)`` in C (the
+#: NamedTuple constructor is a Python-level function; the eviction path makes one per evicted
+#: run).
 ghost_run_from_tuple = partial(tuple.__new__, GhostRun)
 
 

@@ -26,7 +26,14 @@ from radixkv.cache.tree.edit import add_child, as_block_ids, grow_node, split_no
 from radixkv.cache.tree.evict import evict as evict_blocks
 from radixkv.cache.tree.evict import key_on_trim, take_tail_block
 from radixkv.cache.tree.leaves import LeafIndex
-from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, InsertResult, MatchResult, Node, RunHasher
+from radixkv.cache.tree.node import (
+    BLOCK_ID_TYPECODE,
+    InsertResult,
+    MatchResult,
+    Node,
+    RunHasher,
+    hash_buffer,
+)
 from radixkv.config import check_block_size
 from radixkv.eviction import EvictionPolicy
 
@@ -253,11 +260,15 @@ class RadixTree:
         rest_tb = tb[k * bb :] if k else tb
         rest_ids = block_ids[k:] if k else block_ids
         rest_x = extras[k:] if extras is not None and k else extras
-        known = list(known_hashes[k:count])
-        hashes = known + hasher.hash_blocks(known[-1] if known else node.end_hash,
-                                            rest_tb[len(known) * bb :], self.block_size,
-                                            rest_x[len(known) :] if rest_x is not None else None)
-        result = self._add_run(node, rest_tb, rest_ids, rest_x, hashes, now, block_ids[:k].tolist())
+        known = known_hashes[k:count]  # a HashRun from a lookup's ghost probe, or bytes items
+        num_known = len(known)
+        new = hasher.hash_blocks(known[-1] if num_known else node.end_hash,
+                                 rest_tb[num_known * bb :], self.block_size,
+                                 rest_x[num_known:] if rest_x is not None else None)
+        hash_size = len(new[0]) if new else len(known[-1])
+        hb = hash_buffer(known) + b"".join(new) if num_known else b"".join(new)
+        result = self._add_run(node, rest_tb, rest_ids, rest_x, hb, hash_size, now,
+                               block_ids[:k].tolist())
         if session_key is not None:
             result.node.session_key = session_key
         notes = [note for i, note in ghost_notes if i >= k]
@@ -279,15 +290,16 @@ class RadixTree:
             sizes disagree): use :meth:`insert` then.
         """
         count = len(block_ids)
-        if (cursor.lock_ref != 1 or cursor.children or not cursor.hashes or not count
+        if (cursor.lock_ref != 1 or cursor.children or not cursor.hash_bytes or not count
                 or cursor.extras is not None or len(tb) != count * self.block_bytes):
             return None
         if type(block_ids) is not array or block_ids.typecode != BLOCK_ID_TYPECODE:
             block_ids = array(BLOCK_ID_TYPECODE, block_ids)  # a bad id raises before any change
-        hashes = hasher.hash_blocks(cursor.hashes[-1], tb, self.block_size)
+        hb = cursor.hash_bytes
+        hashes = hasher.hash_blocks(bytes(hb[-cursor.hash_size :]), tb, self.block_size)
         cursor.block_ids += block_ids  # one memcpy
         cursor.tokens += tb
-        cursor.hashes += hashes
+        hb += b"".join(hashes)
         # last_access_s: the caller's lock is released with touch=True (unlock), which sets it.
         self.num_cached_blocks += count
         self.num_locked_blocks += count
@@ -296,7 +308,7 @@ class RadixTree:
         return hashes[-1]
 
     def _add_run(self, node: Node, tb: bytes, block_ids: Sequence[int],
-                 extras: Sequence[bytes] | None, hashes: list[bytes], now: float,
+                 extras: Sequence[bytes] | None, hash_bytes: bytes, hash_size: int, now: float,
                  duplicates: list[int]) -> InsertResult:
         """Add new blocks at the end of ``node`` (locked by the caller's cursor, which moves to
         the node holding them): grown in place when only the caller holds that childless node
@@ -306,11 +318,11 @@ class RadixTree:
         if extras is not None and not any(extras):
             extras = None
         if node.parent is not None and not node.children and node.lock_ref == 1:
-            grow_node(node, tb, ids, hashes, extras)
+            grow_node(node, tb, ids, hash_bytes, extras)
             node.last_access_s = now
             new = node
         else:
-            new = add_child(node, next(self._uids), tb, ids, hashes, extras, now)
+            new = add_child(node, next(self._uids), tb, ids, hash_bytes, hash_size, extras, now)
             if node.parent is None:
                 self.root_child_keys.setdefault(new.key, {})[node] = None
             self.num_nodes += 1
@@ -318,7 +330,7 @@ class RadixTree:
         self.num_locked_blocks += count
         if self._notify_policy:
             self.policy.on_insert(new, count)
-        return InsertResult(new, hashes[-1], ids.tolist(), duplicates)
+        return InsertResult(new, bytes(hash_bytes[-hash_size:]), ids.tolist(), duplicates)
 
     # ---- eviction -----------------------------------------------------------------------
     #: ``evict(num_blocks, evicted=None) -> freed block ids``: block by block, each the tail
