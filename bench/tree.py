@@ -156,9 +156,9 @@ def replay(workload: list, block_size: int, num_blocks: int, policy: str,
         # pair and bookkeeping never land inside ``evict``).
         tree_evict, take_tail_block = cm.tree.evict, cm.tree.take_tail_block
 
-        def timed_tree_evict(num, evicted=None):
+        def timed_tree_evict(num, evicted=None, freed=None):
             t = clock()
-            freed = tree_evict(num, evicted)
+            freed = tree_evict(num, evicted, freed)
             ns["evict_tree"] += clock() - t
             blocks["evict_tree"] += len(freed)
             return freed

@@ -9,12 +9,13 @@ shortfall) and stamping a released request's end on the path it held.
 
 from __future__ import annotations
 
+from array import array
 from typing import Callable
 
 from radixkv.cache.events import KVEventLog
 from radixkv.cache.ghost import GhostList
 from radixkv.cache.pool import BlockPool
-from radixkv.cache.tree.node import Node
+from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, Node
 from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.eviction import EvictionPolicy
 
@@ -43,7 +44,7 @@ def evict(tree: RadixTree, pool: BlockPool, ghost: GhostList, events: KVEventLog
             ghost.add_block(taken[1], taken[2], taken[3])
             return 1
     evicted: list = []
-    freed = tree.evict(num_blocks, evicted)
+    freed = tree.evict(num_blocks, evicted, array(BLOCK_ID_TYPECODE))
     pool.free_cached(freed)
     ghost.add(evicted)
     if events is not None:

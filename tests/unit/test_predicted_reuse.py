@@ -148,8 +148,8 @@ def _evictions(policy_name: str | PredictedReusePolicy, workload, num_blocks: in
     freed: list[int] = []
     real = r.cache.tree.evict
 
-    def spy(n, evicted=None):
-        ids = real(n, evicted)
+    def spy(n, evicted=None, freed_ids=None):
+        ids = real(n, evicted, freed_ids)
         freed.extend(ids)
         return ids
 

@@ -34,6 +34,7 @@ policy (``remove_leaf`` / ``add_leaf``) and the policy names the next victim.
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.tree.edit import trim_tail
@@ -77,7 +78,8 @@ def key_on_trim(policy: EvictionPolicy) -> str:
     return _KEY_ON_TRIM.get(type(policy), "any")
 
 
-def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list[int]:
+def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None,
+          freed: list[int] | array | None = None) -> list[int] | array:
     """Evict up to ``num_blocks`` blocks, block by block, each the tail block of the leaf that
     ranks first when it is taken (the rule and its fast paths: this module's docstring).
 
@@ -89,11 +91,16 @@ def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list
             the hash input of the run's first block (``parent hash || packed tokens ||
             extras``), the run's fields are in token order, ``note`` is what the policy's
             ``on_evict`` returned for its first block (usually None).
+        freed: Where the freed block ids go (appended): a new list when None; the cache
+            passes an ``array('q')``, so a long run's ids are copied in C and the pool frees
+            them without a Python int per block.
 
     Returns:
-        Freed block ids in eviction order (fewer than asked when nothing is evictable).
+        ``freed``: the freed block ids in eviction order (fewer than asked when nothing is
+        evictable).
     """
-    leaves = tree.leaves
+    if freed is None:
+        freed = []
     if num_blocks == 1:
         taken = take_tail_block(tree)
         if taken is not None:
@@ -101,13 +108,15 @@ def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None) -> list
             if evicted is not None:
                 evicted.append((parent_hash + run_tokens,
                                 _ghost_run((run_tokens, run_hash, None, None, len(run_hash)))))
-            return [block_id]
-    if leaves.by_priority and tree.trim_hook is None:
+            freed.append(block_id)
+            return freed
+    if tree.leaves.by_priority and tree.trim_hook is None:
         path = tree.key_on_trim
         if path == "any":
-            return _evict_each(tree, num_blocks, evicted)
-        return _evict_slices(tree, num_blocks, evicted, path == "same")
-    freed = []
+            _evict_each(tree, num_blocks, evicted, freed)
+        else:
+            _evict_slices(tree, num_blocks, evicted, path == "same", freed)
+        return freed
     _evict_named(tree, num_blocks, evicted, freed)
     return freed
 
@@ -148,8 +157,8 @@ def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytearray] 
     return ids.pop(), bytes(hb[-w:]), run_tokens, run_hash
 
 
-def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
-                  same: bool) -> list[int]:
+def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None, same: bool,
+                  freed: list[int] | array) -> None:
     """Priority policies whose key of a leaf cannot rise when it loses its tail (``"same"``
     or ``"falls"``): the first leaf stays first, so its whole share goes in one slice.
 
@@ -167,7 +176,6 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
     policy = tree.policy
     report = leaves.report_evict
     bb = tree.block_bytes
-    freed: list[int] = []
     left = num_blocks
     while left > 0 and sublists:
         entry = sublists[0][0]
@@ -181,10 +189,8 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
             if left == 1:
                 freed.append(ids.pop())
             else:
-                run_ids = ids[cut:].tolist()  # ints made in one C loop
+                freed += ids[: cut - 1 : -1]  # the tail, last block first (one C copy)
                 del ids[cut:]
-                run_ids.reverse()
-                freed += run_ids
             hb, w = victim.hash_bytes, victim.hash_size
             run_hashes = hb[cut * w :]  # one copy: no Python object per block
             del hb[cut * w :]
@@ -208,12 +214,10 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
                     sorted_entries.remove(entry)
                     sorted_entries.add(new_entry)
                     victim.leaf_entry = new_entry
-            return freed
+            return
         # The whole leaf goes: hand its buffers over to the ghost run, no copy (the detached
         # node is never written again).
-        run_ids = ids.tolist()
-        run_ids.reverse()
-        freed += run_ids
+        freed += ids[::-1]
         del ids[:]
         hashes = victim.hash_bytes
         victim.hash_bytes = bytearray()
@@ -231,14 +235,13 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None,
         victim.leaf_entry = None
         del nodes[victim.uid]
         detach(tree, victim)
-    return freed
 
 
-def _evict_each(tree: RadixTree, num_blocks: int, evicted: list | None) -> list[int]:
+def _evict_each(tree: RadixTree, num_blocks: int, evicted: list | None,
+                freed: list[int] | array) -> None:
     """Priority policies whose key of a leaf may move any way on a trim: one block at a time,
     each its own ``on_evict(leaf, 1)``; the leaf keeps losing blocks while its new key still
     sorts before the index's second entry (which cannot change meanwhile)."""
-    freed: list[int] = []
     leaves = tree.leaves
     policy = tree.policy
     sorted_entries, nodes = leaves.sorted, leaves.nodes
@@ -294,18 +297,18 @@ def _evict_each(tree: RadixTree, num_blocks: int, evicted: list | None) -> list[
             continue
         leaves.remove(victim)
         detach(tree, victim)
-    return freed
 
 
 def _evict_named(tree: RadixTree, num_blocks: int, evicted: list | None,
-                 freed: list[int]) -> None:
+                 freed: list[int] | array) -> None:
     """Victim-naming policies, and any policy while a ``trim_hook`` (the store tier) must see
     each trimmed run before it goes: one ``trim_tail`` per run."""
     leaves = tree.leaves
     by_priority = leaves.by_priority
     whole = tree.key_on_trim != "any"
     record = evicted is not None
-    while len(freed) < num_blocks:
+    goal = len(freed) + num_blocks
+    while len(freed) < goal:
         victim = leaves.first()
         if victim is None:
             break
@@ -313,7 +316,7 @@ def _evict_named(tree: RadixTree, num_blocks: int, evicted: list | None,
         # The shortfall at once from the leaf a victim-naming policy names, or a priority leaf
         # whose key cannot rise on a trim (the same choices, one run for the hook); block by
         # block (re-ranked after each) for any other priority policy.
-        take = 1 if by_priority and not whole else min(num_blocks - len(freed), len(ids))
+        take = 1 if by_priority and not whole else min(goal - len(freed), len(ids))
         keep = take < len(ids) and by_priority
         if not keep:
             leaves.remove(victim)
