@@ -176,7 +176,7 @@ class GhostList:
             if run[3] is not None:
                 self._noted[id(run)] = run
             num = len(hashes) // w
-            replaced = self._link(key, run, key[:w], bytes(hashes[-w:]), num)
+            replaced = self._link(key, run, key[:w], b"" + hashes[-w:], num)
             if replaced:
                 dropped += replaced
             added += num
@@ -206,9 +206,9 @@ class GhostList:
             self._settle()
         if key in runs or parent_hash in by_parent:  # entering it later would differ
             run = _ghost_run((tokens, block_hash, None, None, len(block_hash)))
-            self._grew(1, self._link(key, run, parent_hash, bytes(block_hash), 1))
+            self._grew(1, self._link(key, run, parent_hash, b"" + block_hash, 1))
             return
-        next_key = by_parent.pop(bytes(block_hash), None)
+        next_key = by_parent.pop(b"" + block_hash, None)
         # It ends where that entry begins: that entry is taken out to be extended.
         self._open_base = runs.pop(next_key) if next_key is not None else None
         self._open_hashes.append(block_hash)

@@ -104,7 +104,7 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
                 notes.append((i - 1, run.note, run))
         else:
             last = parts[-1]
-            h = bytes(last.hash_bytes[-last.hash_size :])
+            h = b"" + last.hash_bytes[-last.hash_size :]
             continue
         break
     hashes: Sequence[bytes] = HashRun(bytes(recovered), w) if evicted else []

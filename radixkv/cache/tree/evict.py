@@ -154,7 +154,7 @@ def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytearray] 
     cut = len(hb) - w
     run_hash = hb[cut:]
     del hb[cut:]
-    return ids.pop(), bytes(hb[-w:]), run_tokens, run_hash
+    return ids.pop(), b"" + hb[-w:], run_tokens, run_hash  # (b"" +: bytes, fast)
 
 
 def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None, same: bool,
@@ -204,7 +204,7 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None, same: 
             tree.num_cached_blocks -= left
             note = policy.on_evict(victim, left) if report else None
             if evicted is not None:
-                key = bytes(hb[-w:]) + (run_tokens if left == 1 else run_tokens[:bb])
+                key = b"" + hb[-w:] + (run_tokens if left == 1 else run_tokens[:bb])
                 if run_x is not None:
                     key += run_x[0]
                 evicted.append((key, _ghost_run((run_tokens, run_hashes, run_x, note, w))))

@@ -31,7 +31,7 @@ MAX_ACCESS_GAPS = 4
 
 def split_hashes(buf: bytes | bytearray, hash_size: int, start: int = 0) -> list[bytes]:
     """Concatenated chained hashes (``hash_size`` bytes each) as a list, from block ``start``."""
-    return [bytes(buf[i : i + hash_size]) for i in range(start * hash_size, len(buf), hash_size)]
+    return [b"" + buf[i : i + hash_size] for i in range(start * hash_size, len(buf), hash_size)]
 
 
 class HashRun(Sequence[bytes]):
@@ -66,7 +66,7 @@ class HashRun(Sequence[bytes]):
         if not -n <= index < n:
             raise IndexError(f"hash {index} of {n}")
         start = (index % n) * w
-        return bytes(self.buf[start : start + w])
+        return b"" + self.buf[start : start + w]
 
     def __eq__(self, other: object) -> bool:
         return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
@@ -181,7 +181,8 @@ class Node:
     def end_hash(self) -> bytes:
         """Chained hash of the node's last block (the root hash for a root)."""
         h = self.hash_bytes
-        return bytes(h[-self.hash_size :]) if h else self.root_hash
+        # ``b"" +`` makes bytes of the bytearray slice at half the cost of ``bytes()``.
+        return b"" + h[-self.hash_size :] if h else self.root_hash
 
     def block_hash(self, j: int) -> bytes:
         """Chained hash of block ``j`` (negative: from the end). IndexError when out of range."""
@@ -190,7 +191,7 @@ class Node:
             raise IndexError(f"block {j} of a node with {n} blocks")
         w = self.hash_size
         start = (j % n) * w
-        return bytes(self.hash_bytes[start : start + w])
+        return b"" + self.hash_bytes[start : start + w]
 
     def hash_list(self, start: int = 0) -> list[bytes]:
         """Chained hashes of blocks ``[start, num_blocks)`` as a list (one ``bytes`` each)."""

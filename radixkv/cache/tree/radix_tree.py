@@ -296,7 +296,7 @@ class RadixTree:
         if type(block_ids) is not array or block_ids.typecode != BLOCK_ID_TYPECODE:
             block_ids = array(BLOCK_ID_TYPECODE, block_ids)  # a bad id raises before any change
         hb = cursor.hash_bytes
-        hashes = hasher.hash_blocks(bytes(hb[-cursor.hash_size :]), tb, self.block_size)
+        hashes = hasher.hash_blocks(b"" + hb[-cursor.hash_size :], tb, self.block_size)
         cursor.block_ids += block_ids  # one memcpy
         cursor.tokens += tb
         hb += b"".join(hashes)
@@ -330,7 +330,7 @@ class RadixTree:
         self.num_locked_blocks += count
         if self._notify_policy:
             self.policy.on_insert(new, count)
-        return InsertResult(new, bytes(hash_bytes[-hash_size:]), ids.tolist(), duplicates)
+        return InsertResult(new, b"" + hash_bytes[-hash_size:], ids.tolist(), duplicates)
 
     # ---- eviction -----------------------------------------------------------------------
     #: ``evict(num_blocks, evicted=None) -> freed block ids``: block by block, each the tail
