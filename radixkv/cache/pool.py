@@ -28,7 +28,6 @@ care: a published block is never written again.
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from operator import itemgetter
 from typing import Iterable, Sequence
 
@@ -45,6 +44,8 @@ _OWN_FREE = 255
 #: Runs at least this long are freed through numpy (its fixed cost, ~0.6 us, is the Python
 #: loop's for ~16 blocks here).
 _SCATTER_MIN_BLOCKS = 32
+#: The free list drops its taken front when that is at least this long (and half the array).
+_COMPACT_MIN_BLOCKS = 256
 MAX_OWNERS = 253
 
 
@@ -70,7 +71,11 @@ class BlockPool:
             raise ValueError(f"num_blocks: must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         # FIFO free list: freshly freed blocks are reused last, so a fresh pool hands out 0, 1, 2…
-        self._free: deque[int] = deque(range(num_blocks))
+        # The queue is ``_free[_free_head:]``, in an ``array('q')``: an evicted run's ids (an
+        # array from the tree) join it in one copy, and an allocation takes a slice; the taken
+        # front is dropped once it is at least half of the array (amortized O(1) per block).
+        self._free = array("q", range(num_blocks))
+        self._free_head = 0
         self._own = bytearray([_OWN_FREE]) * num_blocks
         # The same bytes as numpy sees them (a fixed-size buffer: never resized), for writing
         # a long run's ownership in one C loop.
@@ -84,7 +89,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks with no content (on the free list)."""
-        return len(self._free)
+        return len(self._free) - self._free_head
+
+    def free_block_ids(self) -> list[int]:
+        """The free list, next to be allocated first (inspection and tests)."""
+        return self._free[self._free_head :].tolist()
 
     @property
     def num_private_blocks(self) -> int:
@@ -132,10 +141,16 @@ class BlockPool:
         """
         if type(num) is not int or num < 0:
             raise ValueError(f"num: must be an int >= 0, got {num!r}")
-        if num > len(self._free):
+        free, head = self._free, self._free_head
+        end = head + num
+        if end > len(free):
             return None
-        popleft = self._free.popleft
-        ids = [popleft() for _ in range(num)]
+        ids = free[head:end].tolist()
+        if 2 * end >= len(free) and end >= _COMPACT_MIN_BLOCKS:
+            del free[:end]
+            self._free_head = 0
+        else:
+            self._free_head = end
         own = self._own
         for block_id in ids:
             own[block_id] = 1
@@ -334,8 +349,9 @@ class BlockPool:
         Raises:
             AssertionError: describing the first disagreement found.
         """
-        free_set = set(self._free)
-        assert len(free_set) == len(self._free), "free list holds a block twice"
+        free_ids = self.free_block_ids()
+        free_set = set(free_ids)
+        assert len(free_set) == len(free_ids), "free list holds a block twice"
         deferred = set(self._deferred)
         assert len(deferred) == len(self._deferred), "deferred list holds a block twice"
         assert self._in_step or not deferred, "blocks deferred while no step is in flight"

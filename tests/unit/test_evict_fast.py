@@ -167,7 +167,7 @@ def test_cache_one_block_path_matches_the_general_path(policy_name: str, seed: i
     while fast.num_cached_blocks:
         n = [evict_path.evict(t, p, g, None, 1) for t, p, g in zip((fast, ref), pools, ghosts)]
         assert n == [1, 1]
-        assert pools[0]._free == pools[1]._free
+        assert pools[0].free_block_ids() == pools[1].free_block_ids()
         assert ghost_state(ghosts[0]) == ghost_state(ghosts[1])
         assert ({n.uid: list(n.block_ids) for n in fast.iter_nodes()}
                 == {n.uid: list(n.block_ids) for n in ref.iter_nodes()})
