@@ -104,3 +104,68 @@ def test_ghost_list_add_extends_entries_in_front() -> None:
     ghost.add([(h[4] + tok[5], (tok[5], [h[5]], [b"img"]))])
     assert len(ghost) == 2 and ghost.num_blocks == 4
     assert ghost.get(h[4] + tok[5]).extras == [b"img"]
+
+
+def _chain(n: int) -> tuple[list[bytes], list[bytearray]]:
+    """``n + 1`` 16-byte chained "hashes" (h[0] the parent of block 1) and n+1 blocks' tokens."""
+    h = [bytes([i]) * 16 for i in range(n + 1)]
+    tok = [bytearray([100 + i]) * (4 * B) for i in range(n + 1)]
+    return h, tok
+
+
+def test_open_entry_equals_block_by_block_adds() -> None:
+    """A leaf evicted one block at a time through ``add_block`` (its entry open: nothing entered
+    until a read) answers every read exactly as ``add`` of each block does: one entry, the same
+    tokens, hashes, key, parent link and block count; the open blocks settle as one run."""
+    h, tok = _chain(8)
+    one, ref = GhostList(100), GhostList(100)
+    for i in range(8, 0, -1):  # blocks 8, 7, ..., 1: tail first
+        one.add_block(h[i - 1], tok[i], h[i])
+        ref.add([(h[i - 1] + tok[i], (tok[i], [h[i]], None))])
+    assert one._open_hashes and not one._runs  # nothing entered yet
+    assert len(one) == len(ref) == 1 and one.num_blocks == ref.num_blocks == 8
+    key = h[0] + tok[1]
+    assert one.keys() == ref.keys() == [key]
+    got, want = one.get(key), ref.get(key)
+    assert (bytes(got.tokens), got.hashes) == (bytes(want.tokens), want.hashes) == (
+        b"".join(tok[1:]), h[1:])
+    assert len(one.parts(key)) == 1 and len(ref.parts(key)) == 8  # one run vs one per block
+    assert one._by_parent == ref._by_parent == {h[0]: key}
+
+
+def test_open_entry_enters_at_once_where_deferring_would_differ() -> None:
+    """While blocks 4, 3 of a leaf are open, block 2 arrives and an entry already begins at it
+    (it was evicted, came back, and goes again) or another entry hangs off its parent (a
+    sibling branch): ``_link`` would re-key or re-link those, so the open entry is entered at
+    once and both lists stay equal, read after every step."""
+    h, tok = _chain(4)
+    sibling = bytearray([7]) * (4 * B)
+    for earlier in ([(h[1] + tok[2], (tok[2], [h[2]], None))],  # the same block 2
+                    [(h[1] + sibling, (sibling, [b"s" * 16], None))]):  # block 2's sibling
+        one, ref = GhostList(100), GhostList(100)
+        one.add(earlier)
+        ref.add(earlier)
+        for block in (4, 3, 2, 1):  # no read in between: the open entry is not settled by one
+            one.add_block(h[block - 1], tok[block], h[block])
+            ref.add([(h[block - 1] + tok[block], (tok[block], [h[block]], None))])
+            # Blocks 4, 3 stay open; block 2 enters them and goes through _link, block 1 opens
+            # the entry again.
+            assert bool(one._open_hashes) == (block != 2)
+        keys = one.keys()
+        assert keys == ref.keys() and one.num_blocks == ref.num_blocks
+        assert [(one.get(k).hashes, bytes(one.get(k).tokens)) for k in keys] == [
+            (ref.get(k).hashes, bytes(ref.get(k).tokens)) for k in keys]
+        assert one._by_parent == ref._by_parent
+
+
+def test_open_entry_is_forgotten_last_for_capacity() -> None:
+    """Capacity 3: an older entry goes first; when only the open entry is left over capacity,
+    it is entered and forgotten like any other (oldest first)."""
+    h, tok = _chain(6)
+    ghost = GhostList(3)
+    ghost.add([(h[5] + tok[6], (tok[6], [h[6]], None))])  # an older, separate entry
+    for i in (4, 3, 2):
+        ghost.add_block(h[i - 1], tok[i], h[i])
+    assert ghost.keys() == [h[1] + tok[2]] and ghost.num_blocks == 3  # the older one went
+    ghost.add_block(h[0], tok[1], h[1])  # 4 blocks in one entry > 3: it goes too
+    assert len(ghost) == 0 and ghost.num_blocks == 0 and ghost.keys() == []
