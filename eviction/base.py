@@ -49,7 +49,9 @@ class NodeView(Protocol):
         lock_ref: Number of running requests whose held path goes through the node.
         hashes: Chained hash of each of the node's blocks, in token order (a sequence of
             ``bytes``; stable identities of block contents, e.g. for S3-FIFO's ghost queue or
-            an oracle's trace index).
+            an oracle's trace index). A tree node builds this list on each read (it keeps the
+            hashes in one buffer); ``block_hash(j)``, where present, reads one (negative
+            ``j`` from the end) without it.
         session_key: Session hint (a request's ``prompt_cache_key``, else its ``user``) of the
             latest request that published into or hit the node; None when no request gave one.
         request_end_s: Clock reading when the latest request holding the node released it

@@ -99,8 +99,13 @@ class S3FIFOPolicy(VictimPolicy):
         if node.uid in self._info:
             self._state(node)
             return
-        hashes = getattr(node, "hashes", None)
-        queue = _M if hashes and hashes[0] in self._ghost else _S
+        block_hash = getattr(node, "block_hash", None)  # one hash, not the list (a tree node)
+        if block_hash is not None:
+            first = block_hash(0) if node.num_blocks else None
+        else:
+            hashes = getattr(node, "hashes", None)
+            first = hashes[0] if hashes else None
+        queue = _M if first is not None and first in self._ghost else _S
         self._state(node, queue, 0)
 
     def on_hit(self, node: NodeView) -> None:
