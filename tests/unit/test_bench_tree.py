@@ -175,7 +175,7 @@ def test_small_run_reports_targets_and_keeps_exit_0(tmp_path: Path, capsys) -> N
     out_path = tmp_path / "new" / "tree.json"
     assert main(["bench", "tree", *SMALL, "--json", str(out_path)]) == 0
     out = json.loads(out_path.read_text())
-    assert out["targets"] == {"match": 0.25, "insert": 1.2}
+    assert out["targets"] == {"match": 0.25, "insert": 1.2, "evict": 1.0}
     assert out["met"] == {op: out["ratio_to_floor"][op] <= target
                           for op, target in out["targets"].items()}
     assert out["default_workload"] is False
@@ -190,10 +190,11 @@ def test_small_run_reports_targets_and_keeps_exit_0(tmp_path: Path, capsys) -> N
 
 
 def test_targets_line_exact() -> None:
-    out = {"ratio_to_floor": {"match": 0.2114, "insert": 1.3}, "targets": dict(bt.TARGETS),
-           "met": {"match": True, "insert": False}, "default_workload": True}
+    out = {"ratio_to_floor": {"match": 0.2114, "insert": 1.3, "evict": 0.987},
+           "targets": dict(bt.TARGETS), "met": {"match": True, "insert": False, "evict": True},
+           "default_workload": True}
     assert bt.targets_line(out) == ("targets (ratio_to_floor): match 0.211 (<= 0.25) met, "
-                                    "insert 1.300 (<= 1.2) NOT met")
+                                    "insert 1.300 (<= 1.2) NOT met, evict 0.987 (<= 1) met")
 
 
 def test_default_workload_matches_the_flag_defaults() -> None:
