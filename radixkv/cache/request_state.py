@@ -8,6 +8,7 @@ request is active (see ``radixkv/cache/README.md``).
 from __future__ import annotations
 
 from array import array
+from typing import Sequence
 
 from radixkv.cache.hashing import MMItem
 from radixkv.cache.miss_causes import empty_breakdown
@@ -31,7 +32,9 @@ class RequestState:
         num_computed_tokens: Most tokens reported computed (``publish``), at least m.
         miss: Missed prompt tokens by cause, from the lookup.
         known_hashes: Chained hashes the lookup recovered from the ghost list for positions
-            ``known_start, …``, reused by ``publish`` instead of hashing those blocks again.
+            ``known_start, …`` (a sequence of ``bytes``: a ``HashRun`` over one buffer from
+            the ghost list, or a list), reused by ``publish`` instead of hashing those blocks
+            again.
         known_start: Block position of ``known_hashes[0]``.
         ghost_notes: ``(block position, note, run)`` of the eviction policy's notes on the
             evicted runs (``GhostRun``) the lookup found whole (position of each run's last
@@ -54,7 +57,7 @@ class RequestState:
                  block_table: array, num_cached_tokens: int, num_published_blocks: int,
                  mm_items: tuple[MMItem, ...] = (), *, duplicate_ids: list[int] | None = None,
                  num_computed_tokens: int = 0, miss: dict[str, int] | None = None,
-                 known_hashes: list[bytes] | None = None, known_start: int = 0,
+                 known_hashes: Sequence[bytes] | None = None, known_start: int = 0,
                  known_tokens: bytes = b"", admitted: bool = False, counted: bool = False,
                  match_node: Node | None = None,
                  ghost_notes: list[tuple] | None = None, session_key: str | None = None) -> None:
