@@ -97,17 +97,19 @@ class GhostList:
         # id(run) -> run, for runs held here whose note is not None and that have not come
         # back (ids are stable while this dict holds the run).
         self._noted: dict[int, GhostRun] = {}
-        # The newest entry while one-block evictions extend it in front (``add_block``: each
-        # decode step's eviction takes the next block off the same leaf): its blocks in plain
-        # lists, the entry out of ``_runs`` / ``_by_parent`` with its current key. Entering it
-        # under each new key (pop the old, insert the new, in two dicts) and making a run per
-        # block was most of that eviction's cost. It is entered (``_settle``) before anything
-        # reads the entries or adds another run, and stays open only while entering it later
-        # gives what entering it block by block would have: its key is in no other entry and
-        # no other entry has its parent hash (else it is entered at once, through ``_link``).
-        self._open_hashes: list[bytes] = []  # chained hashes, newest first
-        self._open_tokens: list[bytearray] = []  # packed tokens per block, newest first
+        # The newest entry while text runs without a note extend it in front (a leaf is cut
+        # tail first: an allocation's run, then each decode step's one block, ``add_block``):
+        # its runs in plain lists, the entry out of ``_runs`` / ``_by_parent`` with its current
+        # key. Entering it under each new key (pop the old, insert the new, in two dicts) and
+        # making a run per eviction was most of a decode step's eviction cost. It is entered
+        # (``_settle``) before anything reads the entries or adds a run it does not take, and
+        # stays open only while entering it later gives what entering each run at once would
+        # have: its key is in no other entry and no other entry has its parent hash (else the
+        # run goes through ``_link`` at once).
+        self._open_hashes: list[bytes | bytearray] = []  # chained hashes per run, newest first
+        self._open_tokens: list[bytes | bytearray] = []  # packed tokens per run, newest first
         self._open_parent = self._open_key = b""  # of its first block
+        self._open_num_blocks = self._open_hash_size = 0
         self._open_base: _Chain | None = None  # the entry it extends, taken out of _runs
 
     def __len__(self) -> int:
@@ -162,21 +164,24 @@ class GhostList:
         :class:`GhostRun` or a tuple :func:`as_ghost_run` takes.
 
         Forgets the oldest entries beyond the capacity. Every allocation that evicts calls this
-        (most with one run of one block, extending the entry its leaf's previous eviction made):
-        kept to a few dict operations per run.
+        (most runs extend the entry their leaf's previous eviction made): kept to a few dict
+        operations per run, none for a text run without a note that extends the open entry.
         """
-        if self._open_hashes:
-            self._settle()
         dropped: list = []
         added = 0
         for key, run in evicted:
             if type(run) is not GhostRun:
                 run = as_ghost_run(run)
             hashes, w = run[1], run[4]
-            if run[3] is not None:
-                self._noted[id(run)] = run
             num = len(hashes) // w
-            replaced = self._link(key, run, key[:w], b"" + hashes[-w:], num)
+            if run[3] is None and run[2] is None:  # text, no note: it may stay open
+                replaced = self._defer(key, key[:w], run[0], hashes, b"" + hashes[-w:], num, w)
+            else:
+                if self._open_hashes:
+                    self._settle()
+                if run[3] is not None:
+                    self._noted[id(run)] = run
+                replaced = self._link(key, run, key[:w], b"" + hashes[-w:], num)
             if replaced:
                 dropped += replaced
             added += num
@@ -185,47 +190,57 @@ class GhostList:
     def add_block(self, parent_hash: bytes, tokens: bytearray, block_hash: bytes) -> None:
         """:meth:`add` of one evicted text block with no note (a decode step's eviction: the
         commonest), given apart: its parent's chained hash (``bytes``), packed tokens, chained
-        hash (``bytes`` or a ``bytearray`` cut).
-
-        The entry it starts or extends stays open (see ``_open_hashes``) while the next such
-        block extends it in front: a few list appends per block, no dict entered, no run made.
-        """
+        hash (``bytes`` or a ``bytearray`` cut). Extending the open entry in front is inlined:
+        a few list appends, no dict entered, no run made."""
         key = parent_hash + tokens
+        if (self._open_hashes and self._open_parent == block_hash and key not in self._runs
+                and parent_hash not in self._by_parent):
+            self._open_hashes.append(block_hash)
+            self._open_tokens.append(tokens)
+            self._open_parent, self._open_key = parent_hash, key
+            self._open_num_blocks += 1
+            self.num_blocks += 1
+            if self.num_blocks > self.capacity:
+                self._grew(0, None)
+            return
+        self._grew(1, self._defer(key, parent_hash, tokens, block_hash, b"" + block_hash, 1,
+                                  len(block_hash)))
+
+    def _defer(self, key: bytes, parent_hash: bytes, tokens: bytes | bytearray,
+               hashes: bytes | bytearray, last_hash: bytes, num: int, hash_size: int) -> list | None:
+        """Enter a text run without a note the open way (see ``_open_hashes``): it extends the
+        open entry in front, or opens an entry (taking out the one it extends, if any); through
+        :meth:`_link` where deferring would differ. The caller counts the blocks. Returns the
+        notes ``_link`` dropped, else None."""
         runs, by_parent = self._runs, self._by_parent
-        hashes = self._open_hashes
-        if hashes:
-            if (self._open_parent == block_hash and key not in runs
-                    and parent_hash not in by_parent):  # extends the open entry in front
-                hashes.append(block_hash)
+        if self._open_hashes:
+            if self._open_parent == last_hash and key not in runs and parent_hash not in by_parent:
+                self._open_hashes.append(hashes)
                 self._open_tokens.append(tokens)
                 self._open_parent, self._open_key = parent_hash, key
-                self.num_blocks += 1
-                if self.num_blocks > self.capacity:
-                    self._grew(0, None)
-                return
+                self._open_num_blocks += num
+                return None
             self._settle()
         if key in runs or parent_hash in by_parent:  # entering it later would differ
-            run = _ghost_run((tokens, block_hash, None, None, len(block_hash)))
-            self._grew(1, self._link(key, run, parent_hash, b"" + block_hash, 1))
-            return
-        next_key = by_parent.pop(b"" + block_hash, None)
+            return self._link(key, _ghost_run((tokens, hashes, None, None, hash_size)),
+                              parent_hash, last_hash, num)
+        next_key = by_parent.pop(last_hash, None)
         # It ends where that entry begins: that entry is taken out to be extended.
         self._open_base = runs.pop(next_key) if next_key is not None else None
-        self._open_hashes.append(block_hash)
+        self._open_hashes.append(hashes)
         self._open_tokens.append(tokens)
         self._open_parent, self._open_key = parent_hash, key
-        self.num_blocks += 1
-        if self.num_blocks > self.capacity:
-            self._grew(0, None)
+        self._open_num_blocks, self._open_hash_size = num, hash_size
+        return None
 
     def _settle(self) -> None:
         """Enter the open entry under its key (the newest entry: nothing was entered since it
-        was opened) with its open blocks as one run, as ``_link`` of each would have (one run
-        where ``_link`` would have kept one per block: the same blocks, none with a note)."""
+        was opened) with its open runs as one, as ``_link`` of each would have (one run where
+        ``_link`` would have kept one per eviction: the same blocks, none with a note)."""
         hashes, tokens = self._open_hashes, self._open_tokens
         hashes.reverse()
         tokens.reverse()
-        run = _ghost_run((b"".join(tokens), b"".join(hashes), None, None, len(hashes[0])))
+        run = _ghost_run((b"".join(tokens), b"".join(hashes), None, None, self._open_hash_size))
         self._open_hashes, self._open_tokens = [], []
         chain, parent_hash, key = self._open_base, self._open_parent, self._open_key
         if chain is None:
@@ -233,7 +248,7 @@ class GhostList:
         else:
             chain.newest_first.append(run)
             chain.parent_hash = parent_hash
-            chain.num_blocks += len(hashes)
+            chain.num_blocks += self._open_num_blocks
         self._open_base = None
         self._runs[key] = chain
         self._by_parent[parent_hash] = key

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from radixkv.cache.ghost import GhostList
+from radixkv.cache.ghost import GhostList, as_ghost_run
 from radixkv.cache.hashing import CacheIdentity
 from radixkv.cache.manager import CacheManager
 
@@ -106,6 +106,14 @@ def test_ghost_list_add_extends_entries_in_front() -> None:
     assert ghost.get(h[4] + tok[5]).extras == [b"img"]
 
 
+def link_add(ghost: GhostList, key: bytes, run: tuple) -> None:
+    """The reference: enter one run at once through ``_link`` (never deferred)."""
+    run = as_ghost_run(run)
+    w = run.hash_size
+    num = len(run.hash_bytes) // w
+    ghost._grew(num, ghost._link(key, run, key[:w], bytes(run.hash_bytes[-w:]), num))
+
+
 def _chain(n: int) -> tuple[list[bytes], list[bytearray]]:
     """``n + 1`` 16-byte chained "hashes" (h[0] the parent of block 1) and n+1 blocks' tokens."""
     h = [bytes([i]) * 16 for i in range(n + 1)]
@@ -115,13 +123,14 @@ def _chain(n: int) -> tuple[list[bytes], list[bytearray]]:
 
 def test_open_entry_equals_block_by_block_adds() -> None:
     """A leaf evicted one block at a time through ``add_block`` (its entry open: nothing entered
-    until a read) answers every read exactly as ``add`` of each block does: one entry, the same
-    tokens, hashes, key, parent link and block count; the open blocks settle as one run."""
+    until a read) answers every read exactly as entering each block at once (``_link``) does:
+    one entry, the same tokens, hashes, key, parent link and block count; the open blocks settle
+    as one run."""
     h, tok = _chain(8)
     one, ref = GhostList(100), GhostList(100)
     for i in range(8, 0, -1):  # blocks 8, 7, ..., 1: tail first
         one.add_block(h[i - 1], tok[i], h[i])
-        ref.add([(h[i - 1] + tok[i], (tok[i], [h[i]], None))])
+        link_add(ref, h[i - 1] + tok[i], (tok[i], [h[i]], None))
     assert one._open_hashes and not one._runs  # nothing entered yet
     assert len(one) == len(ref) == 1 and one.num_blocks == ref.num_blocks == 8
     key = h[0] + tok[1]
@@ -130,6 +139,12 @@ def test_open_entry_equals_block_by_block_adds() -> None:
     assert (bytes(got.tokens), got.hashes) == (bytes(want.tokens), want.hashes) == (
         b"".join(tok[1:]), h[1:])
     assert len(one.parts(key)) == 1 and len(ref.parts(key)) == 8  # one run vs one per block
+    # add() of the same runs defers the same way.
+    other = GhostList(100)
+    for i in range(8, 0, -1):
+        other.add([(h[i - 1] + tok[i], (tok[i], [h[i]], None))])
+    assert other.keys() == [key] and len(other.parts(key)) == 1
+    assert other.get(key).hashes == h[1:] and other._by_parent == ref._by_parent
     assert one._by_parent == ref._by_parent == {h[0]: key}
 
 
@@ -144,10 +159,10 @@ def test_open_entry_enters_at_once_where_deferring_would_differ() -> None:
                     [(h[1] + sibling, (sibling, [b"s" * 16], None))]):  # block 2's sibling
         one, ref = GhostList(100), GhostList(100)
         one.add(earlier)
-        ref.add(earlier)
+        link_add(ref, *earlier[0])
         for block in (4, 3, 2, 1):  # no read in between: the open entry is not settled by one
             one.add_block(h[block - 1], tok[block], h[block])
-            ref.add([(h[block - 1] + tok[block], (tok[block], [h[block]], None))])
+            link_add(ref, h[block - 1] + tok[block], (tok[block], [h[block]], None))
             # Blocks 4, 3 stay open; block 2 enters them and goes through _link, block 1 opens
             # the entry again.
             assert bool(one._open_hashes) == (block != 2)
@@ -169,3 +184,28 @@ def test_open_entry_is_forgotten_last_for_capacity() -> None:
     assert ghost.keys() == [h[1] + tok[2]] and ghost.num_blocks == 3  # the older one went
     ghost.add_block(h[0], tok[1], h[1])  # 4 blocks in one entry > 3: it goes too
     assert len(ghost) == 0 and ghost.num_blocks == 0 and ghost.keys() == []
+
+
+def test_longer_runs_join_the_open_entry_and_noted_runs_do_not() -> None:
+    """An allocation's 4-block run (blocks 5-8) opens the entry and decode steps' blocks 4..2
+    extend it, all entered as one run at the read; a run with a policy note (block 1) goes
+    through ``_link`` at once, entering the open entry first. Reads equal the reference."""
+    h, tok = _chain(8)
+    one, ref = GhostList(100), GhostList(100)
+    tail = (b"".join(tok[5:]), h[5:], None)
+    one.add([(h[4] + tok[5], tail)])
+    link_add(ref, h[4] + tok[5], tail)
+    assert one._open_hashes and not one._runs and one.num_blocks == 4
+    for i in (4, 3, 2):
+        one.add_block(h[i - 1], tok[i], h[i])
+        link_add(ref, h[i - 1] + tok[i], (tok[i], [h[i]], None))
+    assert one._open_num_blocks == 7 and not one._runs
+    noted = (tok[1], [h[1]], None, "note")
+    one.add([(h[0] + tok[1], noted)])
+    link_add(ref, h[0] + tok[1], noted)
+    assert not one._open_hashes and one.num_blocks == ref.num_blocks == 8
+    key = h[0] + tok[1]
+    assert one.keys() == ref.keys() == [key] and one._by_parent == ref._by_parent
+    assert [(r.hashes, bytes(r.tokens), r.note) for r in one.parts(key)] == [
+        ([h[1]], bytes(tok[1]), "note"), (h[2:], b"".join(tok[2:]), None)]
+    assert one.get(key).hashes == ref.get(key).hashes == h[1:]
