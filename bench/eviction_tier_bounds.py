@@ -1,11 +1,12 @@
 """How far ``predicted-reuse``'s two tiers can go: each tier ordered by the true next use.
 
-``predicted-reuse`` (regular return gaps) evicts *overdue* leaves first (their session looks
-ended; ordered by ``cost``'s credit), then the *live* leaf released last (furthest predicted
-next use). This replays issue 19's six traces with the tier orders replaced by the trace
-oracle's next use (furthest first), one tier at a time and both, and prints each one's FLOP hit
-rate and share of the LRU→oracle gap next to ``predicted-reuse``'s own and the best online
-policy's, from the committed results (``bench/results/eviction-issue19/<trace>/results.json``).
+``predicted-reuse`` (regular return gaps) evicts *overdue* leaves first (ended sessions' before
+active sessions' other branches, each by ``cost``'s credit), then the *live* leaf of furthest
+predicted next use (its release plus the return gap over the learned reuse probability). This
+replays issue 19's six traces with the tier orders replaced by the trace oracle's next use
+(furthest first), one tier at a time and both, and prints each one's FLOP hit rate and share
+of the LRU→oracle gap next to ``predicted-reuse``'s own and the best online policy's, from the
+committed results (``bench/results/eviction-issue19/<trace>/results.json``).
 A learned next-use predictor inside the tiers can reach at most these figures; the oracle keys
 are computed when a leaf enters its tier (as the policy's own keys are), so they are a bound for
 that design, not Belady's.
@@ -22,8 +23,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-from sortedcontainers import SortedList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -44,7 +43,9 @@ BOUNDS = {"oracle-overdue": (True, False), "oracle-live": (False, True),
 
 
 class TierOraclePolicy(PredictedReusePolicy):
-    """``predicted-reuse`` with either tier ordered by the oracle's next use, furthest first.
+    """``predicted-reuse`` with either tier ordered by the oracle's next use, furthest first
+    (the policy's own entry hooks replaced: everything else, the tiers' bookkeeping included,
+    is the policy's).
 
     Args:
         next_use: ``node -> index of the next request that could match the node's tail``
@@ -57,68 +58,16 @@ class TierOraclePolicy(PredictedReusePolicy):
         self._next_use = next_use
         self._overdue_by_oracle = overdue_by_oracle
         self._live_by_oracle = live_by_oracle
-        self._tier_key: dict[int, tuple] = {}  # uid -> its entry in the overdue tier
-        self._live = SortedList()  # (-next use, uid): live leaves, with the live oracle
 
-    def _oracle_entry(self, uid: int) -> tuple:
-        return (-self._next_use(self._leaves[uid]), uid)
+    def overdue_entry(self, uid: int, horizon: float) -> tuple:
+        if self._overdue_by_oracle:  # least first: the furthest next use
+            return (-self._next_use(self._leaves[uid]), uid)
+        return super().overdue_entry(uid, horizon)
 
-    def add_leaf(self, node) -> None:
-        super().add_leaf(node)
-        if self._live_by_oracle:
-            entry = self._oracle_entry(node.uid)
-            self._tier_key[node.uid] = entry
-            self._live.add(entry)
-
-    def remove_leaf(self, node) -> None:
-        uid = node.uid
-        if self._leaves.pop(uid, None) is None:
-            return
-        time_key, value_key = self._time_key.pop(uid), self._value_key.pop(uid)
-        entry = self._tier_key.pop(uid, None)
-        if uid in self._is_overdue:
-            self._is_overdue.discard(uid)
-            self._overdue.remove(entry if self._overdue_by_oracle else value_key)
-        else:
-            self._by_time.remove(time_key)
-            if entry is not None:
-                self._live.remove(entry)
-        self._by_value.remove(value_key)
-
-    def choose_victim(self):
-        if not self._leaves:
-            return None
-        if not self.regular:  # back to the live tier, as the base class does with its keys
-            for uid in self._is_overdue:
-                self._tier_key.pop(uid, None)
-                if self._live_by_oracle:
-                    self._tier_key[uid] = entry = self._oracle_entry(uid)
-                    self._live.add(entry)
-            return super().choose_victim()
-        g = self.gaps.median_s
-        if g > 0:
-            if self._clock is not None:
-                self._seen(self._clock())
-            horizon = self.now_s - self.overdue_factor * g
-            while self._by_time and self._by_time[0][0] < horizon:
-                uid = self._by_time.pop(0)[1]
-                self._is_overdue.add(uid)
-                live_entry = self._tier_key.pop(uid, None)
-                if live_entry is not None:
-                    self._live.remove(live_entry)
-                if self._overdue_by_oracle:
-                    entry = self._oracle_entry(uid)
-                    self._tier_key[uid] = entry
-                    self._overdue.add(entry)
-                else:
-                    self._overdue.add(self._value_key[uid])
-        if self._overdue:
-            self._victim_rule = "overdue"
-            return self._leaves[self._overdue[0][1]]
-        self._victim_rule = "latest"
-        if self._live_by_oracle:
-            return self._leaves[self._live[0][1]]
-        return self._leaves[self._by_time[-1][1]]
+    def live_entry(self, node, time_key_s: float, release_s) -> tuple:
+        if self._live_by_oracle:  # greatest first: the furthest next use
+            return (self._next_use(node), node.uid)
+        return super().live_entry(node, time_key_s, release_s)
 
 
 def load(name: str, cache_dir: str) -> tuple:

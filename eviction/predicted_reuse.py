@@ -18,17 +18,26 @@ request end to its next request, learned from the cache's own hits and ghost-lis
 
 * **Regular returns** (≥ 80 % of gaps within a factor 1.5 of their median ``ĝ``, as agent
   sessions whose next call comes one tool latency after the last): a leaf released at ``e`` by
-  its session is used next at ``t̂ = e + ĝ``, with ``P ≈ 1`` while ``now ≤ e + k·ĝ`` (*live*)
-  and, for its own session, ``P ≈ 0`` after (*overdue*: the session ended; ``k = 1.1``).
-  Overdue leaves go first; among them only other sessions may still reuse a leaf (a shared
-  prompt, a task run again), which ``cost``'s credit ranks (reuse history, depth), so they go
-  in ``cost``'s order. Among live leaves ``ρ`` is least for the furthest ``t̂``, i.e. the
-  latest ``e`` — the offline optimum's choice (L. Belady, IBM Systems Journal 1966) with the
-  next use predicted.
+  its session is *live* while ``now ≤ e + k·ĝ`` (``k = 1.1``) and *overdue* after (for its own
+  session, ``P ≈ 0``: the session ended or moved on). Overdue leaves go first. An overdue leaf
+  whose *session* is still active (it released or hit some other node within ``k·ĝ``: a
+  multi-agent crew whose next call went to another agent's branch) is used again when its
+  branch's turn comes back; one whose session went quiet too has ended, and only other
+  sessions may still reuse it (a shared prompt, a task run again). So ended sessions' leaves
+  go before active sessions' branches, each group in ``cost``'s order (reuse history, depth).
+  Among live leaves ``ρ`` is least for the furthest ``t̂``, the offline optimum's choice (L.
+  Belady, IBM Systems Journal 1966) with the next use predicted: a live leaf is used again
+  within its window with a learned probability ``P`` (:mod:`eviction._live_reuse`:
+  scikit-learn's logistic regression on the leaf's history at its release, labelled by the
+  cache's own hits and ghost-list returns; an agent that rewrites its history's tail, or a
+  session's last call, leaves a leaf that is not continued), so its expected next use is
+  ``t̂ = e + ĝ / P`` (one window of ``ĝ`` per try); before the first fit ``P = 1`` and the
+  latest ``e`` goes first.
   A shared prefix (a node that had ≥ 2 children) is used next by whichever session comes, so
   its own mean access gap, when longer than ``ĝ``, sets how long it stays live.
-  Keys are the absolute times ``e`` and ``cost``'s keys (set at tree events); the clock only
-  decides which of the oldest release times are overdue.
+  Keys are absolute times (``t̂``, ``e``) and ``cost``'s keys, set at tree events with the
+  model of that moment; the clock only decides which of the oldest release times are overdue,
+  and a leaf's session activity is read once, when it turns overdue.
 * **Irregular returns** (chat users coming back after seconds or hours): ``t̂`` is not
   predictable and ``ρ`` reduces to ``cost``'s credit — a GreedyDual key ``L + (P·c/c₀)^γ`` with
   ``P`` from the leaf's reuse history (:class:`eviction.cost_aware.CostAwarePolicy`, kept
@@ -52,12 +61,15 @@ from typing import Any, Callable
 
 from sortedcontainers import SortedList
 
+from ._live_reuse import LiveReuseModel, features
 from ._return_gaps import ReturnGapModel
 from .base import NodeView, VictimPolicy, register
 from .cost_aware import CostAwarePolicy
 from .cost_model import CostShape
 
 _TRAIN_MODES = ("sync", "background")
+#: Sessions whose latest activity is remembered; past this the table is cleared (rare).
+_SESSIONS_MAX = 1 << 16
 
 
 @register("predicted-reuse")
@@ -78,7 +90,8 @@ class PredictedReusePolicy(VictimPolicy):
 
     Attributes:
         gaps: The :class:`ReturnGapModel`.
-        victims_by_rule: Victims named so far per rule: ``overdue``, ``latest`` (live, furthest
+        victims_by_rule: Victims named so far per rule: ``overdue`` (ended session),
+            ``branch`` (overdue leaf of a session still active), ``latest`` (live, furthest
             predicted next use), ``value`` (``cost``'s credit).
 
     Raises:
@@ -103,10 +116,15 @@ class PredictedReusePolicy(VictimPolicy):
         self.value_policy = CostAwarePolicy(model_shape, prior_hits=prior_hits,
                                             prior_misses=prior_misses, gamma_max=gamma_max,
                                             drift=drift)
-        self.victims_by_rule = {"overdue": 0, "latest": 0, "value": 0}
+        self.live_model = LiveReuseModel(train_mode=train_mode, seed=seed) if learn else None
+        self.victims_by_rule = {"overdue": 0, "branch": 0, "latest": 0, "value": 0}
         self._leaves: dict[int, NodeView] = {}
         self._by_time = SortedList()  # (release time key, uid): live leaves
-        self._overdue = SortedList()  # (cost key, uid): leaves found overdue
+        self._live = SortedList()  # (predicted next use - ĝ, uid): live leaves (learn=True)
+        self._live_key: dict[int, tuple] = {}
+        self._overdue = SortedList()  # (session active, cost key, uid): leaves found overdue
+        self._overdue_key: dict[int, tuple] = {}
+        self._session_seen: dict[object, float] = {}  # session key -> its latest release or hit
         self._by_value = SortedList()  # (cost key, uid): every leaf
         self._time_key: dict[int, tuple] = {}
         self._value_key: dict[int, tuple] = {}
@@ -129,11 +147,20 @@ class PredictedReusePolicy(VictimPolicy):
 
     @property
     def train_cpu_s(self) -> float:
-        return self.gaps.fit_s
+        """Seconds of fitting on the calling thread (return gaps, and ``sync`` reuse fits)."""
+        model = self.live_model
+        return self.gaps.fit_s + (model.fit_s if model is not None else 0.0)
 
     @property
     def background_train_cpu_s(self) -> float:
-        return 0.0
+        """Thread CPU seconds of reuse fits in the background worker."""
+        model = self.live_model
+        return model.background_fit_s if model is not None else 0.0
+
+    def close(self) -> None:
+        """Stop the background trainer (waits for a fit in flight)."""
+        if self.live_model is not None:
+            self.live_model.close()
 
     @property
     def regular(self) -> bool:
@@ -145,11 +172,24 @@ class PredictedReusePolicy(VictimPolicy):
         if t > self.now_s:
             self.now_s = t
 
+    def _session_active(self, session: object, t: float) -> None:
+        seen = self._session_seen
+        if t > seen.get(session, float("-inf")):
+            if len(seen) >= _SESSIONS_MAX and session not in seen:
+                seen.clear()  # rare: forgetting only costs an ended-or-active guess
+            seen[session] = t
+
     def on_hit(self, node: NodeView) -> None:
         t = node.last_access_s
         self._seen(t)
         session = getattr(node, "session_key", None)
-        self.gaps.observe_return(node.uid if session is None else session, t)
+        if session is None:
+            self.gaps.observe_return(node.uid, t)
+        else:
+            self.gaps.observe_return(session, t)
+            self._session_active(session, t)
+        if self.live_model is not None:
+            self.live_model.reused(node.uid)
 
     def on_insert(self, node: NodeView, num_blocks: int) -> None:
         self._seen(node.last_access_s)
@@ -184,16 +224,46 @@ class PredictedReusePolicy(VictimPolicy):
         self._key_hits[uid] = hits
         # A leaf hit while unlocked is re-keyed just before on_hit: that is its return, not a
         # release (recording it as one would measure a zero gap).
-        if not rekey_on_hit and self._released.get(uid) != e:
+        new_release = not rekey_on_hit and self._released.get(uid) != e
+        if new_release:
             self._released[uid] = e
             session = getattr(node, "session_key", None)
-            self.gaps.observe_end(uid if session is None else session, e)
+            if session is None:
+                self.gaps.observe_end(uid, e)
+            else:
+                self.gaps.observe_end(session, e)
+                self._session_active(session, e)
         tk = (self.time_key(node), uid)
         vk = (self.value_policy.priority(node), uid)
         self._time_key[uid], self._value_key[uid] = tk, vk
         self._by_time.add(tk)
         self._by_value.add(vk)
         self._leaves[uid] = node
+        if self.learn:
+            lk = self.live_entry(node, tk[0], e if new_release else None)
+            self._live_key[uid] = lk
+            self._live.add(lk)
+
+    def live_entry(self, node: NodeView, time_key_s: float, release_s: float | None) -> tuple:
+        """The live tier's sort entry of ``node`` (greatest evicted first): its predicted next
+        use ``t̂ = time key + ĝ / P`` less ``ĝ``, with ``P`` the learned probability that it is
+        used again within the return window (:mod:`eviction._live_reuse`; expected wait
+        ``ĝ / P`` for a leaf reused with probability ``P`` each window). ``P = 1`` before the
+        first fit: the release-time order. ``release_s``: set on a new release, which opens a
+        labelled example in the regular regime."""
+        g = self.gaps.median_s
+        if g <= 0:
+            return (time_key_s, node.uid)
+        model = self.live_model
+        p = 1.0
+        if release_s is not None and self.regular:
+            x = features(node, release_s, g)
+            model.observe_release(node.uid, release_s, x, release_s + self.overdue_factor * g)
+            if model.coef is not None:
+                p = model.probability(x)
+        elif model.coef is not None:
+            p = model.probability(features(node, self.release_time(node), g))
+        return (time_key_s + g * (1.0 / p - 1.0), node.uid)
 
     def remove_leaf(self, node: NodeView) -> None:
         uid = node.uid
@@ -201,11 +271,14 @@ class PredictedReusePolicy(VictimPolicy):
             return
         tk = self._time_key.pop(uid)
         vk = self._value_key.pop(uid)
+        lk = self._live_key.pop(uid, None)
         if uid in self._is_overdue:
             self._is_overdue.discard(uid)
-            self._overdue.remove(vk)
+            self._overdue.remove(self._overdue_key.pop(uid))
         else:
             self._by_time.remove(tk)
+            if lk is not None:
+                self._live.remove(lk)
         self._by_value.remove(vk)
 
     def choose_victim(self) -> NodeView | None:
@@ -218,25 +291,41 @@ class PredictedReusePolicy(VictimPolicy):
                 if self._clock is not None:
                     self._seen(self._clock())
                 horizon = self.now_s - self.overdue_factor * g
+                self.live_model.expire(self.now_s)
                 while by_time and by_time[0][0] < horizon:
                     uid = by_time.pop(0)[1]
-                    overdue.add(self._value_key[uid])
+                    self._live.remove(self._live_key[uid])
+                    entry = self.overdue_entry(uid, horizon)
+                    self._overdue_key[uid] = entry
+                    overdue.add(entry)
                     self._is_overdue.add(uid)
             if overdue:
-                self._victim_rule = "overdue"
-                return self._leaves[overdue[0][1]]
+                first = overdue[0]
+                self._victim_rule = "branch" if first[0] else "overdue"
+                return self._leaves[first[-1]]
             self._victim_rule = "latest"
-            return self._leaves[by_time[-1][1]]
+            return self._leaves[self._live[-1][-1]]
         if self._overdue:  # back from the regular regime: nothing is known to be overdue
             for uid in self._is_overdue:
                 self._by_time.add(self._time_key[uid])
+                self._live.add(self._live_key[uid])
             self._overdue.clear()
+            self._overdue_key.clear()
             self._is_overdue.clear()
         self._victim_rule = "value"
         return self._leaves[self._by_value[0][1]]
 
-    def on_evict(self, node: NodeView, num_blocks: int) -> tuple[int, float]:
-        """Returns ``cost``'s ghost note ``(h, last access)``.
+    def overdue_entry(self, uid: int, horizon: float) -> tuple:
+        """The overdue tier's sort entry of leaf ``uid`` as it turns overdue: ``(1 if its
+        session was active after ``horizon`` else 0, cost key, uid)``, least first."""
+        session = getattr(self._leaves[uid], "session_key", None)
+        active = session is not None and self._session_seen.get(session, horizon) > horizon
+        return (1 if active else 0,) + self._value_key[uid]
+
+    def on_evict(self, node: NodeView, num_blocks: int) -> tuple:
+        """Returns ``cost``'s ghost note ``(h, last access)``, with the node's uid appended
+        when the reuse model learns (``(h, last access, uid)``: a run that comes back, or is
+        forgotten, labels the leaf's open example).
 
         A victim named by the time rule may carry a larger GreedyDual key than the least one;
         ``L`` must not rise past that least key (``cost`` would have evicted it first), so the
@@ -251,15 +340,35 @@ class PredictedReusePolicy(VictimPolicy):
         if node.num_blocks == 0:
             self._released.pop(node.uid, None)
             self._key_hits.pop(node.uid, None)
-        return vp.on_evict(node, num_blocks)
+        note = vp.on_evict(node, num_blocks)
+        model = self.live_model
+        if model is None:
+            return note
+        model.note_evicted(num_blocks)
+        return note + (node.uid,)
 
     def on_ghost_hit(self, node: NodeView, notes: list) -> None:
         """Evicted runs came back: a return of the node's session (a gap sample, when no
-        resident node of the request counted it already) and ``cost``'s inherited history."""
+        resident node of the request counted it already), a reuse label for the leaves they
+        were cut from, and ``cost``'s inherited history."""
         session = getattr(node, "session_key", None)
         if session is not None:
             self.gaps.observe_return(session, node.last_access_s)
+            self._session_active(session, node.last_access_s)
+        model = self.live_model
+        if model is not None:
+            for note in notes:
+                model.reused(note[2])
+            notes = [note[:2] for note in notes]
         self.value_policy.on_ghost_hit(node, notes)
+
+    def on_ghost_drop(self, notes: list) -> None:
+        """The ghost list forgot evicted runs: a no-reuse label for the leaves they were cut
+        from (when their example is still open)."""
+        model = self.live_model
+        if model is not None:
+            for note in notes:
+                model.forgotten(note[2])
 
 
 @register("predicted-reuse-prior")

@@ -116,7 +116,7 @@ def test_regular_returns_evict_the_latest_live_session_then_an_overdue_one():
     # predicted last (2.1 + 1.0), so B loses its tail -- LRU would take A's (accessed first).
     assert r.request(2.2, _tokens(3, 5), "C", 2.5) == 0
     assert r.blocks_of(2) == b_ids[:1] and r.blocks_of(1) == a_ids
-    assert p.victims_by_rule == {"overdue": 0, "latest": 1, "value": 0}
+    assert p.victims_by_rule == {"overdue": 0, "branch": 0, "latest": 1, "value": 0}
     # At 3.3, A (released 2.0) is overdue (3.3 - 2.0 > 1.1 x 1.0): its tail goes first, though
     # C (released 2.5, live) was accessed last.
     c_ids = r.blocks_of(3)
@@ -124,6 +124,32 @@ def test_regular_returns_evict_the_latest_live_session_then_an_overdue_one():
     assert r.blocks_of(1) == a_ids[:1] and r.blocks_of(3) == c_ids
     assert p.victims_by_rule["overdue"] == 1
     assert r.cache.evicted_blocks_total == 4
+
+
+def test_overdue_leaf_of_an_ended_session_goes_before_an_active_sessions_branch():
+    p = learned(min_samples=1)
+    r = Replay(p, num_blocks=10)
+    x, e = _tokens(1, 3), _tokens(2, 3)
+    assert r.request(0.0, x[: 2 * BS], "S", 0.5) == 0  # crew S, agent X
+    assert r.request(0.1, e[: 2 * BS], "E", 0.6) == 0
+    assert r.request(1.5, x, "S", 2.0) == 2 * BS
+    assert r.request(1.6, e, "E", 2.1) == 2 * BS  # E's last request
+    assert p.regular and p.gaps.median_s == 1.0
+    # S's next call goes to another agent's branch (Y): S is active at 3.2, E is not.
+    assert r.request(3.0, _tokens(3, 2), "S", 3.2) == 0
+    x_ids, e_ids = r.blocks_of(1), r.blocks_of(2)
+    assert len(x_ids) == len(e_ids) == 3
+    # At 3.5 both X (released 2.0) and E (2.1) are overdue (before 3.5 - 1.1). cost's order
+    # would take X first (last access 1.5 < 1.6, same hits and depth); X's session is active,
+    # so E's tail goes first.
+    assert r.request(3.5, _tokens(4, 4), "Z", 3.55) == 0
+    assert r.blocks_of(2) == e_ids[:1] and r.blocks_of(1) == x_ids
+    assert p.victims_by_rule == {"overdue": 1, "branch": 0, "latest": 0, "value": 0}
+    # Three more blocks: E's last, then X's tail (the branch), not Y or Z (live).
+    assert r.request(3.6, _tokens(5, 3), "W", 3.65) == 0
+    assert r.blocks_of(2) == [] and r.blocks_of(1) == x_ids[:1]
+    assert len(r.blocks_of(3)) == 2 and len(r.blocks_of(4)) == 4
+    assert p.victims_by_rule == {"overdue": 2, "branch": 1, "latest": 0, "value": 0}
 
 
 def _random_workload(seed: int, n: int) -> list[tuple[float, list[int], str, float]]:

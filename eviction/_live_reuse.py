@@ -1,0 +1,221 @@
+"""Learned probability that a released leaf is used again within its session's return window,
+for ``predicted-reuse``'s live tier (:mod:`eviction.predicted_reuse`).
+
+A leaf released at ``e`` by an agent session is predicted to be used next at ``e + ĝ`` (the
+learned median return gap). That holds for the leaf the session continues from; not for a
+leaf whose tail the next call rewrites (an agent that condenses or re-renders its history: the
+next prompt diverges a few blocks before the old one ends), nor for the last call of a session.
+How often each happens, and what marks it, differs from one agent framework to the next (on
+OpenHands a leaf never hit before is almost never continued; on SWE-agent it almost always
+is), so it is learned online from the cache's own history rather than fixed:
+
+* **example**: a leaf released in the regular regime, with the features of :func:`features`
+  (all from :class:`~eviction.base.NodeView`, read at the release);
+* **label**: 1 if the leaf is hit, or an evicted run of it comes back from the ghost list,
+  before ``e + k·ĝ`` (the policy's overdue horizon); 0 when that horizon passes first, or the
+  ghost list forgets the run;
+* **learner**: scikit-learn's L2-regularised logistic regression (``lbfgs``) on the newest
+  ``window`` labels, standardised; refitted after ``refit_labels`` new labels and
+  ``refit_blocks`` evicted blocks (so the training time per evicted block stays bounded),
+  either on the calling thread (``sync``: reproducible, for ``bench eviction``) or in one
+  background worker thread whose result is swapped in when done (``background``: the
+  server's step loop never waits for a fit). Strong regularisation (``C = 0.01``) keeps the
+  probability near the base rate when the features carry little signal, so a weak fit does
+  not reorder leaves by noise.
+
+Before the first fit :meth:`LiveReuseModel.probability` answers 1 (the prior: every live leaf
+is continued), which keeps the policy's order exactly the release-time order.
+
+Inference is a dot product with the fitted (de-standardised) coefficients in Python, ~1 µs,
+not a call into scikit-learn (≈ 80 µs per ``predict_proba`` call).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from typing import Any
+
+#: Feature names, in :func:`features` order (documentation and tests).
+FEATURE_NAMES = ("log_hits", "shared", "log_depth_tokens", "log_num_blocks", "num_gaps",
+                 "mean_gap_over_g", "log_lifetime_over_g", "duration_over_g")
+
+
+def features(node: Any, release_s: float, gap_s: float) -> tuple[float, ...]:
+    """Features of a leaf released at ``release_s`` (clock units), ``gap_s`` the median return
+    gap ``ĝ`` (> 0): ``log1p(hit_count)``, 1.0 if it ever had ≥ 2 children, ``log1p`` of its
+    depth in tokens and of its blocks, the number of its recorded access gaps and their mean
+    over ``ĝ`` (−1 without any), ``log1p`` of its lifetime (last access − creation) over
+    ``ĝ``, and the holding request's duration (release − last access) over ``ĝ``."""
+    gaps = getattr(node, "access_gaps", ())
+    last = node.last_access_s
+    return (math.log1p(node.hit_count),
+            1.0 if getattr(node, "max_children", 0) >= 2 else 0.0,
+            math.log1p(node.depth_tokens), math.log1p(node.num_blocks), float(len(gaps)),
+            sum(gaps) / len(gaps) / gap_s if gaps else -1.0,
+            math.log1p(max(0.0, last - node.created_s) / gap_s),
+            (release_s - last) / gap_s)
+
+
+def fit_logistic(X: list, y: list, C: float, seed: int) -> tuple[tuple[float, ...], float] | None:
+    """Fit scikit-learn's logistic regression on standardised ``X`` (rows of floats) and ``y``
+    (0/1); return ``(weights, intercept)`` on the raw features, or None while one class is
+    missing. Raises ImportError when scikit-learn is not installed."""
+    import numpy as np
+    from sklearn.linear_model import LogisticRegression
+
+    ys = np.asarray(y)
+    positives = int(ys.sum())
+    if positives == 0 or positives == len(ys):
+        return None
+    xs = np.asarray(X, dtype=np.float64)
+    mu = xs.mean(axis=0)
+    sd = xs.std(axis=0) + 1e-9
+    model = LogisticRegression(C=C, random_state=seed).fit((xs - mu) / sd, ys)
+    w = model.coef_[0] / sd
+    return tuple(float(v) for v in w), float(model.intercept_[0] - float((w * mu).sum()))
+
+
+class LiveReuseModel:
+    """Online P(a released leaf is used again within the return window) (module docstring).
+
+    Args:
+        train_mode: ``"sync"`` (fit on the calling thread) or ``"background"`` (one worker).
+        seed: ``random_state`` of every fit.
+        window: Labels kept (newest), ≥ 2.
+        refit_labels: New labels before a refit, ≥ 1.
+        refit_blocks: Evicted blocks (reported with :meth:`note_evicted`) before a refit, ≥ 0.
+        C: Inverse L2 strength of the logistic regression (scikit-learn's ``C``), > 0.
+
+    Attributes:
+        coef: ``(weights, intercept)`` of the latest fit on the raw features, None before one.
+        num_fits, num_labels, num_positive: Counters.
+        fit_s: Wall seconds of fits on the calling thread (``sync``).
+        background_fit_s: Thread CPU seconds of fits in the worker (``background``).
+
+    Raises:
+        ValueError: naming the argument when a value is out of range.
+    """
+
+    def __init__(self, *, train_mode: str = "sync", seed: int = 0, window: int = 512,
+                 refit_labels: int = 16, refit_blocks: int = 256, C: float = 0.01) -> None:
+        if train_mode not in ("sync", "background"):
+            raise ValueError(f"train_mode: must be 'sync' or 'background', got {train_mode!r}")
+        if window < 2:
+            raise ValueError(f"window: must be ≥ 2, got {window!r}")
+        if refit_labels < 1:
+            raise ValueError(f"refit_labels: must be ≥ 1, got {refit_labels!r}")
+        if refit_blocks < 0:
+            raise ValueError(f"refit_blocks: must be ≥ 0, got {refit_blocks!r}")
+        if not C > 0:
+            raise ValueError(f"C: must be > 0, got {C!r}")
+        self.train_mode = train_mode
+        self.seed = seed
+        self.refit_labels = refit_labels
+        self.refit_blocks = refit_blocks
+        self.C = C
+        self.coef: tuple[tuple[float, ...], float] | None = None
+        self.num_fits = self.num_labels = self.num_positive = 0
+        self.fit_s = 0.0
+        self.background_fit_s = 0.0
+        self._X: deque = deque(maxlen=window)
+        self._y: deque = deque(maxlen=window)
+        self._new_labels = 0
+        self._new_blocks = 0
+        self._pending: dict[int, tuple[float, tuple]] = {}  # uid -> (release, features)
+        self._deadlines: deque = deque()  # (deadline, uid, release), in release order
+        self._worker: Any = None
+        self._job: Any = None
+        self._lock = threading.Lock()
+        if train_mode == "sync":
+            import sklearn.linear_model  # noqa: F401  (a one-off import, not a fit's cost)
+
+    # ---- examples and labels ----------------------------------------------------------------
+    def observe_release(self, uid: int, release_s: float, x: tuple, deadline_s: float) -> None:
+        """Leaf ``uid`` was released at ``release_s`` with features ``x``; it is labelled 0 if
+        nothing reuses it before ``deadline_s``. A newer release replaces a pending example
+        unlabelled (the leaf was held again meanwhile, which is neither outcome)."""
+        self._pending[uid] = (release_s, x)
+        self._deadlines.append((deadline_s, uid, release_s))
+
+    def pending(self, uid: int) -> bool:
+        """Whether leaf ``uid`` has an open example (its note then names it)."""
+        return uid in self._pending
+
+    def reused(self, uid: int) -> None:
+        """Leaf ``uid`` (or an evicted run of it) was asked for again: label 1 if open."""
+        example = self._pending.pop(uid, None)
+        if example is not None:
+            self._label(example[1], 1)
+
+    def forgotten(self, uid: int) -> None:
+        """The ghost list forgot an evicted run of leaf ``uid``: label 0 if open."""
+        example = self._pending.pop(uid, None)
+        if example is not None:
+            self._label(example[1], 0)
+
+    def expire(self, now_s: float) -> None:
+        """Label 0 every open example whose deadline is before ``now_s``."""
+        deadlines, pending = self._deadlines, self._pending
+        while deadlines and deadlines[0][0] < now_s:
+            _, uid, release = deadlines.popleft()
+            example = pending.get(uid)
+            if example is not None and example[0] == release:
+                del pending[uid]
+                self._label(example[1], 0)
+
+    def _label(self, x: tuple, y: int) -> None:
+        self._X.append(x)
+        self._y.append(y)
+        self.num_labels += 1
+        self.num_positive += y
+        self._new_labels += 1
+
+    # ---- training and inference ---------------------------------------------------------------
+    def note_evicted(self, num_blocks: int) -> None:
+        """``num_blocks`` blocks were evicted; refit when enough labels and blocks are new."""
+        self._new_blocks += num_blocks
+        if self._new_labels >= self.refit_labels and self._new_blocks >= self.refit_blocks:
+            self._new_labels = self._new_blocks = 0
+            X, y = list(self._X), list(self._y)
+            if self.train_mode == "sync":
+                t0 = time.perf_counter()
+                self._install(fit_logistic(X, y, self.C, self.seed))
+                self.fit_s += time.perf_counter() - t0
+            elif self._job is None or self._job.done():
+                if self._worker is None:
+                    from concurrent.futures import ThreadPoolExecutor
+                    self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixkv-reuse-fit")
+                self._job = self._worker.submit(self._fit_in_worker, X, y)
+
+    def _fit_in_worker(self, X: list, y: list) -> None:
+        t0 = time.thread_time()
+        coef = fit_logistic(X, y, self.C, self.seed)
+        with self._lock:
+            self.background_fit_s += time.thread_time() - t0
+        self._install(coef)
+
+    def _install(self, coef: tuple[tuple[float, ...], float] | None) -> None:
+        if coef is not None:
+            self.coef = coef  # one reference swap: readers see the old fit or the new one
+            self.num_fits += 1
+
+    def probability(self, x: tuple) -> float:
+        """P(reuse within the window) for features ``x``: 1.0 before the first fit, else the
+        logistic of the fitted linear score, clamped to [1e-3, 1]."""
+        coef = self.coef
+        if coef is None:
+            return 1.0
+        w, b = coef
+        z = b + sum(wi * xi for wi, xi in zip(w, x))
+        if z < -30.0:
+            return 1e-3
+        return max(1e-3, 1.0 / (1.0 + math.exp(-z)))
+
+    def close(self) -> None:
+        """Wait for a fit in flight and stop the worker (background mode)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
