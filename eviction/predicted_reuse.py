@@ -83,13 +83,16 @@ class PredictedReusePolicy(VictimPolicy):
             (``predicted-reuse-prior``: ``cost``'s ordering).
         overdue_factor: ``k``: a live leaf is overdue ``k · ĝ`` after its release (> 1).
         min_samples: Gap samples before the fitted regime replaces the prior (32).
-        train_mode, seed: Accepted for the benchmark's and the server's uniform construction;
-            the model refits inline (a sort of ≤ 256 floats every 8 samples), so both modes
-            train on the calling thread and ``background_train_cpu_s`` stays 0.
+        train_mode: Where the live tier's reuse model fits (:class:`LiveReuseModel`):
+            ``"background"`` (default, the server: one worker thread, the step loop never
+            waits) or ``"sync"`` (on the calling thread: ``bench eviction``, reproducible). The
+            return-gap model refits inline either way (a sort of ≤ 256 floats every 8 samples).
+        seed: ``random_state`` of every fit.
         prior_hits, prior_misses, gamma_max, drift: ``cost``'s parameters (irregular regime).
 
     Attributes:
         gaps: The :class:`ReturnGapModel`.
+        live_model: The live tier's :class:`LiveReuseModel` (None for the prior twin).
         victims_by_rule: Victims named so far per rule: ``overdue`` (ended session),
             ``branch`` (overdue leaf of a session still active), ``latest`` (live, furthest
             predicted next use), ``value`` (``cost``'s credit).
@@ -101,7 +104,7 @@ class PredictedReusePolicy(VictimPolicy):
     uses_model_shape = True
 
     def __init__(self, model_shape: str | CostShape | Any | None = None, *, learn: bool = True,
-                 overdue_factor: float = 1.1, min_samples: int = 32, train_mode: str = "sync",
+                 overdue_factor: float = 1.1, min_samples: int = 32, train_mode: str = "background",
                  seed: int = 0, prior_hits: float = 1.0, prior_misses: float = 3.0,
                  gamma_max: float = 3.0, drift: float = 3.0) -> None:
         if train_mode not in _TRAIN_MODES:
@@ -129,8 +132,8 @@ class PredictedReusePolicy(VictimPolicy):
         self._time_key: dict[int, tuple] = {}
         self._value_key: dict[int, tuple] = {}
         self._is_overdue: set[int] = set()
-        self._released: dict[int, float] = {}  # uid -> release time of its latest key
-        self._key_hits: dict[int, int] = {}  # uid -> hit_count when it was last keyed
+        self._released: dict[int, float] = {}  # uid -> request end of its latest release
+        self._key_hits: dict[int, int] = {}  # uid -> hit_count when last keyed (no ends)
         self._victim_rule: str | None = None
         self.now_s = float("-inf")  # latest clock reading seen on any node
         self._clock: Callable[[], float] | None = None
@@ -219,14 +222,22 @@ class PredictedReusePolicy(VictimPolicy):
             self.remove_leaf(node)
         e = self.release_time(node)
         self._seen(node.last_access_s)
-        hits = node.hit_count
-        rekey_on_hit = hits > self._key_hits.get(uid, hits)
-        self._key_hits[uid] = hits
-        # A leaf hit while unlocked is re-keyed just before on_hit: that is its return, not a
-        # release (recording it as one would measure a zero gap).
-        new_release = not rekey_on_hit and self._released.get(uid) != e
+        end = getattr(node, "request_end_s", None)
+        if end is not None:
+            # A release stamps a new request end; a hit on an unlocked leaf re-keys it with the
+            # end unchanged: that is its return, not a release (recording it as one would
+            # measure a zero gap). A leaf its own session grew in place is hit (while locked)
+            # and released by the same request: a release.
+            new_release = self._released.get(uid) != end
+            mark = end
+        else:  # a view without request ends: a re-key with more hits is a hit, not a release
+            hits = node.hit_count
+            new_release = (hits <= self._key_hits.get(uid, hits)
+                           and self._released.get(uid) != e)
+            self._key_hits[uid] = hits
+            mark = e
         if new_release:
-            self._released[uid] = e
+            self._released[uid] = mark
             session = getattr(node, "session_key", None)
             if session is None:
                 self.gaps.observe_end(uid, e)

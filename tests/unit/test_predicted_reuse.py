@@ -20,6 +20,7 @@ BS = 4
 
 
 def learned(**kw) -> PredictedReusePolicy:
+    kw.setdefault("train_mode", "sync")
     return make_policy("predicted-reuse", model_shape="smollm2-135m", **kw)
 
 
@@ -27,7 +28,10 @@ def test_registered_names_kinds_and_argument_errors():
     assert {"predicted-reuse", "predicted-reuse-prior"} <= set(available_policies())
     p = learned()
     assert p.kind == "victims" and p.learn and p.train_mode == "sync"
-    assert make_policy("predicted-reuse", train_mode="background").train_mode == "background"
+    assert p.live_model.train_mode == "sync"
+    # The server's construction (no arguments) fits in the background.
+    assert make_policy("predicted-reuse").train_mode == "background"
+    assert make_policy("predicted-reuse-prior").live_model is None
     assert make_policy("predicted-reuse-prior").learn is False
     with pytest.raises(ValueError, match="train_mode"):
         learned(train_mode="later")
@@ -124,6 +128,61 @@ def test_regular_returns_evict_the_latest_live_session_then_an_overdue_one():
     assert r.blocks_of(1) == a_ids[:1] and r.blocks_of(3) == c_ids
     assert p.victims_by_rule["overdue"] == 1
     assert r.cache.evicted_blocks_total == 4
+
+
+def _two_live_sessions(coef) -> tuple[Replay, PredictedReusePolicy, list[int], list[int]]:
+    """A (4 blocks) and B (2 blocks) both returned once (ĝ = 1.0), released at 2.0 and 2.1;
+    ``coef`` is installed in the live reuse model before anything happens."""
+    p = learned(min_samples=1)
+    p.live_model.coef = coef
+    r = Replay(p, num_blocks=9)
+    a, b = _tokens(1, 4), _tokens(2, 2)
+    assert r.request(0.0, a[: 3 * BS], "A", 0.5) == 0
+    assert r.request(0.1, b[:BS], "B", 0.6) == 0
+    assert r.request(1.5, a, "A", 2.0) == 3 * BS
+    assert r.request(1.6, b, "B", 2.1) == BS
+    assert p.regular and p.gaps.median_s == 1.0
+    return r, p, r.blocks_of(1), r.blocks_of(2)
+
+
+def test_live_tier_evicts_the_furthest_predicted_next_use_with_the_learned_probability():
+    # No fit yet (P = 1): the latest release (B) loses its tail block.
+    r, p, a_ids, b_ids = _two_live_sessions(None)
+    assert len(a_ids) == 4 and len(b_ids) == 2
+    assert r.request(2.2, _tokens(3, 4), "C", 2.5) == 0
+    assert r.blocks_of(2) == b_ids[:1] and r.blocks_of(1) == a_ids
+    # A fit whose probability falls with a leaf's size and depth: A (the larger, deeper leaf)
+    # has the smaller P, so its expected next use 2.0 + ĝ / P is the furthest.
+    w = (0.0, 0.0, -3.0, -3.0, 0.0, 0.0, 0.0, 0.0)
+    r, p, a_ids, b_ids = _two_live_sessions((w, 4.0))
+    assert r.request(2.2, _tokens(3, 4), "C", 2.5) == 0
+    assert r.blocks_of(1) == a_ids[:3] and r.blocks_of(2) == b_ids
+    assert p.victims_by_rule == {"overdue": 0, "branch": 0, "latest": 1, "value": 0}
+    # A constant probability moves every live key by the same ĝ (1/P - 1): the release order.
+    r, p, a_ids, b_ids = _two_live_sessions(((0.0,) * 8, -2.0))
+    assert r.request(2.2, _tokens(3, 4), "C", 2.5) == 0
+    assert r.blocks_of(2) == b_ids[:1] and r.blocks_of(1) == a_ids
+
+
+def test_live_examples_are_labelled_by_hits_ghost_returns_and_the_window():
+    r, p, a_ids, b_ids = _two_live_sessions(None)
+    m = p.live_model
+    # Opened in the regular regime: A's leaf at its release 2.0, B's at 2.1 (each grew in place:
+    # a hit and a release of the same request; the first releases came before any gap sample,
+    # when ĝ was unknown).
+    assert m.num_labels == 0
+    assert sorted(release for release, _ in m._pending.values()) == [2.0, 2.1]
+    # C evicts B's tail (B's note names its leaf); B comes back at 3.0, hits its resident block
+    # and brings the evicted one back from the ghost list: its example is labelled 1 once (the
+    # hit closes it, the ghost return finds it closed).
+    assert r.request(2.2, _tokens(3, 4), "C", 2.5) == 0
+    assert r.request(3.0, _tokens(2, 3), "B", 3.2) == BS
+    assert (m.num_labels, m.num_positive) == (1, 1)
+    # A never comes back: at the next eviction after 2.0 + 1.1 x 1.0 its window has closed (a
+    # 0). B's new release (3.2) and C's (2.5) stay open until 4.3 and 3.6.
+    assert r.request(3.3, _tokens(4, 3), "D", 3.6) == 0
+    assert (m.num_labels, m.num_positive) == (2, 1)
+    assert sorted(release for release, _ in m._pending.values()) == [2.5, 3.2, 3.6]
 
 
 def test_overdue_leaf_of_an_ended_session_goes_before_an_active_sessions_branch():
