@@ -24,7 +24,10 @@ request end to its next request, learned from the cache's own hits and ghost-lis
   multi-agent crew whose next call went to another agent's branch) is used again when its
   branch's turn comes back; one whose session went quiet too has ended, and only other
   sessions may still reuse it (a shared prompt, a task run again). So ended sessions' leaves
-  go before active sessions' branches, each group in ``cost``'s order (reuse history, depth).
+  go before active sessions' branches and shared prefixes (a node that had ≥ 2 children is
+  used by whichever session comes, not ended with one), each group in ``cost``'s order (reuse
+  history, depth). A branch whose session goes quiet later joins the ended group when a victim
+  is next chosen (its session's activity, as last read, past the horizon, and none since).
   Among live leaves ``ρ`` is least for the furthest ``t̂``, the offline optimum's choice (L.
   Belady, IBM Systems Journal 1966) with the next use predicted: a live leaf is used again
   within its window with a learned probability ``P`` (:mod:`eviction._live_reuse`:
@@ -36,8 +39,8 @@ request end to its next request, learned from the cache's own hits and ghost-lis
   A shared prefix (a node that had ≥ 2 children) is used next by whichever session comes, so
   its own mean access gap, when longer than ``ĝ``, sets how long it stays live.
   Keys are absolute times (``t̂``, ``e``) and ``cost``'s keys, set at tree events with the
-  model of that moment; the clock only decides which of the oldest release times are overdue,
-  and a leaf's session activity is read once, when it turns overdue.
+  model of that moment; the clock only decides which of the oldest release times (and of the
+  branches' session activity times) are past the horizon.
 * **Irregular returns** (chat users coming back after seconds or hours): ``t̂`` is not
   predictable and ``ρ`` reduces to ``cost``'s credit — a GreedyDual key ``L + (P·c/c₀)^γ`` with
   ``P`` from the leaf's reuse history (:class:`eviction.cost_aware.CostAwarePolicy`, kept
@@ -94,8 +97,8 @@ class PredictedReusePolicy(VictimPolicy):
         gaps: The :class:`ReturnGapModel`.
         live_model: The live tier's :class:`LiveReuseModel` (None for the prior twin).
         victims_by_rule: Victims named so far per rule: ``overdue`` (ended session),
-            ``branch`` (overdue leaf of a session still active), ``latest`` (live, furthest
-            predicted next use), ``value`` (``cost``'s credit).
+            ``branch`` (overdue leaf of a session still active, or a shared prefix),
+            ``latest`` (live, furthest predicted next use), ``value`` (``cost``'s credit).
 
     Raises:
         ValueError: naming the argument when a value is out of range.
@@ -127,6 +130,10 @@ class PredictedReusePolicy(VictimPolicy):
         self._live_key: dict[int, tuple] = {}
         self._overdue = SortedList()  # (session active, cost key, uid): leaves found overdue
         self._overdue_key: dict[int, tuple] = {}
+        # (session's latest activity when checked, uid): overdue leaves of an active session,
+        # demoted to the ended group once that activity too is past the horizon
+        self._branches = SortedList()
+        self._branch_key: dict[int, tuple] = {}
         self._session_seen: dict[object, float] = {}  # session key -> its latest release or hit
         self._by_value = SortedList()  # (cost key, uid): every leaf
         self._time_key: dict[int, tuple] = {}
@@ -286,6 +293,9 @@ class PredictedReusePolicy(VictimPolicy):
         if uid in self._is_overdue:
             self._is_overdue.discard(uid)
             self._overdue.remove(self._overdue_key.pop(uid))
+            branch = self._branch_key.pop(uid, None)
+            if branch is not None:
+                self._branches.remove(branch)
         else:
             self._by_time.remove(tk)
             if lk is not None:
@@ -310,6 +320,8 @@ class PredictedReusePolicy(VictimPolicy):
                     self._overdue_key[uid] = entry
                     overdue.add(entry)
                     self._is_overdue.add(uid)
+                if self._branches and self._branches[0][0] <= horizon:
+                    self._end_branches(horizon)
             if overdue:
                 first = overdue[0]
                 self._victim_rule = "branch" if first[0] else "overdue"
@@ -323,15 +335,49 @@ class PredictedReusePolicy(VictimPolicy):
             self._overdue.clear()
             self._overdue_key.clear()
             self._is_overdue.clear()
+            self._branches.clear()
+            self._branch_key.clear()
         self._victim_rule = "value"
         return self._leaves[self._by_value[0][1]]
 
     def overdue_entry(self, uid: int, horizon: float) -> tuple:
         """The overdue tier's sort entry of leaf ``uid`` as it turns overdue: ``(1 if its
-        session was active after ``horizon`` else 0, cost key, uid)``, least first."""
-        session = getattr(self._leaves[uid], "session_key", None)
-        active = session is not None and self._session_seen.get(session, horizon) > horizon
-        return (1 if active else 0,) + self._value_key[uid]
+        session was active after ``horizon`` else 0, cost key, uid)``, least first. A leaf of
+        an active session is registered as a branch, to be demoted (:meth:`_end_branches`)
+        once its session is quiet too. A shared prefix (it had ≥ 2 children) is used by
+        whichever session comes next, not ended with one: ``1`` for good."""
+        node = self._leaves[uid]
+        if getattr(node, "max_children", 0) >= 2:
+            return (1,) + self._value_key[uid]
+        session = getattr(node, "session_key", None)
+        seen = self._session_seen.get(session) if session is not None else None
+        if seen is not None and seen > horizon:
+            branch = (seen, uid)
+            self._branch_key[uid] = branch
+            self._branches.add(branch)
+            return (1,) + self._value_key[uid]
+        return (0,) + self._value_key[uid]
+
+    def _end_branches(self, horizon: float) -> None:
+        """Branches whose session's activity, as last checked, is past ``horizon``: still
+        active (later activity) is checked again at that activity; else the session ended
+        and the leaf joins the ended group (the flag alone changes, at this check)."""
+        branches, overdue = self._branches, self._overdue
+        while branches and branches[0][0] <= horizon:
+            uid = branches.pop(0)[1]
+            session = getattr(self._leaves[uid], "session_key", None)
+            seen = self._session_seen.get(session, horizon) if session is not None else horizon
+            if seen > horizon:
+                branch = (seen, uid)
+                self._branch_key[uid] = branch
+                branches.add(branch)
+                continue
+            del self._branch_key[uid]
+            entry = self._overdue_key[uid]
+            overdue.remove(entry)
+            entry = (0,) + entry[1:]
+            self._overdue_key[uid] = entry
+            overdue.add(entry)
 
     def on_evict(self, node: NodeView, num_blocks: int) -> tuple:
         """Returns ``cost``'s ghost note ``(h, last access)``, with the node's uid appended

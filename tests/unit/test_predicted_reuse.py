@@ -211,6 +211,30 @@ def test_overdue_leaf_of_an_ended_session_goes_before_an_active_sessions_branch(
     assert p.victims_by_rule == {"overdue": 2, "branch": 1, "latest": 0, "value": 0}
 
 
+def test_a_branch_joins_the_ended_group_once_its_session_is_quiet_too():
+    p = learned(min_samples=1)
+    r = Replay(p, num_blocks=10)
+    x, e = _tokens(1, 3), _tokens(2, 3)
+    assert r.request(0.0, x[: 2 * BS], "S", 0.5) == 0
+    assert r.request(0.1, e[: 2 * BS], "E", 0.6) == 0
+    assert r.request(1.5, x, "S", 2.0) == 2 * BS
+    assert r.request(1.6, e, "E", 2.1) == 2 * BS
+    assert r.request(3.0, _tokens(3, 2), "S", 3.2) == 0  # S's other branch (Y)
+    x_ids = r.blocks_of(1)
+    assert r.request(3.5, _tokens(4, 4), "Z", 3.55) == 0  # E loses 2 blocks; X is a branch
+    x_uid = next(uid for uid, n in p._leaves.items() if list(n.block_ids) == x_ids)
+    assert p._overdue_key[x_uid][0] == 1 and list(p._branches) == [(3.2, x_uid)]
+    # At 5.0 S's latest activity (3.2) is past the horizon (5.0 - 1.1) with none since: X
+    # joins the ended group (E's last block goes first, by cost's order).
+    assert r.request(5.0, _tokens(6, 1), "V", 5.1) == 0
+    assert p._overdue_key[x_uid][0] == 0 and not p._branches
+    assert r.blocks_of(2) == [] and r.blocks_of(1) == x_ids
+    # Now X (oldest access, least cost key) goes before Y and Z, which a branch would not.
+    assert r.request(5.05, _tokens(7, 1), "U", 5.15) == 0
+    assert r.blocks_of(1) == x_ids[:2] and len(r.blocks_of(3)) == 2 and len(r.blocks_of(4)) == 4
+    assert p.victims_by_rule == {"overdue": 3, "branch": 0, "latest": 0, "value": 0}
+
+
 def _random_workload(seed: int, n: int) -> list[tuple[float, list[int], str, float]]:
     """Sessions growing turn by turn on a shared prefix, with spread-out return gaps."""
     rng = random.Random(seed)
