@@ -130,10 +130,17 @@ class LiveReuseModel:
         self._worker: Any = None
         self._job: Any = None
         self._lock = threading.Lock()
+        self._one_thread: Any = None
         if train_mode == "sync":
             # One-off costs paid here, not on the first eviction that refits: the import (~1 s)
             # and the solver's first call (~5 ms of lazy set-up inside scikit-learn / SciPy).
             fit_logistic([(0.0,), (1.0,)], [0, 1], C, seed)
+            # A 512 x 8 fit gains nothing from BLAS / OpenMP threads, and with replays in
+            # parallel processes their spinning threads made fits ~5x slower; the limit is
+            # process-wide, so only the calling-thread mode sets it (never beside a model
+            # forward in the server's process).
+            from threadpoolctl import ThreadpoolController
+            self._one_thread = ThreadpoolController()
 
     # ---- examples and labels ----------------------------------------------------------------
     def observe_release(self, uid: int, release_s: float, x: tuple, deadline_s: float) -> None:
@@ -185,7 +192,8 @@ class LiveReuseModel:
             X, y = list(self._X), list(self._y)
             if self.train_mode == "sync":
                 t0 = time.perf_counter()
-                self._install(fit_logistic(X, y, self.C, self.seed))
+                with self._one_thread.limit(limits=1):
+                    self._install(fit_logistic(X, y, self.C, self.seed))
                 self.fit_s += time.perf_counter() - t0
             elif self._job is None or self._job.done():
                 if self._worker is None:
