@@ -317,3 +317,46 @@ def test_a_session_whose_blocks_were_all_evicted_returns_through_the_ghost_list(
     # list knows its two blocks (within the hit cap of the 3-block prompt).
     assert r.request(1.75, _tokens(1, 3), "A", 2.0) == 0
     assert p.gaps.num_samples == 1 and p.gaps.median_s == 1.25
+
+
+def _agent_sessions(num_sessions: int) -> list[tuple[float, list[int], str, float]]:
+    """Sessions of 2-8 turns whose next call comes 1.0 after their previous one ended (regular
+    gaps), each turn adding two blocks to the session's history; requests in time order."""
+    out = []
+    for s in range(num_sessions):
+        t, hist = 0.05 * s, []
+        for k in range(2 + s % 7):
+            hist = hist + [(s + 1) * 10_000 + k * 100 + i for i in range(2 * BS)]
+            out.append((t, list(hist), f"s{s}", t + 0.2))
+            t += 1.2
+    return sorted(out, key=lambda r: r[0])
+
+
+def test_server_mode_fits_the_live_model_in_the_background_worker():
+    p = make_policy("predicted-reuse", model_shape="smollm2-135m")  # as the server builds it
+    assert p.train_mode == "background"
+    r = Replay(p, num_blocks=48)
+    hits = sum(r.request(t, toks, s, e) for t, toks, s, e in _agent_sessions(60))
+    p.close()  # waits for a fit in flight
+    m = p.live_model
+    assert p.regular and m.num_labels >= 16 and r.cache.evicted_blocks_total >= 512
+    assert m.num_fits >= 1 and m.coef is not None and len(m.coef[0]) == 8
+    assert m.fit_s == 0.0 and m.background_fit_s > 0 and p.background_train_cpu_s > 0
+    assert hits > 0
+
+
+def test_the_live_model_learns_which_leaves_are_not_continued():
+    # Sessions of 2-8 turns: a leaf is not continued after its session's last turn, which
+    # comes later for longer histories. The fit ranks the kept examples accordingly; with
+    # C = 0.01 and this weak a signal it stays near the base rate (210 / 265 = 0.79).
+    p = learned()
+    r = Replay(p, num_blocks=48)
+    for t, toks, s, e in _agent_sessions(60):
+        r.request(t, toks, s, e)
+    m = p.live_model
+    assert m.num_fits == 3 and (m.num_labels, m.num_positive) == (265, 210)
+    probs = [m.probability(x) for x in m._X]
+    kept = list(m._y)
+    mean_pos = sum(q for q, y in zip(probs, kept) if y) / sum(kept)
+    mean_neg = sum(q for q, y in zip(probs, kept) if not y) / (len(kept) - sum(kept))
+    assert mean_pos == pytest.approx(0.822, abs=1e-3) and mean_neg == pytest.approx(0.801, abs=1e-3)
