@@ -276,6 +276,9 @@ class PredictedReusePolicy(VictimPolicy):
         p = 1.0
         if release_s is not None and self.regular:
             x = features(node, release_s, g)
+            # Windows close here too, not only when a victim is chosen: a pool that never
+            # fills would keep every open example otherwise.
+            model.expire(self.now_s)
             model.observe_release(node.uid, release_s, x, release_s + self.overdue_factor * g)
             if model.coef is not None:
                 p = model.probability(x)

@@ -360,3 +360,15 @@ def test_the_live_model_learns_which_leaves_are_not_continued():
     mean_pos = sum(q for q, y in zip(probs, kept) if y) / sum(kept)
     mean_neg = sum(q for q, y in zip(probs, kept) if not y) / (len(kept) - sum(kept))
     assert mean_pos == pytest.approx(0.822, abs=1e-3) and mean_neg == pytest.approx(0.801, abs=1e-3)
+
+
+def test_open_examples_close_without_evictions():
+    # A pool that never fills: windows still close as releases come, so open examples stay
+    # those of the last window (and labels keep coming for the next fit).
+    p = learned()
+    r = Replay(p, num_blocks=4096)
+    for t, toks, s, e in _agent_sessions(60):
+        r.request(t, toks, s, e)
+    m = p.live_model
+    assert r.cache.evicted_blocks_total == 0 and m.num_fits == 0
+    assert (m.num_labels, m.num_positive) == (265, 210) and len(m._pending) == 5
