@@ -16,9 +16,9 @@ is), so it is learned online from the cache's own history rather than fixed:
   ghost list forgets the run;
 * **learner**: scikit-learn's L2-regularised logistic regression (``lbfgs``) on the newest
   ``window`` labels, standardised; refitted after ``refit_labels`` new labels and
-  ``refit_blocks`` evicted blocks (a fit takes ~1.5–2 ms for 512 × 8 on this 2-core VM, so
-  every 512 evicted blocks it adds ≤ ~4 µs per evicted block),
-  either on the calling thread (``sync``: reproducible, for ``bench eviction``) or in one
+  ``refit_blocks`` evicted blocks (a 512 × 8 fit takes ~1.5–4 ms alone and ~6 ms with two
+  replays in parallel on this 2-core VM, so every 512 evicted blocks it adds ~3–12 µs per
+  evicted block), either on the calling thread (``sync``: reproducible, for ``bench eviction``) or in one
   background worker thread whose result is swapped in when done (``background``: the
   server's step loop never waits for a fit). Strong regularisation (``C = 0.01``) keeps the
   probability near the base rate when the features carry little signal, so a weak fit does
@@ -28,7 +28,14 @@ Before the first fit :meth:`LiveReuseModel.probability` answers 1 (the prior: ev
 is continued), which keeps the policy's order exactly the release-time order.
 
 Inference is a dot product with the fitted (de-standardised) coefficients in Python, ~1 µs,
-not a call into scikit-learn (≈ 80 µs per ``predict_proba`` call).
+not a call into scikit-learn (≈ 80 µs per ``predict_proba`` call). The policy turns ``P`` into
+an expected next use ``e + ĝ / P``: with a reuse chance ``P`` per return window, the number of
+windows to the first reuse is geometric with mean ``1 / P``.
+
+Sources: Z. Song, D. S. Berger, K. Li, W. Lloyd, "Learning Relaxed Belady for Content
+Distribution Network Caching", NSDI 2020 (next-use prediction learned online from a sliding
+window of the cache's own labelled history); scikit-learn's ``LogisticRegression``
+(https://scikit-learn.org/1.5/modules/linear_model.html#logistic-regression).
 """
 
 from __future__ import annotations
