@@ -332,11 +332,16 @@ def _agent_sessions(num_sessions: int) -> list[tuple[float, list[int], str, floa
     return sorted(out, key=lambda r: r[0])
 
 
+def _run_sessions(p: PredictedReusePolicy, num_blocks: int) -> tuple[Replay, int]:
+    """:func:`_agent_sessions` (60 sessions) through a real cache; returns it and the hits."""
+    r = Replay(p, num_blocks)
+    return r, sum(r.request(t, toks, s, e) for t, toks, s, e in _agent_sessions(60))
+
+
 def test_server_mode_fits_the_live_model_in_the_background_worker():
     p = make_policy("predicted-reuse", model_shape="smollm2-135m")  # as the server builds it
     assert p.train_mode == "background"
-    r = Replay(p, num_blocks=48)
-    hits = sum(r.request(t, toks, s, e) for t, toks, s, e in _agent_sessions(60))
+    r, hits = _run_sessions(p, 48)
     p.close()  # waits for a fit in flight
     m = p.live_model
     assert p.regular and m.num_labels >= 16 and r.cache.evicted_blocks_total >= 512
@@ -350,9 +355,7 @@ def test_the_live_model_learns_which_leaves_are_not_continued():
     # comes later for longer histories. The fit ranks the kept examples accordingly; with
     # C = 0.01 and this weak a signal it stays near the base rate (210 / 265 = 0.79).
     p = learned()
-    r = Replay(p, num_blocks=48)
-    for t, toks, s, e in _agent_sessions(60):
-        r.request(t, toks, s, e)
+    _run_sessions(p, 48)
     m = p.live_model
     assert m.num_fits == 3 and (m.num_labels, m.num_positive) == (265, 210)
     probs = [m.probability(x) for x in m._X]
@@ -366,9 +369,7 @@ def test_open_examples_close_without_evictions():
     # A pool that never fills: windows still close as releases come, so open examples stay
     # those of the last window (and labels keep coming for the next fit).
     p = learned()
-    r = Replay(p, num_blocks=4096)
-    for t, toks, s, e in _agent_sessions(60):
-        r.request(t, toks, s, e)
+    r, _ = _run_sessions(p, 4096)
     m = p.live_model
     assert r.cache.evicted_blocks_total == 0 and m.num_fits == 0
     assert (m.num_labels, m.num_positive) == (265, 210) and len(m._pending) == 5
