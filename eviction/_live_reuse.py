@@ -40,11 +40,14 @@ window of the cache's own labelled history); scikit-learn's ``LogisticRegression
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections import deque
 from typing import Any
+
+_log = logging.getLogger("radixkv.eviction")
 
 #: Feature names, in :func:`features` order (documentation and tests).
 FEATURE_NAMES = ("log_hits", "shared", "log_depth_tokens", "log_num_blocks", "num_gaps",
@@ -138,6 +141,7 @@ class LiveReuseModel:
         self._job: Any = None
         self._lock = threading.Lock()
         self._one_thread: Any = None
+        self._fit_failed = False
         if train_mode == "sync":
             # One-off costs paid here, not on the first eviction that refits: the import (~1 s)
             # and the solver's first call (~5 ms of lazy set-up inside scikit-learn / SciPy).
@@ -210,7 +214,15 @@ class LiveReuseModel:
 
     def _fit_in_worker(self, X: list, y: list) -> None:
         t0 = time.thread_time()
-        coef = fit_logistic(X, y, self.C, self.seed)
+        try:
+            coef = fit_logistic(X, y, self.C, self.seed)
+        except Exception:  # noqa: BLE001 - a failed fit keeps the last one; say so once
+            coef = None
+            if not self._fit_failed:
+                self._fit_failed = True
+                _log.warning("predicted-reuse: a background fit of the live reuse model "
+                             "failed; the policy keeps its last fit (P = 1 before any)",
+                             exc_info=True)
         with self._lock:
             self.background_fit_s += time.thread_time() - t0
         self._install(coef)

@@ -131,3 +131,24 @@ def test_features_of_a_node_view():
 def test_argument_errors_name_the_argument(kw, name):
     with pytest.raises(ValueError, match=name):
         LiveReuseModel(**kw)
+
+
+def test_a_failed_background_fit_keeps_the_last_fit_and_says_so_once(monkeypatch, caplog):
+    import radixkv.eviction._live_reuse as live_reuse
+
+    def broken(*args):
+        raise FloatingPointError("solver diverged")
+
+    X, y = _data(64, seed=3)
+    m = LiveReuseModel(train_mode="background", refit_labels=16, refit_blocks=0)
+    monkeypatch.setattr(live_reuse, "fit_logistic", broken)
+    with caplog.at_level("WARNING", logger="radixkv.eviction"):
+        for start in (0, 32):  # two refits, each failing
+            _labelled(m, X[start:start + 32], y[start:start + 32])
+            m.note_evicted(1)
+            m._job.result()
+        m.close()
+    assert m.coef is None and m.num_fits == 0 and m.num_labels == 64
+    assert [r.getMessage() for r in caplog.records].count(
+        "predicted-reuse: a background fit of the live reuse model failed; the policy keeps "
+        "its last fit (P = 1 before any)") == 1
