@@ -162,7 +162,7 @@ class LiveReuseModel:
         self._deadlines.append((deadline_s, uid, release_s))
 
     def pending(self, uid: int) -> bool:
-        """Whether leaf ``uid`` has an open example (its note then names it)."""
+        """Whether leaf ``uid`` has an open example (a hit or a ghost return would label it)."""
         return uid in self._pending
 
     def reused(self, uid: int) -> None:
