@@ -35,6 +35,13 @@ block first; the inflation clock ``L`` rises to each victim's ``H``. The credit 
   second, integrated piecewise in the history of ``L`` so no key changes after it is given out.
   Without it, leaves of nearly equal credit accessed between two rises of ``L`` tie on
   ``L(t)`` and the credit alone orders them, ignoring recency (GreedyDual's plateaus).
+  Optionally (``drift_pressure = κ > 0``; off in ``cost``, on in ``predicted-reuse``) the drift
+  is scaled by ``min(1, κ · T̂ / ĝ)²`` when the rate is next set: in a pool that evicts leaves
+  long before the typical reuse gap (``T̂ ≪ ĝ``), how recently a leaf was used says little about
+  whether it is reused before it would be evicted (over an idle time much shorter than the
+  reuse gap, the chance of a return barely changes; LHD's hit density as a function of age),
+  so recency weighs less against the credit. With ``κ = 4`` it acts only below
+  ``T̂ < ĝ / 4`` (on the Mooncake trace: the 2 % pool, ``T̂ / ĝ ≈ 0.17``; from 5 % on ``T̂ / ĝ ≳ 0.45``).
 
 Everything is event-driven: a key is computed when the tree re-keys a leaf (insert, hit,
 unlock, split, trim); ``ĝ``, ``T̂`` and ``L`` change on hits and evictions; nothing rescans the
@@ -71,6 +78,8 @@ class CostAwarePolicy(GreedyDualPolicy):
         prior_hits, prior_misses: The Beta prior of ``P`` (1, 3).
         gamma_max: Largest ``γ`` (3).
         drift: Clock drift, in mean credits per mean victim idle time (3).
+        drift_pressure: ``κ``: scale the drift by ``min(1, κ · T̂ / ĝ)²`` (0, the default:
+            never; module docstring).
 
     Attributes:
         gamma: ``γ`` used for the latest credit.
@@ -82,10 +91,13 @@ class CostAwarePolicy(GreedyDualPolicy):
 
     def __init__(self, model_shape: str | CostShape | Any | None = None, *,
                  prior_hits: float = 1.0, prior_misses: float = 3.0, gamma_max: float = 3.0,
-                 drift: float = 3.0) -> None:
+                 drift: float = 3.0, drift_pressure: float = 0.0) -> None:
         super().__init__(model_shape)
         if prior_hits <= 0 or prior_misses <= 0:
             raise ValueError("prior_hits, prior_misses: must be positive")
+        if not drift_pressure >= 0:
+            raise ValueError(f"drift_pressure: must be ≥ 0, got {drift_pressure!r}")
+        self.drift_pressure = drift_pressure
         self.prior_hits = prior_hits
         self.prior_misses = prior_misses
         self.gamma_max = gamma_max
@@ -124,6 +136,14 @@ class CostAwarePolicy(GreedyDualPolicy):
     def reuse_probability(self, h: int) -> float:
         """``P = (h + a) / (h + a + b)`` with the Beta(a, b) prior."""
         return (h + self.prior_hits) / (h + self.prior_hits + self.prior_misses)
+
+    def drift_scale(self) -> float:
+        """``min(1, κ · T̂ / ĝ)²`` with ``drift_pressure = κ > 0`` once both means exist, else 1."""
+        k, g, idle = self.drift_pressure, self.reuse_gap_s, self.mean_victim_idle_s
+        if k <= 0 or g <= 0 or idle <= 0:
+            return 1.0
+        f = k * idle / g
+        return 1.0 if f >= 1.0 else f * f
 
     # ---- credit -------------------------------------------------------------------------
     def value(self, node: NodeView) -> float:

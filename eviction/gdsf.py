@@ -82,6 +82,10 @@ class GreedyDualPolicy(PriorityPolicy):
         """Credit a node earns on access (same units as ``L``)."""
         raise NotImplementedError
 
+    def drift_scale(self) -> float:
+        """Factor on ``drift`` for the next stretch of ``L`` (1; ``cost`` may lower it)."""
+        return 1.0
+
     # ---- helpers ------------------------------------------------------------------------
     def node_flops(self, node: NodeView) -> float:
         """TFLOPs to recompute the node's tokens at their depth."""
@@ -150,7 +154,7 @@ class GreedyDualPolicy(PriorityPolicy):
             if idle == 0.0 and self._first is not None:
                 idle = stamp - self._first
             if idle > 0:
-                rate = self.drift * self.mean_credit / idle
+                rate = self.drift * self.drift_scale() * self.mean_credit / idle
         last_rate = self._rates[-1]
         now = self._levels[-1]
         if last_rate:

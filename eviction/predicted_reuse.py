@@ -44,12 +44,16 @@ request end to its next request, learned from the cache's own hits and ghost-lis
 * **Irregular returns** (chat users coming back after seconds or hours): ``t̂`` is not
   predictable and ``ρ`` reduces to ``cost``'s credit — a GreedyDual key ``L + (P·c/c₀)^γ`` with
   ``P`` from the leaf's reuse history (:class:`eviction.cost_aware.CostAwarePolicy`, kept
-  up to date in both regimes so a switch is instant).
+  up to date in both regimes so a switch is instant), with one change: its clock drift (the
+  weight of recency against the credit) shrinks as ``min(1, 4 · T̂ / ĝ)²`` when the pool
+  evicts leaves long before the typical reuse gap (``T̂`` the mean idle time of victims, ``ĝ``
+  the mean reuse gap; ``cost``'s ``drift_pressure``): there a leaf's age says little about
+  whether it is reused before it would go.
 
 Before 32 gap samples the model assumes regular returns (its prior); without session keys
 (``prompt_cache_key`` / ``user``) a node's own release-to-next-hit gaps are the samples.
 ``predicted-reuse-prior`` replaces the learned model by the no-information prior: every leaf's
-next use equally unpredictable, i.e. ``cost``'s ordering exactly.
+next use equally unpredictable, with ``cost``'s fixed drift: ``cost``'s ordering exactly.
 
 Both orders are kept over every evictable leaf in sorted indexes (``sortedcontainers``), keyed
 at tree events (insert, hit, unlock, trim), so choosing a victim is O(log n). A victim keeps its
@@ -92,6 +96,9 @@ class PredictedReusePolicy(VictimPolicy):
             return-gap model refits inline either way (a sort of ≤ 256 floats every 8 samples).
         seed: ``random_state`` of every fit.
         prior_hits, prior_misses, gamma_max, drift: ``cost``'s parameters (irregular regime).
+        drift_pressure: ``cost``'s ``κ`` (:class:`~eviction.cost_aware.CostAwarePolicy`): its
+            clock drift scaled by ``min(1, κ · T̂ / ĝ)²`` (4; the prior twin keeps ``cost``'s
+            fixed drift, 0).
 
     Attributes:
         gaps: The :class:`ReturnGapModel`.
@@ -109,7 +116,7 @@ class PredictedReusePolicy(VictimPolicy):
     def __init__(self, model_shape: str | CostShape | Any | None = None, *, learn: bool = True,
                  overdue_factor: float = 1.1, min_samples: int = 32, train_mode: str = "background",
                  seed: int = 0, prior_hits: float = 1.0, prior_misses: float = 3.0,
-                 gamma_max: float = 3.0, drift: float = 3.0) -> None:
+                 gamma_max: float = 3.0, drift: float = 3.0, drift_pressure: float = 4.0) -> None:
         if train_mode not in _TRAIN_MODES:
             raise ValueError(f"train_mode: must be 'sync' or 'background', got {train_mode!r}")
         if not overdue_factor > 1.0:
@@ -121,7 +128,8 @@ class PredictedReusePolicy(VictimPolicy):
         self.gaps = ReturnGapModel(min_samples=min_samples)
         self.value_policy = CostAwarePolicy(model_shape, prior_hits=prior_hits,
                                             prior_misses=prior_misses, gamma_max=gamma_max,
-                                            drift=drift)
+                                            drift=drift,
+                                            drift_pressure=drift_pressure if learn else 0.0)
         self.live_model = LiveReuseModel(train_mode=train_mode, seed=seed) if learn else None
         self.victims_by_rule = {"overdue": 0, "branch": 0, "latest": 0, "value": 0}
         self._leaves: dict[int, NodeView] = {}

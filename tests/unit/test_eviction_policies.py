@@ -251,3 +251,27 @@ def test_make_policy_passes_shape_only_where_used() -> None:
     assert make_policy("s3fifo", model_shape=TINY).kind == "victims"
     with pytest.raises(ValueError, match="eviction_policy"):
         make_policy("nope", model_shape=TINY)
+
+
+def test_cost_drift_pressure_scales_the_clock_drift() -> None:
+    """``drift_pressure = κ``: the clock drift of ``L`` is scaled by ``min(1, κ·T̂/ĝ)²`` when
+    its rate is next set (``cost`` itself keeps κ = 0: a fixed drift)."""
+    rates = {}
+    for kappa in (0.0, 4.0):
+        policy = make_policy("cost", model_shape=TINY)
+        policy.drift_pressure = kappa
+        policy.reuse_gap_s, policy.mean_victim_idle_s, policy.mean_credit = 100.0, 5.0, 2.0
+        policy._restamp(10.0, None)
+        rates[kappa] = policy.level_at(30.0) - policy.level_at(10.5)  # L(t) is linear past 10
+    # κ = 0: 3 · 2.0 / 5 per second over 19.5 s; κ = 4: times (4 · 5 / 100)² = 0.04.
+    assert rates[0.0] == pytest.approx(3 * 2.0 / 5 * 19.5)
+    assert rates[4.0] == pytest.approx(rates[0.0] * 0.04)
+    policy = make_policy("cost", model_shape=TINY)
+    policy.drift_pressure = 4.0
+    assert policy.drift_scale() == 1.0  # no means yet
+    policy.reuse_gap_s, policy.mean_victim_idle_s = 100.0, 30.0  # 4 · 30 / 100 ≥ 1
+    assert policy.drift_scale() == 1.0
+    assert make_policy("predicted-reuse", model_shape=TINY).value_policy.drift_pressure == 4.0
+    assert make_policy("predicted-reuse-prior", model_shape=TINY).value_policy.drift_pressure == 0.0
+    with pytest.raises(ValueError, match="drift_pressure"):
+        make_policy("cost", model_shape=TINY, drift_pressure=-1.0)
