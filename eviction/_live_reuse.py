@@ -45,7 +45,8 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Any
+from bisect import bisect_right
+from typing import Any, NamedTuple
 
 _log = logging.getLogger("radixkv.eviction")
 
@@ -70,10 +71,49 @@ def features(node: Any, release_s: float, gap_s: float) -> tuple[float, ...]:
             (release_s - last) / gap_s)
 
 
-def fit_logistic(X: list, y: list, C: float, seed: int) -> tuple[tuple[float, ...], float] | None:
-    """Fit scikit-learn's logistic regression on standardised ``X`` (rows of floats) and ``y``
-    (0/1); return ``(weights, intercept)`` on the raw features, or None while one class is
-    missing. Raises ImportError when scikit-learn is not installed."""
+class BinnedLogit(NamedTuple):
+    """A fitted additive logistic model on binned features: feature ``j`` falls in bin
+    ``bisect_right(edges[j], x_j)`` and adds ``weights[j][bin]`` to the score.
+
+    Attributes:
+        edges: Per feature, its inner bin edges (ascending; ``len(weights[j]) - 1`` of them).
+        weights: Per feature, the logistic regression's coefficient of each bin.
+        intercept: The regression's intercept.
+    """
+
+    edges: tuple[tuple[float, ...], ...]
+    weights: tuple[tuple[float, ...], ...]
+    intercept: float
+
+    def score(self, x: tuple) -> float:
+        """The linear score (log-odds) of features ``x``."""
+        z = self.intercept
+        for e, w, v in zip(self.edges, self.weights, x):
+            z += w[bisect_right(e, v)]
+        return z
+
+
+def bin_edges(column: Any, n_bins: int) -> tuple[float, ...]:
+    """Inner edges of ``n_bins`` quantile bins of a numpy ``column`` (the
+    ``averaged_inverted_cdf`` quantiles, as scikit-learn's ``KBinsDiscretizer(strategy=
+    "quantile")`` computes them), bins of width ≤ 1e-8 merged into their left neighbour as that
+    discretizer removes them: a feature with few distinct values (hit counts, flags) gets one
+    bin per value it takes, at most ``n_bins``."""
+    import numpy as np
+
+    edges = np.percentile(column, np.linspace(0, 100, n_bins + 1),
+                          method="averaged_inverted_cdf")
+    keep = np.ediff1d(edges, to_begin=np.inf) > 1e-8
+    return tuple(float(v) for v in edges[keep][1:-1])
+
+
+def fit_binned_logistic(X: list, y: list, n_bins: int, C: float,
+                        seed: int) -> BinnedLogit | None:
+    """Fit scikit-learn's logistic regression on one-hot quantile bins of each column of ``X``
+    (rows of floats) against ``y`` (0/1): an additive model, each feature's effect a step
+    function (a generalised additive model; the bins let it learn a non-monotone effect,
+    such as a return probability that peaks at some depth). None while one class is missing.
+    Raises ImportError when scikit-learn is not installed."""
     import numpy as np
     from sklearn.linear_model import LogisticRegression
 
@@ -82,11 +122,18 @@ def fit_logistic(X: list, y: list, C: float, seed: int) -> tuple[tuple[float, ..
     if positives == 0 or positives == len(ys):
         return None
     xs = np.asarray(X, dtype=np.float64)
-    mu = xs.mean(axis=0)
-    sd = xs.std(axis=0) + 1e-9
-    model = LogisticRegression(C=C, random_state=seed).fit((xs - mu) / sd, ys)
-    w = model.coef_[0] / sd
-    return tuple(float(v) for v in w), float(model.intercept_[0] - float((w * mu).sum()))
+    edges = [bin_edges(xs[:, j], n_bins) for j in range(xs.shape[1])]
+    blocks, offsets = [], [0]
+    for j, e in enumerate(edges):
+        index = np.searchsorted(np.asarray(e), xs[:, j], side="right")
+        onehot = np.zeros((len(xs), len(e) + 1))
+        onehot[np.arange(len(xs)), index] = 1.0
+        blocks.append(onehot)
+        offsets.append(offsets[-1] + len(e) + 1)
+    model = LogisticRegression(C=C, random_state=seed).fit(np.hstack(blocks), ys)
+    w = model.coef_[0]
+    weights = tuple(tuple(float(v) for v in w[a:b]) for a, b in zip(offsets, offsets[1:]))
+    return BinnedLogit(tuple(edges), weights, float(model.intercept_[0]))
 
 
 class LiveReuseModel:
@@ -98,10 +145,11 @@ class LiveReuseModel:
         window: Labels kept (newest), ≥ 2.
         refit_labels: New labels before a refit, ≥ 1.
         refit_blocks: Evicted blocks (reported with :meth:`note_evicted`) before a refit, ≥ 0.
+        n_bins: Quantile bins per feature (:func:`fit_binned_logistic`), ≥ 2.
         C: Inverse L2 strength of the logistic regression (scikit-learn's ``C``), > 0.
 
     Attributes:
-        coef: ``(weights, intercept)`` of the latest fit on the raw features, None before one.
+        fitted: The latest fit (:class:`BinnedLogit`), None before one.
         num_fits, num_labels, num_positive: Counters.
         fit_s: Wall seconds of fits on the calling thread (``sync``).
         background_fit_s: Thread CPU seconds of fits in the worker (``background``).
@@ -111,7 +159,8 @@ class LiveReuseModel:
     """
 
     def __init__(self, *, train_mode: str = "sync", seed: int = 0, window: int = 512,
-                 refit_labels: int = 16, refit_blocks: int = 512, C: float = 0.01) -> None:
+                 refit_labels: int = 16, refit_blocks: int = 512, n_bins: int = 6,
+                 C: float = 2.0) -> None:
         if train_mode not in ("sync", "background"):
             raise ValueError(f"train_mode: must be 'sync' or 'background', got {train_mode!r}")
         if window < 2:
@@ -120,14 +169,17 @@ class LiveReuseModel:
             raise ValueError(f"refit_labels: must be ≥ 1, got {refit_labels!r}")
         if refit_blocks < 0:
             raise ValueError(f"refit_blocks: must be ≥ 0, got {refit_blocks!r}")
+        if n_bins < 2:
+            raise ValueError(f"n_bins: must be ≥ 2, got {n_bins!r}")
         if not C > 0:
             raise ValueError(f"C: must be > 0, got {C!r}")
         self.train_mode = train_mode
         self.seed = seed
         self.refit_labels = refit_labels
         self.refit_blocks = refit_blocks
+        self.n_bins = n_bins
         self.C = C
-        self.coef: tuple[tuple[float, ...], float] | None = None
+        self.fitted: BinnedLogit | None = None
         self.num_fits = self.num_labels = self.num_positive = 0
         self.fit_s = 0.0
         self.background_fit_s = 0.0
@@ -145,7 +197,7 @@ class LiveReuseModel:
         if train_mode == "sync":
             # One-off costs paid here, not on the first eviction that refits: the import (~1 s)
             # and the solver's first call (~5 ms of lazy set-up inside scikit-learn / SciPy).
-            fit_logistic([(0.0,), (1.0,)], [0, 1], C, seed)
+            self._fit([(0.0,), (1.0,)], [0, 1])
             # A 512 x 8 fit gains nothing from BLAS / OpenMP threads, and with replays in
             # parallel processes their spinning threads made fits ~5x slower; the limit is
             # process-wide, so only the calling-thread mode sets it (never beside a model
@@ -204,7 +256,7 @@ class LiveReuseModel:
             if self.train_mode == "sync":
                 t0 = time.perf_counter()
                 with self._one_thread.limit(limits=1):
-                    self._install(fit_logistic(X, y, self.C, self.seed))
+                    self._install(self._fit(X, y))
                 self.fit_s += time.perf_counter() - t0
             elif self._job is None or self._job.done():
                 if self._worker is None:
@@ -215,9 +267,9 @@ class LiveReuseModel:
     def _fit_in_worker(self, X: list, y: list) -> None:
         t0 = time.thread_time()
         try:
-            coef = fit_logistic(X, y, self.C, self.seed)
+            fitted = self._fit(X, y)
         except Exception:  # noqa: BLE001 - a failed fit keeps the last one; say so once
-            coef = None
+            fitted = None
             if not self._fit_failed:
                 self._fit_failed = True
                 _log.warning("predicted-reuse: a background fit of the live reuse model "
@@ -225,21 +277,23 @@ class LiveReuseModel:
                              exc_info=True)
         with self._lock:
             self.background_fit_s += time.thread_time() - t0
-        self._install(coef)
+        self._install(fitted)
 
-    def _install(self, coef: tuple[tuple[float, ...], float] | None) -> None:
-        if coef is not None:
-            self.coef = coef  # one reference swap: readers see the old fit or the new one
+    def _fit(self, X: list, y: list) -> BinnedLogit | None:
+        return fit_binned_logistic(X, y, self.n_bins, self.C, self.seed)
+
+    def _install(self, fitted: BinnedLogit | None) -> None:
+        if fitted is not None:
+            self.fitted = fitted  # one reference swap: readers see the old fit or the new one
             self.num_fits += 1
 
     def probability(self, x: tuple) -> float:
         """P(reuse within the window) for features ``x``: 1.0 before the first fit, else the
-        logistic of the fitted linear score, clamped to [1e-3, 1]."""
-        coef = self.coef
-        if coef is None:
+        logistic of the fitted additive score, clamped to [1e-3, 1]."""
+        fitted = self.fitted
+        if fitted is None:
             return 1.0
-        w, b = coef
-        z = b + sum(wi * xi for wi, xi in zip(w, x))
+        z = fitted.score(x)
         if z < -30.0:
             return 1e-3
         return max(1e-3, 1.0 / (1.0 + math.exp(-z)))

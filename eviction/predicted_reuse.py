@@ -288,9 +288,9 @@ class PredictedReusePolicy(VictimPolicy):
             # fills would keep every open example otherwise.
             model.expire(self.now_s)
             model.observe_release(node.uid, release_s, x, release_s + self.overdue_factor * g)
-            if model.coef is not None:
+            if model.fitted is not None:
                 p = model.probability(x)
-        elif model.coef is not None:
+        elif model.fitted is not None:
             p = model.probability(features(node, self.release_time(node), g))
         return (time_key_s + g * (1.0 / p - 1.0), node.uid)
 
