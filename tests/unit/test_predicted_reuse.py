@@ -13,6 +13,7 @@ from radixkv.cache.hashing import CacheIdentity
 from radixkv.cache.manager import CacheManager
 from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.eviction import available_policies, make_policy
+from radixkv.eviction._live_reuse import BinnedLogit
 from radixkv.eviction._return_gaps import ReturnGapModel
 from radixkv.eviction.predicted_reuse import PredictedReusePolicy
 
@@ -130,11 +131,12 @@ def test_regular_returns_evict_the_latest_live_session_then_an_overdue_one():
     assert r.cache.evicted_blocks_total == 4
 
 
-def _two_live_sessions(coef) -> tuple[Replay, PredictedReusePolicy, list[int], list[int]]:
+def _two_live_sessions(fitted) -> tuple[Replay, PredictedReusePolicy, list[int], list[int]]:
     """A (4 blocks) and B (2 blocks) both returned once (ĝ = 1.0), released at 2.0 and 2.1;
-    ``coef`` is installed in the live reuse model before anything happens."""
+    ``fitted`` (a :class:`BinnedLogit` or None) is installed in the live reuse model before
+    anything happens."""
     p = learned(min_samples=1)
-    p.live_model.coef = coef
+    p.live_model.fitted = fitted
     r = Replay(p, num_blocks=9)
     a, b = _tokens(1, 4), _tokens(2, 2)
     assert r.request(0.0, a[: 3 * BS], "A", 0.5) == 0
@@ -151,15 +153,18 @@ def test_live_tier_evicts_the_furthest_predicted_next_use_with_the_learned_proba
     assert len(a_ids) == 4 and len(b_ids) == 2
     assert r.request(2.2, _tokens(3, 4), "C", 2.5) == 0
     assert r.blocks_of(2) == b_ids[:1] and r.blocks_of(1) == a_ids
-    # A fit whose probability falls with a leaf's size and depth: A (the larger, deeper leaf)
-    # has the smaller P, so its expected next use 2.0 + ĝ / P is the furthest.
-    w = (0.0, 0.0, -3.0, -3.0, 0.0, 0.0, 0.0, 0.0)
-    r, p, a_ids, b_ids = _two_live_sessions((w, 4.0))
+    # A fit whose probability falls with a leaf's size: log1p(blocks) from 1.3 on (A's 4
+    # blocks, not B's 2) adds -6, so A has the smaller P (0.12 vs 0.98) and its expected next
+    # use 2.0 + ĝ / P is the furthest.
+    flat = ((0.0,),) * 8
+    steps = flat[:3] + ((0.0, -6.0),) + flat[4:]
+    r, p, a_ids, b_ids = _two_live_sessions(BinnedLogit(((),) * 3 + ((1.3,),) + ((),) * 4,
+                                                        steps, 4.0))
     assert r.request(2.2, _tokens(3, 4), "C", 2.5) == 0
     assert r.blocks_of(1) == a_ids[:3] and r.blocks_of(2) == b_ids
     assert p.victims_by_rule == {"overdue": 0, "branch": 0, "latest": 1, "value": 0}
     # A constant probability moves every live key by the same ĝ (1/P - 1): the release order.
-    r, p, a_ids, b_ids = _two_live_sessions(((0.0,) * 8, -2.0))
+    r, p, a_ids, b_ids = _two_live_sessions(BinnedLogit(((),) * 8, flat, -2.0))
     assert r.request(2.2, _tokens(3, 4), "C", 2.5) == 0
     assert r.blocks_of(2) == b_ids[:1] and r.blocks_of(1) == a_ids
 
@@ -345,15 +350,15 @@ def test_server_mode_fits_the_live_model_in_the_background_worker():
     p.close()  # waits for a fit in flight
     m = p.live_model
     assert p.regular and m.num_labels >= 16 and r.cache.evicted_blocks_total >= 512
-    assert m.num_fits >= 1 and m.coef is not None and len(m.coef[0]) == 8
+    assert m.num_fits >= 1 and m.fitted is not None and len(m.fitted.edges) == 8
     assert m.fit_s == 0.0 and m.background_fit_s > 0 and p.background_train_cpu_s > 0
     assert hits > 0
 
 
 def test_the_live_model_learns_which_leaves_are_not_continued():
     # Sessions of 2-8 turns: a leaf is not continued after its session's last turn, which
-    # comes later for longer histories. The fit ranks the kept examples accordingly; with
-    # C = 0.01 and this weak a signal it stays near the base rate (210 / 265 = 0.79).
+    # comes later for longer histories. The binned fit ranks the kept examples accordingly,
+    # around the base rate (210 / 265 = 0.79).
     p = learned()
     _run_sessions(p, 48)
     m = p.live_model
@@ -362,7 +367,7 @@ def test_the_live_model_learns_which_leaves_are_not_continued():
     kept = list(m._y)
     mean_pos = sum(q for q, y in zip(probs, kept) if y) / sum(kept)
     mean_neg = sum(q for q, y in zip(probs, kept) if not y) / (len(kept) - sum(kept))
-    assert mean_pos == pytest.approx(0.822, abs=1e-3) and mean_neg == pytest.approx(0.801, abs=1e-3)
+    assert mean_pos == pytest.approx(0.823, abs=1e-3) and mean_neg == pytest.approx(0.758, abs=1e-3)
 
 
 def test_open_examples_close_without_evictions():
