@@ -50,8 +50,8 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from bisect import bisect_right
+from collections import deque
 from typing import Any, NamedTuple
 
 _log = logging.getLogger("radixkv.eviction")

@@ -40,8 +40,9 @@ block first; the inflation clock ``L`` rises to each victim's ``H``. The credit 
   long before the typical reuse gap (``T̂ ≪ ĝ``), how recently a leaf was used says little about
   whether it is reused before it would be evicted (over an idle time much shorter than the
   reuse gap, the chance of a return barely changes; LHD's hit density as a function of age),
-  so recency weighs less against the credit. With ``κ = 4`` it acts only below
-  ``T̂ < ĝ / 4`` (on the Mooncake trace: the 2 % pool, ``T̂ / ĝ ≈ 0.17``; from 5 % on ``T̂ / ĝ ≳ 0.45``).
+  so recency weighs less against the credit. With ``κ = 4`` it acts only while
+  ``T̂ < ĝ / 4`` (on the Mooncake trace: the 2 % pool, ``T̂ / ĝ ≈ 0.17``; from 5 % on
+  ``T̂ / ĝ ≳ 0.45``).
 
 Everything is event-driven: a key is computed when the tree re-keys a leaf (insert, hit,
 unlock, split, trim); ``ĝ``, ``T̂`` and ``L`` change on hits and evictions; nothing rescans the

@@ -15,8 +15,14 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import KBinsDiscretizer
 
-from radixkv.eviction._live_reuse import (FEATURE_NAMES, BinnedLogit, LiveReuseModel,
-                                          bin_edges, features, fit_binned_logistic)
+from radixkv.eviction._live_reuse import (
+    FEATURE_NAMES,
+    BinnedLogit,
+    LiveReuseModel,
+    bin_edges,
+    features,
+    fit_binned_logistic,
+)
 
 
 def _data(n: int, seed: int = 0) -> tuple[list[tuple], list[int]]:
