@@ -14,15 +14,16 @@ is), so it is learned online from the cache's own history rather than fixed:
 * **label**: 1 if the leaf is hit, or an evicted run of it comes back from the ghost list,
   before ``e + k·ĝ`` (the policy's overdue horizon); 0 when that horizon passes first, or the
   ghost list forgets the run;
-* **learner**: scikit-learn's L2-regularised logistic regression (``lbfgs``, ``C = 2``) on
+* **learner**: scikit-learn's L2-regularised logistic regression (``C = 2``; its
+  ``newton-cholesky`` solver, ~5 Newton steps on ~40 columns, half of ``lbfgs``'s time) on
   one-hot quantile bins of each feature (6 per feature, fewer for a feature with few values:
   :func:`fit_binned_logistic`), on the newest ``window`` labels: an additive model whose
   per-feature effect is a step function, so it can learn effects that are not monotone or
   that saturate, where a linear model of the raw features could only tilt the order one way
   (on issue 19's traces it moved OpenHands 20 % from 0.510 to 0.532 FLOP hit); refitted
-  after ``refit_labels`` new labels and ``refit_blocks`` evicted blocks (a 512 × 8 fit takes
-  ~2.5–4 ms alone and ~6 ms with two replays in parallel on this 2-core VM, so every 512
-  evicted blocks it adds ~5–12 µs per evicted block), either on the calling thread
+  after ``refit_labels`` new labels and ``refit_blocks`` evicted blocks (a 512-label fit takes
+  ~2.5 ms alone on this 2-core VM and up to twice that beside a second replay, so every 512
+  evicted blocks it adds ~5–10 µs per evicted block), either on the calling thread
   (``sync``: reproducible, for ``bench eviction``) or in one background worker thread whose
   result is swapped in when done (``background``: the server's step loop never waits for a
   fit).
@@ -136,7 +137,8 @@ def fit_binned_logistic(X: list, y: list, n_bins: int, C: float,
         onehot[np.arange(len(xs)), index] = 1.0
         blocks.append(onehot)
         offsets.append(offsets[-1] + len(e) + 1)
-    model = LogisticRegression(C=C, random_state=seed).fit(np.hstack(blocks), ys)
+    model = LogisticRegression(C=C, solver="newton-cholesky", random_state=seed).fit(
+        np.hstack(blocks), ys)
     w = model.coef_[0]
     weights = tuple(tuple(float(v) for v in w[a:b]) for a, b in zip(offsets, offsets[1:]))
     return BinnedLogit(tuple(edges), weights, float(model.intercept_[0]))
