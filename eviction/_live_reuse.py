@@ -118,9 +118,9 @@ def fit_binned_logistic(X: list, y: list, n_bins: int, C: float,
                         seed: int) -> BinnedLogit | None:
     """Fit scikit-learn's logistic regression on one-hot quantile bins of each column of ``X``
     (rows of floats) against ``y`` (0/1): an additive model, each feature's effect a step
-    function (a generalised additive model; the bins let it learn a non-monotone effect,
-    such as a return probability that peaks at some depth). None while one class is missing.
-    Raises ImportError when scikit-learn is not installed."""
+    function (a generalised additive model: the bins let a feature's effect be non-monotone or
+    saturate). Returns None while one class is missing. Raises ImportError when scikit-learn is
+    not installed."""
     import numpy as np
     from sklearn.linear_model import LogisticRegression
 
