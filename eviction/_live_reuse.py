@@ -108,10 +108,20 @@ def bin_edges(column: Any, n_bins: int) -> tuple[float, ...]:
     fewer bins (at most one per value)."""
     import numpy as np
 
-    edges = np.percentile(column, np.linspace(0, 100, n_bins + 1),
-                          method="averaged_inverted_cdf")
-    keep = np.ediff1d(edges, to_begin=np.inf) > 1e-8
-    return tuple(float(v) for v in edges[keep][1:-1])
+    return _column_edges(np.asarray(column, dtype=np.float64).reshape(-1, 1), n_bins)[0]
+
+
+def _column_edges(xs: Any, n_bins: int) -> list[tuple[float, ...]]:
+    """:func:`bin_edges` of every column of the 2-D array ``xs``, in one percentile call."""
+    import numpy as np
+
+    quantiles = np.percentile(xs, np.linspace(0, 100, n_bins + 1), axis=0,
+                              method="averaged_inverted_cdf")
+    edges = []
+    for q in quantiles.T:
+        keep = np.ediff1d(q, to_begin=np.inf) > 1e-8
+        edges.append(tuple(float(v) for v in q[keep][1:-1]))
+    return edges
 
 
 def fit_binned_logistic(X: list, y: list, n_bins: int, C: float,
@@ -129,7 +139,7 @@ def fit_binned_logistic(X: list, y: list, n_bins: int, C: float,
     if positives == 0 or positives == len(ys):
         return None
     xs = np.asarray(X, dtype=np.float64)
-    edges = [bin_edges(xs[:, j], n_bins) for j in range(xs.shape[1])]
+    edges = _column_edges(xs, n_bins)
     blocks, offsets = [], [0]
     for j, e in enumerate(edges):
         index = np.searchsorted(np.asarray(e), xs[:, j], side="right")
