@@ -31,9 +31,9 @@ request end to its next request, learned from the cache's own hits and ghost-lis
   Among live leaves ``ρ`` is least for the furthest ``t̂``, the offline optimum's choice (L.
   Belady, IBM Systems Journal 1966) with the next use predicted: a live leaf is used again
   within its window with a learned probability ``P`` (:mod:`eviction._live_reuse`:
-  scikit-learn's logistic regression on binned features of the leaf at its release, labelled by the
-  cache's own hits and ghost-list returns; an agent that rewrites its history's tail, or a
-  session's last call, leaves a leaf that is not continued), so its expected next use is
+  scikit-learn's logistic regression on binned features of the leaf at its release, labelled
+  by the cache's own hits and ghost-list returns; an agent that rewrites its history's tail,
+  or a session's last call, leaves a leaf that is not continued), so its expected next use is
   ``t̂ = e + ĝ / P`` (one window of ``ĝ`` per try); before the first fit ``P = 1`` and the
   latest ``e`` goes first.
   A shared prefix (a node that had ≥ 2 children) is used next by whichever session comes, so
