@@ -15,7 +15,7 @@ is), so it is learned online from the cache's own history rather than fixed:
   before ``e + k·ĝ`` (the policy's overdue horizon); 0 when that horizon passes first, or the
   ghost list forgets the run;
 * **learner**: scikit-learn's L2-regularised logistic regression (``C = 2``; its
-  ``newton-cholesky`` solver, ~5 Newton steps on ~40 columns, half of ``lbfgs``'s time) on
+  ``newton-cholesky`` solver, ~5 Newton steps on ≤ 48 columns, half of ``lbfgs``'s time) on
   one-hot quantile bins of each feature (6 per feature, fewer for a feature with few values:
   :func:`fit_binned_logistic`), on the newest ``window`` labels: an additive model whose
   per-feature effect is a step function, so it can learn effects that are not monotone or
