@@ -16,8 +16,11 @@ leaf of least ``ρ``, in one of two regimes chosen by the learned return-gap mod
 (:class:`eviction._return_gaps.ReturnGapModel`: the distribution of the time from a session's
 request end to its next request, learned from the cache's own hits and ghost-list returns):
 
-* **Regular returns** (≥ 80 % of gaps within a factor 1.5 of their median ``ĝ``, as agent
-  sessions whose next call comes one tool latency after the last): a leaf released at ``e`` by
+* **Regular returns** (≥ 80 % of gaps within a factor 1.5 of their median, as agent
+  sessions whose next call comes one tool latency after the last; or gaps whose 90th
+  percentile is within the pool's mean victim idle time, after most releases, as agents whose
+  tool latencies are random: :class:`~eviction._return_gaps.ReturnGapModel`; ``ĝ`` the return
+  window, the median or that percentile respectively): a leaf released at ``e`` by
   its session is *live* while ``now ≤ e + k·ĝ`` (``k = 1.1``) and *overdue* after (for its own
   session, ``P ≈ 0``: the session ended or moved on). Overdue leaves go first. An overdue leaf
   whose *session* is still active (it released or hit some other node within ``k·ĝ``: a
@@ -125,11 +128,13 @@ class PredictedReusePolicy(VictimPolicy):
         self.overdue_factor = overdue_factor
         self.seed = seed
         self._train_mode = train_mode
-        self.gaps = ReturnGapModel(min_samples=min_samples)
         self.value_policy = CostAwarePolicy(model_shape, prior_hits=prior_hits,
                                             prior_misses=prior_misses, gamma_max=gamma_max,
                                             drift=drift,
                                             drift_pressure=drift_pressure if learn else 0.0)
+        vp = self.value_policy
+        self.gaps = ReturnGapModel(min_samples=min_samples,
+                                   victim_idle=lambda: vp.mean_victim_idle_s)
         self.live_model = LiveReuseModel(train_mode=train_mode, seed=seed) if learn else None
         self.victims_by_rule = {"overdue": 0, "branch": 0, "latest": 0, "value": 0}
         self._leaves: dict[int, NodeView] = {}
@@ -220,9 +225,9 @@ class PredictedReusePolicy(VictimPolicy):
 
     def time_key(self, node: NodeView) -> float:
         """The release time, pushed later for a shared prefix whose own mean access gap is
-        longer than the sessions' median return gap (it stays live that much longer)."""
+        longer than the sessions' return window ``ĝ`` (it stays live that much longer)."""
         e = self.release_time(node)
-        g = self.gaps.median_s
+        g = self.gaps.window_s
         if g > 0 and getattr(node, "max_children", 0) >= 2:
             gaps = getattr(node, "access_gaps", ())
             if gaps:
@@ -277,7 +282,7 @@ class PredictedReusePolicy(VictimPolicy):
         ``ĝ / P`` for a leaf reused with probability ``P`` each window). ``P = 1`` before the
         first fit: the release-time order. ``release_s``: set on a new release, which opens a
         labelled example in the regular regime."""
-        g = self.gaps.median_s
+        g = self.gaps.window_s
         if g <= 0:
             return (time_key_s, node.uid)
         model = self.live_model
@@ -317,7 +322,7 @@ class PredictedReusePolicy(VictimPolicy):
         if not self._leaves:
             return None
         if self.regular:
-            g = self.gaps.median_s
+            g = self.gaps.window_s
             by_time, overdue = self._by_time, self._overdue
             if g > 0:
                 if self._clock is not None:

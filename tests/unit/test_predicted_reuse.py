@@ -40,7 +40,8 @@ def test_registered_names_kinds_and_argument_errors():
         learned(overdue_factor=1.0)
     for kw, name in (({"window": 0}, "window"), ({"min_samples": 0}, "min_samples"),
                      ({"refit_every": 0}, "refit_every"), ({"band": 1.0}, "band"),
-                     ({"share_min": 0.0}, "share_min")):
+                     ({"share_min": 0.0}, "share_min"), ({"quantile": 1.0}, "quantile"),
+                     ({"quantile": 0.0}, "quantile"), ({"return_share_min": 1.5}, "return_share_min")):
         with pytest.raises(ValueError, match=name):
             ReturnGapModel(**kw)
 
@@ -61,6 +62,42 @@ def test_return_gap_model_median_band_and_regime():
         m.add(g)
     assert m.median_s == 5.0 and m.regular is False
     assert m.num_samples == 12 and m.fit_s > 0
+
+
+def test_spread_gaps_are_regular_when_bounded_by_the_victim_idle_time_and_most_releases_return():
+    idle = [0.0]
+    m = ReturnGapModel(window=10, min_samples=10, refit_every=10, prior_regular=False,
+                       victim_idle=lambda: idle[0])
+    gaps = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 2.5, 4.0)  # 3 of 10 within 1.5x of 1.0
+    for i, g in enumerate(gaps):
+        m.observe_end(i, 0.0)
+        m.observe_return(i, g)
+    # Median 1.0 (s[5]), 0.9-quantile s[9] = 4.0; T-hat unknown (0): irregular, window = median.
+    assert (m.median_s, m.quantile_s, m.in_band_share) == (1.0, 4.0, 0.3)
+    assert m.regular is False and m.bounded is False and m.window_s == 1.0
+    idle[0] = 3.9  # a leaf back after 4.0 would have been evicted: still irregular
+    m._fit()
+    assert m.regular is False and m.window_s == 1.0
+    idle[0] = 4.0  # the 90th-percentile return finds its leaf resident: regular, window 4.0
+    m._fit()
+    assert m.regular is True and m.bounded is True and m.window_s == 4.0
+    for i in range(10, 17):  # 7 more releases nobody returns to: 10 returns of 17 < 0.6
+        m.observe_end(i, 5.0)
+    m._fit()
+    assert m.num_ends == 17 and m.num_samples == 10
+    assert m.regular is False and m.bounded is False and m.window_s == 1.0
+    banded = ReturnGapModel(min_samples=1, victim_idle=lambda: 100.0)
+    for g in (1.0, 1.1, 0.9, 1.0):
+        banded.add(g)
+    # Banded gaps: regular by the band, the window stays the median.
+    assert banded.regular is True and banded.bounded is False and banded.window_s == 1.0
+
+
+def test_predicted_reuse_bounds_returns_by_its_own_victim_idle_time():
+    p = learned()
+    assert p.gaps.victim_idle() == p.value_policy.mean_victim_idle_s == 0.0
+    p.value_policy.mean_victim_idle_s = 2.5
+    assert p.gaps.victim_idle() == 2.5
 
 
 def test_return_gap_is_counted_once_per_return():
