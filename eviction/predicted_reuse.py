@@ -17,10 +17,11 @@ leaf of least ``ρ``, in one of two regimes chosen by the learned return-gap mod
 request end to its next request, learned from the cache's own hits and ghost-list returns):
 
 * **Regular returns** (≥ 80 % of gaps within a factor 1.5 of their median, as agent
-  sessions whose next call comes one tool latency after the last; or gaps whose 90th
-  percentile is within the pool's mean victim idle time, after most releases, as agents whose
-  tool latencies are random: :class:`~eviction._return_gaps.ReturnGapModel`; ``ĝ`` the return
-  window, the median or that percentile respectively): a leaf released at ``e`` by
+  sessions whose next call comes one tool latency after the last; or spread gaps whose median
+  the pool holds — it is within the mean victim idle time — after most releases, as agents
+  whose tool latencies are random: :class:`~eviction._return_gaps.ReturnGapModel`; ``ĝ`` the
+  return window: the median, or for spread gaps the largest of their 50th–90th percentiles
+  the pool holds): a leaf released at ``e`` by
   its session is *live* while ``now ≤ e + k·ĝ`` (``k = 1.1``) and *overdue* after (for its own
   session, ``P ≈ 0``: the session ended or moved on). Overdue leaves go first. An overdue leaf
   whose *session* is still active (it released or hit some other node within ``k·ĝ``: a

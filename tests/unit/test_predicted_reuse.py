@@ -40,8 +40,8 @@ def test_registered_names_kinds_and_argument_errors():
         learned(overdue_factor=1.0)
     for kw, name in (({"window": 0}, "window"), ({"min_samples": 0}, "min_samples"),
                      ({"refit_every": 0}, "refit_every"), ({"band": 1.0}, "band"),
-                     ({"share_min": 0.0}, "share_min"), ({"quantile": 1.0}, "quantile"),
-                     ({"quantile": 0.0}, "quantile"), ({"return_share_min": 1.5}, "return_share_min")):
+                     ({"share_min": 0.0}, "share_min"), ({"quantiles": (0.5, 1.0)}, "quantiles"),
+                     ({"quantiles": ()}, "quantiles"), ({"return_share_min": 1.5}, "return_share_min")):
         with pytest.raises(ValueError, match=name):
             ReturnGapModel(**kw)
 
@@ -72,15 +72,15 @@ def test_spread_gaps_are_regular_when_bounded_by_the_victim_idle_time_and_most_r
     for i, g in enumerate(gaps):
         m.observe_end(i, 0.0)
         m.observe_return(i, g)
-    # Median 1.0 (s[5]), 0.9-quantile s[9] = 4.0; T-hat unknown (0): irregular, window = median.
-    assert (m.median_s, m.quantile_s, m.in_band_share) == (1.0, 4.0, 0.3)
+    # Median 1.0 (s[5]); T-hat unknown (0): irregular, window = median.
+    assert (m.median_s, m.in_band_share) == (1.0, 0.3)
     assert m.regular is False and m.bounded is False and m.window_s == 1.0
-    idle[0] = 3.9  # a leaf back after 4.0 would have been evicted: still irregular
-    m._fit()
-    assert m.regular is False and m.window_s == 1.0
-    idle[0] = 4.0  # the 90th-percentile return finds its leaf resident: regular, window 4.0
-    m._fit()
-    assert m.regular is True and m.bounded is True and m.window_s == 4.0
+    # Deciles 50..90 % are s[5..9] = 1.0, 1.4, 2.0, 2.5, 4.0: the window is the largest <= T-hat.
+    for t, regular, window in ((0.99, False, 1.0), (1.0, True, 1.0), (2.2, True, 2.0),
+                               (3.9, True, 2.5), (4.0, True, 4.0), (50.0, True, 4.0)):
+        idle[0] = t
+        m._fit()
+        assert (m.regular, m.bounded, m.window_s) == (regular, regular, window), t
     for i in range(10, 17):  # 7 more releases nobody returns to: 10 returns of 17 < 0.6
         m.observe_end(i, 5.0)
     m._fit()
