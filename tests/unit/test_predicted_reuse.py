@@ -328,6 +328,24 @@ def test_irregular_returns_fall_back_to_cost_choices():
     assert (freed, hits) == _evictions("cost", work, 60)
 
 
+def test_spread_returns_the_pool_holds_use_the_regular_tiers_with_a_percentile_window():
+    work = _random_workload(5, 300)  # gaps 0.1 x / 1 x / 30 x an exponential: not banded
+    p = learned()
+    p.gaps = ReturnGapModel(min_samples=1, prior_regular=False, victim_idle=lambda: 1e9)
+    freed, hits = _evictions(p, work, 60)
+    g = p.gaps
+    kept = sorted(g._gaps)
+    assert g.in_band_share < 0.8 and g.num_samples >= 0.6 * g.num_ends
+    assert p.regular and g.bounded and g.window_s == kept[int(0.9 * len(kept))] > g.median_s
+    assert p.victims_by_rule == {"overdue": 30, "branch": 0, "latest": 354, "value": 0}
+    cost_freed, cost_hits = _evictions("cost", work, 60)
+    assert sum(hits) == 7696 and sum(cost_hits) == 7432
+    # A pool whose victims idle far less than the median gap keeps cost's choices exactly.
+    q = learned()
+    q.gaps = ReturnGapModel(min_samples=1, prior_regular=False, victim_idle=lambda: 1e-3)
+    assert _evictions(q, work, 60) == (cost_freed, cost_hits) and not q.regular
+
+
 @pytest.mark.parametrize("hints,expected", [({"prompt_cache_key": "conv-42", "user": "u"}, "conv-42"),
                                             ({"user": "u"}, "u"), ({}, None)])
 def test_chat_session_hint_reaches_the_nodes(tiny_model, hints, expected):
