@@ -2,9 +2,10 @@
 for ``predicted-reuse``'s live tier (:mod:`eviction.predicted_reuse`).
 
 A leaf released at ``e`` by an agent session is predicted to be used next at ``e + ĝ`` (the
-learned median return gap). That holds for the leaf the session continues from; not for a
-leaf whose tail the next call rewrites (an agent that condenses or re-renders its history: the
-next prompt diverges a few blocks before the old one ends), nor for the last call of a session.
+learned return window: the median return gap, or a higher percentile of spread gaps). That
+holds for the leaf the session continues from; not for a leaf whose tail the next call
+rewrites (an agent that condenses or re-renders its history: the next prompt diverges a few
+blocks before the old one ends), nor for the last call of a session.
 How often each happens, and what marks it, differs from one agent framework to the next (on
 OpenHands a leaf never hit before is almost never continued; on SWE-agent it almost always
 is), so it is learned online from the cache's own history rather than fixed:
@@ -63,8 +64,8 @@ FEATURE_NAMES = ("log_hits", "shared", "log_depth_tokens", "log_num_blocks", "nu
 
 
 def features(node: Any, release_s: float, gap_s: float) -> tuple[float, ...]:
-    """Features of a leaf released at ``release_s`` (clock units), ``gap_s`` the median return
-    gap ``ĝ`` (> 0): ``log1p(hit_count)``, 1.0 if it ever had ≥ 2 children, ``log1p`` of its
+    """Features of a leaf released at ``release_s`` (clock units), ``gap_s`` the return
+    window ``ĝ`` (> 0): ``log1p(hit_count)``, 1.0 if it ever had ≥ 2 children, ``log1p`` of its
     depth in tokens and of its blocks, the number of its recorded access gaps and their mean
     over ``ĝ`` (−1 without any), ``log1p`` of its lifetime (last access − creation) over
     ``ĝ``, and the holding request's duration (release − last access) over ``ĝ``."""
