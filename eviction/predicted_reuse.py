@@ -16,35 +16,30 @@ leaf of least ``ρ``, in one of two regimes chosen by the learned return-gap mod
 (:class:`eviction._return_gaps.ReturnGapModel`: the distribution of the time from a session's
 request end to its next request, learned from the cache's own hits and ghost-list returns):
 
-* **Regular returns** (≥ 80 % of gaps within a factor 1.5 of their median, as agent
-  sessions whose next call comes one tool latency after the last; or spread gaps whose median
-  the pool holds — it is within the mean victim idle time — after most releases, as agents
-  whose tool latencies are random: :class:`~eviction._return_gaps.ReturnGapModel`; ``ĝ`` the
-  return window: the median, or for spread gaps the largest of their 50th–90th percentiles
-  the pool holds): a leaf released at ``e`` by
-  its session is *live* while ``now ≤ e + k·ĝ`` (``k = 1.1``) and *overdue* after (for its own
-  session, ``P ≈ 0``: the session ended or moved on). Overdue leaves go first. An overdue leaf
-  whose *session* is still active (it released or hit some other node within ``k·ĝ``: a
-  multi-agent crew whose next call went to another agent's branch) is used again when its
-  branch's turn comes back; one whose session went quiet too has ended, and only other
-  sessions may still reuse it (a shared prompt, a task run again). So ended sessions' leaves
-  go before active sessions' branches and shared prefixes (a node that had ≥ 2 children is
-  used by whichever session comes, not ended with one), each group in ``cost``'s order (reuse
+* **Regular returns** (gaps banded around their median, as an agent's calls one tool latency
+  apart, or spread but held by the pool, as random tool latencies; ``ĝ`` the return window, the
+  median or a higher percentile: :class:`~eviction._return_gaps.ReturnGapModel`): a leaf
+  released at ``e`` by its session is *live* while ``now ≤ e + k·ĝ`` (``k = 1.1``) and *overdue*
+  after (for its own session, ``P ≈ 0``: the session ended or moved on). Overdue leaves go
+  first. An overdue leaf whose *session* is still active (it released or hit some other node
+  within ``k·ĝ``: a multi-agent crew whose next call went to another agent's branch) is used
+  again when its branch's turn comes back; one whose session went quiet too has ended, and only
+  other sessions may still reuse it (a shared prompt, a task run again). So ended sessions'
+  leaves go before active sessions' branches and shared prefixes (a node that had ≥ 2 children
+  is used by whichever session comes, not ended with one), each group in ``cost``'s order (reuse
   history, depth). A branch whose session goes quiet later joins the ended group when a victim
   is next chosen (its session's activity, as last read, past the horizon, and none since).
   Among live leaves ``ρ`` is least for the furthest ``t̂``, the offline optimum's choice (L.
   Belady, IBM Systems Journal 1966) with the next use predicted: a live leaf is used again
   within its window with a learned probability ``P`` (:mod:`eviction._live_reuse`:
-  scikit-learn's logistic regression on binned features of the leaf at its release, labelled
-  by the cache's own hits and ghost-list returns; an agent that rewrites its history's tail,
-  or a session's last call, leaves a leaf that is not continued), so its expected next use is
-  ``t̂ = e + ĝ / P`` (one window of ``ĝ`` per try); before the first fit ``P = 1`` and the
-  latest ``e`` goes first.
-  A shared prefix (a node that had ≥ 2 children) is used next by whichever session comes, so
-  its own mean access gap, when longer than ``ĝ``, sets how long it stays live.
-  Keys are absolute times (``t̂``, ``e``) and ``cost``'s keys, set at tree events with the
-  model of that moment; the clock only decides which of the oldest release times (and of the
-  branches' session activity times) are past the horizon.
+  scikit-learn's logistic regression on binned features of the leaf at its release, labelled by
+  the cache's own hits and ghost-list returns; an agent that rewrites its history's tail, or a
+  session's last call, leaves a leaf that is not continued), so its expected next use is
+  ``t̂ = e + ĝ / P`` (one window of ``ĝ`` per try); before the first fit ``P = 1`` and the latest
+  ``e`` goes first. A shared prefix's own mean access gap, when longer than ``ĝ``, sets how long it
+  stays live. Keys are absolute times (``t̂``, ``e``) and ``cost``'s keys, set at tree events
+  with the model of that moment; the clock only decides which of the oldest release times (and
+  of the branches' session activity times) are past the horizon.
 * **Irregular returns** (chat users coming back after seconds or hours): ``t̂`` is not
   predictable and ``ρ`` reduces to ``cost``'s credit — a GreedyDual key ``L + (P·c/c₀)^γ`` with
   ``P`` from the leaf's reuse history (:class:`eviction.cost_aware.CostAwarePolicy`, kept
@@ -56,14 +51,14 @@ request end to its next request, learned from the cache's own hits and ghost-lis
 
 Before 32 gap samples the model assumes regular returns (its prior); without session keys
 (``prompt_cache_key`` / ``user``) a node's own release-to-next-hit gaps are the samples.
-``predicted-reuse-prior`` replaces the learned model by the no-information prior: every leaf's
-next use equally unpredictable, with ``cost``'s fixed drift: ``cost``'s ordering exactly.
+``predicted-reuse-prior`` has the no-information prior instead (no next use predictable,
+``cost``'s fixed drift): ``cost``'s ordering exactly.
 
 Both orders are kept over every evictable leaf in sorted indexes (``sortedcontainers``), keyed
-at tree events (insert, hit, unlock, trim), so choosing a victim is O(log n). A victim keeps its
-key when it loses its tail (the times do not move; ``cost``'s credit never rises), so the tree's
-block-by-block rule takes the shortfall from it in one run. ``on_evict`` returns ``cost``'s
-ghost note, so a run that comes back inherits its reuse history.
+at tree events (insert, hit, unlock, trim): choosing a victim is O(log n). A victim keeps its key
+when it loses its tail (times do not move; ``cost``'s credit never rises), so the tree's
+block-by-block rule takes the shortfall from it in one run. ``on_evict`` returns ``cost``'s ghost
+note: a run that comes back inherits its reuse history.
 """
 
 from __future__ import annotations
