@@ -21,16 +21,17 @@ What is learned (all from events the policy already sees; nothing is rescored by
   ``share_min`` (*banded*). Refitted every ``refit_every`` new samples (one sort of ≤ ``window``
   floats);
 * gaps outside a narrow band but *bounded* for the pool are regular too: when at least their
-  median is no longer than the pool's mean victim idle time ``T̂`` (read from ``victim_idle``
-  at the refit: a leaf kept that long would still be resident) and at least
-  ``return_share_min`` (0.6) of all releases were followed by a return (a release is more often
-  a session's turn than its last). The return window ``window_s`` is then the largest of the
+  median is no longer than the pool's mean victim idle time ``T̂`` (read from ``victim_idle`` at
+  the refit: a leaf kept that long would still be resident) and at least ``return_share_min``
+  (0.6) of recent releases were followed by a return (a release is more often a session's turn
+  than its last; both counts halve every ``16 · window`` releases, so the share follows the
+  workload in a long-running server). The return window ``window_s`` is then the largest of the
   ``quantiles`` (50th, 60th, … 90th percentile) of the kept gaps that is within ``T̂``: a live
   leaf is kept as long as the pool can afford, to catch as many returns as it can. Agent
-  sessions with randomly distributed tool latencies (exponential with mean 1 s: 28 % of gaps
-  in the band) are so; a chat trace whose users return after 40 s to 25 min, after fewer than
-  half of their requests, is not. On issue 19's exponential-latency robustness traces this
-  lifted tau-bench 10 % from 0.610 to 0.697 FLOP hit, SWE-agent 10 % from 0.211 to 0.265 and
+  sessions with randomly distributed tool latencies (exponential with mean 1 s: 28 % of gaps in
+  the band) are so; a chat trace whose users return after 40 s to 25 min, after fewer than half
+  of their requests, is not. On issue 19's exponential-latency robustness traces this lifted
+  tau-bench 10 % from 0.610 to 0.697 FLOP hit, SWE-agent 10 % from 0.211 to 0.265 and
   mini-swe-agent-gemini3 5 % from 0.377 to 0.418.
 
 Before ``min_samples`` samples exist the model answers with its prior (``prior_regular``).
@@ -109,6 +110,7 @@ class ReturnGapModel:
         self.bounded = False
         self.num_samples = 0
         self.num_ends = 0
+        self._recent_returns = self._recent_ends = 0  # halved every 16 * window releases
         self.fit_s = 0.0
         self._gaps: list[float] = []
         self._next = 0  # ring position of the oldest sample once full
@@ -124,6 +126,10 @@ class ReturnGapModel:
     def observe_end(self, key: object, end_s: float) -> None:
         """A request of session ``key`` (or the node ``key``) released its path at ``end_s``."""
         self.num_ends += 1
+        self._recent_ends += 1
+        if self._recent_ends >= 16 * self.window:
+            self._recent_ends //= 2
+            self._recent_returns //= 2
         ends = self._ends
         if len(ends) >= _SESSIONS_MAX and key not in ends:
             ends.clear()
@@ -149,6 +155,7 @@ class ReturnGapModel:
             gaps[self._next] = gap_s
             self._next = (self._next + 1) % self.window
         self.num_samples += 1
+        self._recent_returns += 1
         self._since_fit += 1
         if self._since_fit >= self.refit_every or len(gaps) <= self.min_samples:
             self._fit()
@@ -170,7 +177,7 @@ class ReturnGapModel:
             self._regular = True
         else:
             idle = self.victim_idle() if self.victim_idle is not None else 0.0
-            if idle > 0.0 and self.num_samples >= self.return_share_min * self.num_ends:
+            if idle > 0.0 and self._recent_returns >= self.return_share_min * self._recent_ends:
                 for p in self.quantiles:
                     q = s[min(n - 1, int(p * n))]
                     if not q <= idle:

@@ -93,6 +93,19 @@ def test_spread_gaps_are_regular_when_bounded_by_the_victim_idle_time_and_most_r
     assert banded.regular is True and banded.bounded is False and banded.window_s == 1.0
 
 
+def test_the_return_share_is_recent_halved_every_16_windows_of_releases():
+    m = ReturnGapModel(window=2, min_samples=1, victim_idle=lambda: 10.0)
+    for i in range(10):  # ten releases, each returned to
+        m.observe_end(i, 0.0)
+        m.observe_return(i, 1.0)
+    for i in range(10, 31):  # 21 releases nobody returns to: 10 of 31
+        m.observe_end(i, 0.0)
+    assert (m._recent_returns, m._recent_ends) == (10, 31)
+    m.observe_end(31, 0.0)  # the 32nd = 16 x window: both halve, the share stays
+    assert (m._recent_returns, m._recent_ends) == (5, 16)
+    assert (m.num_samples, m.num_ends) == (10, 32)
+
+
 def test_predicted_reuse_bounds_returns_by_its_own_victim_idle_time():
     p = learned()
     assert p.gaps.victim_idle() == p.value_policy.mean_victim_idle_s == 0.0
