@@ -164,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         credits[f"cross-fitted {iters}x{leaves}"] = (cross, roc_auc_score(y[idx], cross[idx]))
         credits[f"in-sample {iters}x{leaves}"] = (fit(idx).predict_proba(X)[:, 1], None)
     credits["label (P = 1 / 0.01)"] = (np.where(y, 1.0, 0.01), None)
-    replay_mod.ORACLES = tuple(replay_mod.ORACLES) + tuple(credits)
     hits_by_cap = {cap: committed("conversation")[round(cap, 4)] for cap in caps}
     ends = {cap: (h["lru"], max(h["belady"], h["belady-cost"])) for cap, h in hits_by_cap.items()}
     print("\n| P of a leaf | AUC | " + " | ".join(f"{c:.0%}" for c in caps) + " |")
