@@ -7,9 +7,10 @@ whether any learned reuse probability could do much better. For every request it
 features a cache could have at the request's end (all from earlier requests only): prompt
 blocks, modeled duration, the turn index and the gaps before it (its *parent* is the latest
 earlier request whose last full block is the deepest block of its prompt seen before),
-matched blocks, how often the deepest matched block and the conversation's first blocks were
-asked for, requests and age of the conversation, new blocks over the parent. The label is
-whether the conversation comes back within ``--horizon-s`` (its first continuation's arrival).
+matched blocks, how often the deepest matched block and the conversation's second block (the
+first is every request's) were asked for, requests and age of the conversation, new blocks
+over the parent. The label is whether the conversation comes back within ``--horizon-s`` (its
+first continuation's arrival).
 
 It fits scikit-learn's ``HistGradientBoostingClassifier`` at a few sizes, cross-fitted (each
 half of the requests ranked by the model fitted on the other half: no request by a model that
@@ -73,6 +74,7 @@ def features(trace) -> tuple[np.ndarray, np.ndarray]:
             parent[j] = p
             child.setdefault(p, j)
             turn[j] = turn[p] + 1
+        # Every request starts with the same block; the second tells conversations apart.
         conv = ids[1] if len(ids) > 1 else -1
         count = conv_count.get(conv, 0)
         conv_count[conv] = count + 1
