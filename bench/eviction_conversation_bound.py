@@ -137,8 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="gradient-boosting sizes, ITERATIONSxLEAVES, comma-separated")
     parser.add_argument("--trace-cache", default="/tmp/radixkv-trace-cache")
     args = parser.parse_args(argv)
-    sizes = [tuple(int(v) for v in m.split("x")) for m in args.models.split(",") if m]
-    caps = [float(c) for c in args.capacities.split(",")]
+    try:
+        sizes = [(int(i), int(n)) for i, n in (m.split("x") for m in args.models.split(",") if m)]
+    except ValueError:
+        parser.error(f"--models: want ITERATIONSxLEAVES,..., got {args.models!r}")
+    hits_by_cap = committed("conversation")
+    try:
+        caps = [float(c) for c in args.capacities.split(",")]
+    except ValueError:
+        parser.error(f"--capacities: want fractions, got {args.capacities!r}")
+    missing = [c for c in caps if round(c, 4) not in hits_by_cap]
+    if missing:
+        parser.error(f"--capacities: no committed results at {missing} "
+                     f"(have {sorted(hits_by_cap)})")
+    hits_by_cap = {cap: hits_by_cap[round(cap, 4)] for cap in caps}
     from sklearn.ensemble import HistGradientBoostingClassifier
     from sklearn.metrics import roc_auc_score
 
@@ -166,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
         credits[f"cross-fitted {iters}x{leaves}"] = (cross, roc_auc_score(y[idx], cross[idx]))
         credits[f"in-sample {iters}x{leaves}"] = (fit(idx).predict_proba(X)[:, 1], None)
     credits["label (P = 1 / 0.01)"] = (np.where(y, 1.0, 0.01), None)
-    hits_by_cap = {cap: committed("conversation")[round(cap, 4)] for cap in caps}
     ends = {cap: (h["lru"], max(h["belady"], h["belady-cost"])) for cap, h in hits_by_cap.items()}
     print("\n| P of a leaf | AUC | " + " | ".join(f"{c:.0%}" for c in caps) + " |")
     print("|---|---|" + "---|" * len(caps))
