@@ -42,7 +42,7 @@ from eviction_tier_bounds import committed, hit_and_gap, load, replay_with  # no
 from radixkv.eviction.cost_aware import CostAwarePolicy  # noqa: E402
 
 FEATURES = ("prompt_blocks", "duration_s", "turn", "parent_gap_s", "grandparent_gap_s",
-            "matched_blocks", "deepest_block_uses", "first_blocks_uses", "conversation_requests",
+            "matched_blocks", "deepest_block_uses", "second_block_uses", "conversation_requests",
             "conversation_age_s", "new_blocks")
 
 

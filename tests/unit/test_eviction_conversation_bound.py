@@ -40,7 +40,7 @@ def test_features_and_next_request() -> None:
     X, next_s = bound.features(conversation())
     assert X.shape == (4, len(bound.FEATURES))
     # prompt_blocks, duration_s, turn, parent_gap_s, grandparent_gap_s, matched_blocks,
-    # deepest_block_uses, first_blocks_uses, conversation_requests, conversation_age_s,
+    # deepest_block_uses, second_block_uses, conversation_requests, conversation_age_s,
     # new_blocks
     assert X.tolist() == [
         [8, 1, 0, -1, -1, 0, 0, 0, 0, 0, -1],
