@@ -21,7 +21,8 @@ is), so it is learned online from the cache's own history rather than fixed:
   :func:`fit_binned_logistic`), on the newest ``window`` labels: an additive model whose
   per-feature effect is a step function, so it can learn effects that are not monotone or
   that saturate, where a linear model of the raw features could only tilt the order one way
-  (on issue 19's traces it moved OpenHands 20 % from 0.510 to 0.532 FLOP hit); refitted
+  (on the agent chat traces of ``bench eviction --format chat`` it moved OpenHands 20 % from
+  0.510 to 0.532 FLOP hit); refitted
   after ``refit_labels`` new labels and ``refit_blocks`` evicted blocks (a 512-label fit takes
   ~2.5 ms alone on this 2-core VM and up to twice that beside a second replay, so every 512
   evicted blocks it adds ~5–10 µs per evicted block), either on the calling thread

@@ -30,7 +30,8 @@ What is learned (all from events the policy already sees; nothing is rescored by
   leaf is kept as long as the pool can afford, to catch as many returns as it can. Agent
   sessions with randomly distributed tool latencies (exponential with mean 1 s: 28 % of gaps in
   the band) are so; a chat trace whose users return after 40 s to 25 min, after fewer than half
-  of their requests, is not. On issue 19's exponential-latency robustness traces this lifted
+  of their requests, is not. On the agent chat traces with exponential tool latency
+  (``bench eviction --format chat --tool-latency-dist exp``) this lifted
   tau-bench 10 % from 0.610 to 0.697 FLOP hit, SWE-agent 10 % from 0.211 to 0.265 and
   mini-swe-agent-gemini3 5 % from 0.377 to 0.418.
 

@@ -4,7 +4,7 @@ The rule: every evicted block is the tail block of the evictable leaf that ranks
 that block is taken*. A leaf that loses a block is re-ranked before its next block is taken, so a
 policy that ranks a leaf by its last block (Belady's oracle keys a leaf by its tail block's next
 use) can spare a long leaf's front once the never-reused tail is gone; taking the whole
-shortfall from the first leaf and re-ranking afterwards (the rule before issue 19) lost such
+shortfall from the first leaf and re-ranking afterwards (the earlier whole-shortfall rule) lost such
 fronts. The blocks one leaf loses in a row are recorded as one run for the ghost list, with the
 note ``on_evict`` returned last (for the run's first block in token order, the one a returning
 request reaches first).
@@ -19,8 +19,8 @@ How a policy's key moves on a trim decides the path (each makes the rule's choic
 * **Never rises** (``gdsf``, ``cost``: GreedyDual credits ``∝ C(depth, n) / n``, the mean
   recompute cost of the leaf's blocks, which only falls as its deepest blocks go, ``L`` and the
   other inputs being fixed until the next event): the first leaf stays first too; its share
-  goes in one slice and one ``on_evict(leaf, n)`` reports it, as before issue 19, so these
-  policies make exactly the choices they made then.
+  goes in one slice and one ``on_evict(leaf, n)`` reports it, as under the whole-shortfall
+  rule, so these policies make exactly the choices they made under it.
 * **Anything else** (``belady``, ``belady-cost``, the learned policies): one block at a time,
   each its own event (``on_evict(leaf, 1)``, then the leaf's new key); the leaf keeps losing
   blocks while its new key still sorts before the index's second entry (which cannot change
