@@ -17,7 +17,6 @@ fixed seed, so a replay is reproducible.
 from __future__ import annotations
 
 import bisect
-import inspect
 import math
 import time
 from collections import defaultdict
@@ -26,6 +25,7 @@ from typing import Callable
 from _eviction_timing import HookTimer, policy_cost
 from _eviction_trace import Trace  # bench/ is on sys.path (see bench/eviction.py)
 
+from radixkv.cache.evict_path import make_ghost_list
 from radixkv.cache.hashing import BlockHasher, CacheIdentity
 from radixkv.cache.manager import CacheManager
 from radixkv.cache.tree.radix_tree import RadixTree
@@ -36,15 +36,6 @@ ORACLES = ("belady", "belady-cost")
 
 LEARNED_PREFIX = "predicted-reuse"
 """Policies named so train synchronously with a fixed seed in a replay (:func:`policy_kwargs`)."""
-
-try:  # the ghost list wired to a policy's on_ghost_drop (issue 19)
-    from radixkv.cache.evict_path import make_ghost_list as _make_ghost_list
-except ImportError:  # pragma: no cover - an older cache: no such hook
-    _make_ghost_list = None
-
-# Parameters the cache gained in issue 19; older trees replay without them.
-_BEGIN_SESSION = "session_key" in inspect.signature(CacheManager.begin).parameters
-_RELEASE_END = "end_s" in inspect.signature(CacheManager.release).parameters
 
 
 def policy_kwargs(name: str) -> dict:
@@ -168,8 +159,7 @@ def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShap
     # The tree is empty: swap in the policy instance (oracles take constructor arguments), and
     # the ghost list with it (it hands forgotten runs' notes to the policy's on_ghost_drop).
     cache.tree = RadixTree(bs, policy, lambda: clock[0])
-    if _make_ghost_list is not None:
-        cache.ghost = _make_ghost_list(policy, GHOST_BLOCKS)
+    cache.ghost = make_ghost_list(policy, GHOST_BLOCKS)
     cache.eviction_policy = policy_name
     roots = {}
     cached = prompt = skipped = 0
@@ -183,17 +173,13 @@ def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShap
         if root is None:
             root = roots[req.salt] = cache.identity_root(identity(trace, req.salt))
         pb = trace.prompt(req)
-        m = (cache.begin("r", root, pb, session_key=req.session) if _BEGIN_SESSION
-             else cache.begin("r", root, pb))
+        m = cache.begin("r", root, pb, session_key=req.session)
         if cache.allocate("r", req.num_tokens):
             cache.publish("r", pb, req.num_tokens)
         else:
             m = 0
             skipped += 1
-        if _RELEASE_END:
-            cache.release("r", end_s=req.time_s + req.duration_s)
-        else:
-            cache.release("r")
+        cache.release("r", end_s=req.time_s + req.duration_s)
         cached += m
         prompt += req.num_tokens
         if m:
