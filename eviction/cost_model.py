@@ -1,4 +1,4 @@
-"""Prefill cost model: FLOPs to recompute tokens ``[s, s+n)`` of a sequence (DESIGN.md §4).
+"""Prefill cost model: FLOPs to recompute tokens ``[s, s+n)`` of a sequence (docs/design.md §4).
 
 For a decoder of ``L`` layers with ``Hq`` query heads of width ``D`` and ``P`` non-embedding
 parameters, prefilling token position ``p`` (0-based) costs

@@ -1,4 +1,4 @@
-"""The import direction of DESIGN.md §1 as a checker over source text (used by test_layering).
+"""The import direction of docs/design.md §1 as a checker over source text (used by test_layering).
 
 Every ``import`` / ``from … import`` statement counts wherever it stands: module level, inside a
 function, or under ``if TYPE_CHECKING:`` (a type-only import still ties the two modules), and so

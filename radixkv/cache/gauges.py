@@ -1,4 +1,4 @@
-"""The cache manager's gauges and counters (DESIGN.md §7 units).
+"""The cache manager's gauges and counters (docs/design.md §7 units).
 
 ``free + cached_evictable + in_use = num_blocks`` always holds. A mixin of ``CacheManager``:
 it reads the manager's pool, tree, miss counters and active requests.

@@ -189,7 +189,7 @@ class CacheManager(CacheGauges):
     def miss_breakdown(self, request_id: str) -> dict[str, int]:
         """Missed prompt tokens of this request's lookup by cause (sums to N - m).
 
-        With prefix caching off no lookup runs: every cause is 0 (DESIGN.md §7's causes
+        With prefix caching off no lookup runs: every cause is 0 (docs/design.md §7's causes
         explain what a cache missed; nothing was looked up).
         """
         return dict(self._requests[request_id].miss)

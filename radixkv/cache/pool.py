@@ -11,7 +11,7 @@ it checks the run (its end blocks and the private count; every block when
 :attr:`BlockPool.check_every_block` is set) but writes nothing per block, only the
 private/cached counters, because which owned blocks are cached is the tree's knowledge
 (``node.block_ids``), as is whether a cached block is *evictable* or *locked* (``lock_ref``).
-``CacheManager`` combines the pool, the tree and its requests into the four states of DESIGN.md
+``CacheManager`` combines the pool, the tree and its requests into the four states of docs/design.md
 §4 (free, private, cached-evictable, cached-locked), and its ``check_integrity`` verifies that
 every block the tree holds is owned exactly once here and held privately by no request.
 

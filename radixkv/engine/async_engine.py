@@ -318,7 +318,7 @@ class AsyncEngine(AsyncLoRAMixin):
         self._engine.stats.record_server_error(tenant=tenant)
 
     def tenant_stats(self, tenant: str) -> dict:
-        """One tenant's counters, rates and latency (DESIGN.md §7 tenant view)."""
+        """One tenant's counters, rates and latency (docs/design.md §7 tenant view)."""
         return self._engine.stats.tenant_snapshot(tenant)
 
     @property

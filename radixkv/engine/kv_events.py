@@ -1,7 +1,7 @@
 """KV cache events in vLLM 0.33's wire format, published over ZMQ for KV-aware routers.
 
 vllm-router's ``kv_aware`` policy subscribes to each replica's events and keeps an index of
-which replica holds which prefix blocks (``../shared/ref/routers-and-kv-events.md`` §2). The
+which replica holds which prefix blocks (``docs/routers-and-kv-events.md`` §2). The
 cache records what its tree stored and removed (``radixkv.cache.events.KVEventLog``); after each
 engine step that changed anything, the engine thread hands the step's events here as one batch.
 

@@ -1,4 +1,4 @@
-"""Engine counters (cumulative since start) and the ``/stats`` snapshot (DESIGN.md §7).
+"""Engine counters (cumulative since start) and the ``/stats`` snapshot (docs/design.md §7).
 
 Rates are derived per token from counters, never averaged per request: a token hit rate is
 ``cached_prompt_tokens_total / prompt_tokens_total``. Each request's lookup is recorded once,
@@ -104,7 +104,7 @@ class Counters:
         self.itl = LatencyHistogram()
 
     def counts(self) -> dict[str, Any]:
-        """The counters and the per-token rates derived from them (DESIGN.md §7 keys)."""
+        """The counters and the per-token rates derived from them (docs/design.md §7 keys)."""
         prompt, cached, requests = (self.prompt_tokens_total, self.cached_prompt_tokens_total,
                                     self.requests_total)
         return {

@@ -1,7 +1,7 @@
 """Deterministic tool rendering for chat templates that ignore ``tools`` and ``tool_calls``.
 
 SmolLM2's plain ChatML template drops both, which would silently change what the model sees.
-For such templates radixkv rewrites the messages before rendering (DESIGN.md §5):
+For such templates radixkv rewrites the messages before rendering (docs/design.md §5):
 
 - ``tools``: the JSON schemas go into the system turn (appended to the first system message,
   or a new system message at the start), between ``<tools>`` and ``</tools>``, one per line,

@@ -15,7 +15,7 @@ Routes:
     POST /detokenize           vLLM's shape: ``{"model"?, "tokens"}`` → ``{"prompt"}``
     GET  /health               200 ``{"status": "ok"}``; 503 while draining or when the engine
                                is dead (public)
-    GET  /stats                DESIGN.md §7; per tenant with API keys (admin: all + tenants)
+    GET  /stats                docs/design.md §7; per tenant with API keys (admin: all + tenants)
     GET  /metrics              Prometheus text (admin key with API keys)
     GET  /openapi.json         the hand-written OpenAPI 3.1 document (public)
     GET  /version              ``{"version": "<package version>"}``
@@ -221,7 +221,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """DESIGN.md §7. With API keys: admin sees everything plus ``tenants``; any other key only
+    """docs/design.md §7. With API keys: admin sees everything plus ``tenants``; any other key only
     its tenant's counters, rates and latency (no pool or tree gauges, no miss causes)."""
     state, tenant = _state(request), _tenant(request)
     engine = state.engine

@@ -1,4 +1,4 @@
-"""API keys, tenants, and the cache salt derived from them (DESIGN.md §3, §6).
+"""API keys, tenants, and the cache salt derived from them (docs/design.md §3, §6).
 
 ``--api-keys FILE`` holds a JSON object ``{"<key>": {"tenant": "<name>", "admin": false}}``.
 With keys configured every route but ``/health`` and ``/openapi.json`` needs

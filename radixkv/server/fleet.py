@@ -1,6 +1,6 @@
 """What a KV-aware router asks of a replica beyond the OpenAI API.
 
-Routes (``../shared/ref/routers-and-kv-events.md`` §1, §2.6):
+Routes (``docs/routers-and-kv-events.md`` §1, §2.6):
     GET  /get_server_info     ``{"model_id", "instance_id", "kv_block_size", ...}``: vllm-router's
                               discovery keys a replica's index by it (a new ``instance_id``
                               means a restarted replica); sglang-router reads the model id

@@ -162,7 +162,7 @@ _SCHEMAS = {
         "latency_ms": _ref("Latency"),
         "tenants": {"type": "object", "additionalProperties": _ref("TenantStats"),
                     "description": "Admin keys only."},
-    }, extra=True, description="DESIGN.md §7: counters (``*_total``), rates, pool and tree "
+    }, extra=True, description="docs/design.md §7: counters (``*_total``), rates, pool and tree "
                                "gauges, miss causes, eviction policy."),
 }
 
@@ -261,7 +261,7 @@ def openapi_document(model_name: str) -> dict:
                               "503": _json(_obj({"status": {"enum": ["draining", "unhealthy"]}}),
                                            "Shutting down, or the engine thread is dead.")}}},
             "/stats": {"get": {
-                "summary": "Engine counters (DESIGN.md §7); a non-admin key sees its tenant only",
+                "summary": "Engine counters (docs/design.md §7); a non-admin key sees its tenant only",
                 "responses": {"200": _json({"anyOf": [_ref("Stats"), _ref("TenantStats")]}),
                               **_error_responses("401")}}},
             "/metrics": {"get": {

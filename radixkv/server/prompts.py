@@ -12,7 +12,7 @@ by the client's ``cache_salt``). Rendering runs on the engine's tokenizer pool o
 engine.
 
 Routes (vLLM 0.33's shapes; vllm-router's ``cache_aware`` / ``kv_aware`` call them on every
-request, ../shared/ref/routers-and-kv-events.md §2.5):
+request, docs/routers-and-kv-events.md §2.5):
 
     POST /v1/chat/completions/render  a chat body → ``{"token_ids": [...]}``
     POST /v1/completions/render       a completions body → ``[{"token_ids": [...]}, ...]``,

@@ -144,7 +144,7 @@ def validate_messages(messages: Any, found: PolicyCheck | None = None) -> list[d
             raise bad_request(f"'{p}.content' is required for a {role} message", f"{p}.content")
         clean: dict[str, Any] = {
             "role": "system" if role == "developer" else role,
-            # content null renders as empty text for every role (DESIGN.md §5).
+            # content null renders as empty text for every role (docs/design.md §5).
             "content": _content_text(msg.get("content"), f"{p}.content", nullable=True),
         }
         if role == "assistant":

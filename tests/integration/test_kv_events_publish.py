@@ -1,5 +1,5 @@
 """KV events on the wire (``radixkv.engine.kv_events``): a real ZMQ subscriber and replay
-client against an engine publishing vLLM 0.33's format (../shared/ref/routers-and-kv-events.md
+client against an engine publishing vLLM 0.33's format (docs/routers-and-kv-events.md
 §2.2, §2.3, §2.7): three frames, big-endian seqs from 0, positional batches, tagged event maps
 with ``type`` first, replay of buffered batches ending with seq -1."""
 

@@ -29,7 +29,7 @@ ISSUE_FIELDS = {
     "verbosity": None, "reasoning_effort": "low", "audio": None, "top_logprobs": 0,
     "chat_template_kwargs": {"enable_thinking": False},
 }
-# ../shared/ref/routers-and-kv-events.md §1: fields each router injects into forwarded bodies.
+# docs/routers-and-kv-events.md §1: fields each router injects into forwarded bodies.
 VLLM_ROUTER_CHAT = {"stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": True,
                     "continue_final_message": False, "skip_special_tokens": True,
                     "separate_reasoning": True, "stream_reasoning": True,

@@ -35,7 +35,7 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}]
-# What vllm-router adds to every forwarded chat body (../shared/ref/routers-and-kv-events.md §1).
+# What vllm-router adds to every forwarded chat body (docs/routers-and-kv-events.md §1).
 ROUTER_CHAT_DEFAULTS = {"stream": False, "logprobs": False, "no_stop_trim": False,
                         "ignore_eos": False, "continue_final_message": False,
                         "skip_special_tokens": True, "separate_reasoning": True,

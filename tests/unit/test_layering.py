@@ -1,4 +1,4 @@
-"""The import direction of DESIGN.md §1, no import cycles, torch-free cache/eviction, module size.
+"""The import direction of docs/design.md §1, no import cycles, torch-free cache/eviction, module size.
 
 The checker lives in tests/layering.py; its self-tests feed it a fake upward import and a fake
 cycle (both hidden the way real ones hide: inside a function and under TYPE_CHECKING).

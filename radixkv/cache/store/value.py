@@ -2,7 +2,7 @@
 
 A block is stored under a key derived from its chained hash, its identity root and the KV layout
 (``store_key``); the chained hash already covers the model revision, LoRA adapter, multimodal
-extras and cache salt (DESIGN.md §3), the root and the layout tag make the key readable and keep
+extras and cache salt (docs/design.md §3), the root and the layout tag make the key readable and keep
 layouts apart. The value is::
 
     header (HEADER_ALIGN-padded)  magic "RKVB" | version u16 | layout tag | identity root |
