@@ -1,4 +1,4 @@
-"""Fault isolation in the engine (issue 15): a fault of one request's own ends that request
+"""Fault isolation in the engine: a fault of one request's own ends that request
 with ``finish_reason == "error"``, frees its blocks and is counted; a failed batched forward
 ends that step's requests and the engine goes on while the cache's integrity holds; a device
 error or a failed integrity check stops it. Also the 64-bit seed range and the requests /

@@ -1,4 +1,4 @@
-"""Replicas sharing a Mooncake store (issue 17): two ``radixkv serve`` processes on one real
+"""Replicas sharing a Mooncake store: two ``radixkv serve`` processes on one real
 ``mooncake_master``, each with its own transfer-engine address, plus in-process engines where a
 test needs the cache's internals. Nothing is mocked.
 

@@ -1,4 +1,4 @@
-"""vllm-router and sglang-router ``cache_aware`` in front of two tiny-model replicas (issue 16).
+"""vllm-router and sglang-router ``cache_aware`` in front of two tiny-model replicas.
 
 vllm-router's ``cache_aware`` asks every worker for the prompt's token ids on every request
 (``/v1/chat/completions/render``, ``/v1/completions/render``; token-id prompts are used as

@@ -1,4 +1,4 @@
-"""Isolation through real routers (issue #16): tenants, client salts, LoRA adapters, resets.
+"""Isolation through real routers: tenants, client salts, LoRA adapters, resets.
 
 Two fleets of two tiny-model replicas (B = 16, adapter ``ad`` loaded) publishing KV events,
 each behind vllm-router ``kv_aware`` (discovery, ``--router-temperature 0``, debug log for its

@@ -1,4 +1,4 @@
-"""vllm-router ``kv_aware`` fed by radixkv's KV events (issue #16), a real router process over
+"""vllm-router ``kv_aware`` fed by radixkv's KV events, a real router process over
 two tiny-model replicas that publish events on loopback ZMQ sockets.
 
 The router finds the publishers itself (discovery: ``GET /get_server_info`` and ``GET

@@ -1,4 +1,4 @@
-"""``/v1/completions`` text-append multi-turn reuse (issue 15, item 5) through the reply memory.
+"""``/v1/completions`` text-append multi-turn reuse through the reply memory.
 
 A completions client keeps its conversation as one growing text: prompt ``p1``, reply ``t1``,
 then ``p1 + t1 + new``. The engine cached ``p1``'s ids + the fed reply ids (every sampled
@@ -7,7 +7,8 @@ token but the last), so the next prompt hits ``floor(min(match, N - 1) / B) * B`
 ``p1``/``t1`` boundary (``"far"`` + ``"ymour"``), so plain tokenization only matches ``p1``'s
 first block; the prefix memory keeps the generated ids and the whole of ``p1 + t1`` hits.
 
-Block size 8 and a 10-token prompt with a 24-token reply: the issue's case (8 of 32).
+Block size 8 and a 10-token prompt with a 24-token reply: the case plain re-tokenizing misses
+(8 of 32 tokens hit).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ async def complete(url: str, prompt, salt: str | None, **extra) -> dict:
 
 
 async def first_turn(url: str, salt: str | None) -> tuple[list[int], list[int], str]:
-    """(p1 ids, generated ids, reply text) of the issue's first turn."""
+    """(p1 ids, generated ids, reply text) of the conversation's first turn."""
     body = await complete(url, P1, salt, max_tokens=24, ignore_eos=True)
     (choice,) = body["choices"]
     assert body["usage"]["prompt_tokens"] == 10 and body["usage"]["completion_tokens"] == 24
@@ -64,7 +65,7 @@ async def first_turn(url: str, salt: str | None) -> tuple[list[int], list[int], 
     return choice["prompt_token_ids"], choice["token_ids"], choice["text"]
 
 
-async def test_issue_case_text_append_caches_at_the_cap(b8_server):
+async def test_text_append_across_a_merged_token_caches_at_the_cap(b8_server):
     url = b8_server.url
     salt = uuid.uuid4().hex
     p1, gen, t1 = await first_turn(url, salt)

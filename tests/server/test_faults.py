@@ -1,4 +1,4 @@
-"""Fault isolation through the HTTP server (issue 15, inputs 1 and 4).
+"""Fault isolation through the HTTP server, and the per-choice seed at the top of its range.
 
 A fault of one request's own — in the engine thread (detokenizing, adding it, a failed forward)
 or in the server's per-request code (output memory, templating, writing a stream) — ends that
@@ -118,7 +118,7 @@ def detokenizer_fault(monkeypatch) -> None:
     monkeypatch.setattr(IncrementalDetokenizer, "add", faulty)
 
 
-async def test_input1_a_seed_at_the_top_of_the_range_works(server):
+async def test_a_seed_at_the_top_of_the_range_works_for_every_choice(server):
     url = server.url
     messages = [{"role": "user", "content": "Pick a number"}]
     status, body = await post_json(url, "/v1/chat/completions", {
@@ -277,7 +277,7 @@ async def test_a_server_fault_mid_stream_ends_with_an_error_event_then_done(serv
                      "sequences_aborted_total": 1}
 
 
-async def test_input4_an_aborted_n3_stream_counts_one_request_and_three_sequences(server):
+async def test_an_aborted_n3_stream_counts_one_request_and_three_sequences(server):
     url = server.url
     before = await snapshot(url)
     async with aiohttp.ClientSession() as http:

@@ -1,4 +1,4 @@
-"""What a KV-aware router asks of a replica (issue #16, ``radixkv.server.fleet``): discovery
+"""What a KV-aware router asks of a replica (``radixkv.server.fleet``): discovery
 (``GET /get_server_info``, ``GET /kv_event_sources``) and the admin cache reset
 (``POST /reset_prefix_cache``, SGLang's alias ``POST /flush_cache``).
 

@@ -1,4 +1,4 @@
-"""Schemathesis fuzzing driven by the server's own ``/openapi.json`` (issue 15).
+"""Schemathesis fuzzing driven by the server's own ``/openapi.json``.
 
 Chat completions, completions, /tokenize and /detokenize, against a tiny-model server with a
 256-token context and ``max_num_seqs`` 8: seed 0, 100 examples per operation, every response
@@ -12,8 +12,8 @@ shapes of that schema, so that a run stays realistic, reaches every field and tr
 integer edges where overflows live: (a) as documented, optional fields optional; (b) every
 field required (mostly refused for conflicts such as max_tokens vs max_completion_tokens, but
 each field is sent); (c) the sampling fields required and every integer drawn from its edges
-(``_edges_only``; with seed 0 this shape sends issue 15's input 1 — n = 2, seed 2^64 - 1,
-sampled — which fails the run if the per-choice seed overflows again). No shrinking: a
+(``_edges_only``; with seed 0 this shape sends n = 2, seed 2^64 - 1, sampled — which fails
+the run if the per-choice seed overflows again). No shrinking: a
 failing input is reported as generated (its body in the assertion), and the run stays bounded.
 """
 

@@ -66,7 +66,7 @@ def test_every_table_entry_is_well_formed():
                 assert p.neutral[0] is None and p.schema["enum"] == list(p.neutral) and p.why
             if p.policy == IGNORED:
                 assert p.why and "null" in p.schema.get("type", ["null"])
-    # The fields the issue and the routers name are classified, with these policies.
+    # The fields clients and routers send are classified, with these policies.
     chat = {n: p.policy for n, p in CHAT_PARAMS.items()}
     for name in ("no_stop_trim", "logprobs", "top_logprobs", "modalities", "verbosity", "audio",
                  "continue_final_message", "return_hidden_states", "skip_special_tokens",

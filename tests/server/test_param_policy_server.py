@@ -1,4 +1,4 @@
-"""The parameter policy over HTTP (issue 15 input 2): the fields today's SDKs, agent frameworks
+"""The parameter policy over HTTP: the fields today's SDKs, agent frameworks
 and routers add are accepted and change nothing; non-neutral values get a 400 naming them;
 unknown names are accepted; /openapi.json lists exactly the policy table's fields; /metrics
 counts the ignored ones; the official ``openai`` client's newest request shapes work."""
@@ -22,8 +22,8 @@ CONVERSATION = [
     {"role": "assistant", "content": "Blue."},
     {"role": "user", "content": "Another one?"},
 ]
-# Issue 15 input 2: what vllm-router, LiteLLM, the OpenAI Agents SDK and today's SDKs send.
-ISSUE_FIELDS = {
+# What vllm-router, LiteLLM, the OpenAI Agents SDK and today's SDKs send.
+CLIENT_FIELDS = {
     "no_stop_trim": False, "store": True, "metadata": {"trace": "t-1"}, "service_tier": "auto",
     "prompt_cache_key": "conv-42", "safety_identifier": "user-hash", "modalities": ["text"],
     "verbosity": None, "reasoning_effort": "low", "audio": None, "top_logprobs": 0,
@@ -75,10 +75,10 @@ async def ignored_counts(server) -> dict[str, float]:
         r'^radixkv_ignored_parameters_total\{param="([^"]*)"\} (\S+)$', text, re.M)}
 
 
-async def test_issue_input_2_fields_change_nothing(server):
+async def test_client_added_fields_change_nothing(server):
     plain = await chat(server, {"messages": CONVERSATION, **GREEDY})
     before = await ignored_counts(server)
-    full = await chat(server, {"messages": with_extras(CONVERSATION), **GREEDY, **ISSUE_FIELDS,
+    full = await chat(server, {"messages": with_extras(CONVERSATION), **GREEDY, **CLIENT_FIELDS,
                                "frobnicate_unknown": {"x": 1}})
     same_completion(full, plain)
     after = await ignored_counts(server)
@@ -90,7 +90,7 @@ async def test_issue_input_2_fields_change_nothing(server):
                      "messages[].reasoning_content": 1, "(unknown)": 1}
     # Streaming with stream_options.include_obfuscation gives the same text.
     status, raw = await post_json_stream(server, {
-        "messages": with_extras(CONVERSATION), **GREEDY, **ISSUE_FIELDS, "stream": True,
+        "messages": with_extras(CONVERSATION), **GREEDY, **CLIENT_FIELDS, "stream": True,
         "stream_options": {"include_usage": True, "include_obfuscation": True}})
     assert status == 200 and raw == plain["choices"][0]["message"]["content"]
 

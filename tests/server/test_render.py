@@ -1,5 +1,5 @@
 """The render endpoints, ``/tokenize`` with the fields routers send, ``model: "unknown"`` and the
-gRPC probe (issue 16).
+gRPC probe routers make.
 
 ``/v1/chat/completions/render`` and ``/v1/completions/render`` must answer exactly the ids the
 engine runs for the same body. The engine's ``generate`` is wrapped (a test hook on our own

@@ -1,4 +1,4 @@
-"""The store tier seen over HTTP (issue 17): a store hit is reported as cached tokens, ``/stats``
+"""The store tier seen over HTTP: a store hit is reported as cached tokens, ``/stats``
 has the tier split and the ``store`` counters, ``/metrics`` the same families, and ``/health``
 stays 200 while the store is down. One in-process tiny-model server, ``--kv-store host``.
 """

@@ -1,4 +1,4 @@
-"""No head-of-line blocking before the engine (issue 15, item 6), without timing.
+"""No head-of-line blocking before the engine: the tokenizer pool, without timing.
 
 The tokenizer pool is fair across tenants (round-robin, FIFO within one), bounded (503
 ``queue_full``), gives each worker its own tokenizer, and exports its queue time; a prompt that

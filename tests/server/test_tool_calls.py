@@ -270,7 +270,7 @@ async def test_smollm2_weather_tool_call_and_follow_up_hits_the_cap(smollm2_serv
     server = smollm2_server
     tok = server.engine.tokenizer
     ask = [{"role": "user", "content": ASK}]
-    # The input: SmolLM2 writes a complete call (naming the city, not the tool), then
+    # SmolLM2 writes a complete call (naming the city, not the tool), then
     # text until max_tokens. That used to be content with finish_reason "length".
     salt = uuid.uuid4().hex
     chunks = await stream_chat(server.url, ask, salt, max_tokens=32)

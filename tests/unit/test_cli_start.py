@@ -1,4 +1,4 @@
-"""The CLI starts without torch, transformers or aiohttp (issue 15, item 7): each subcommand
+"""The CLI starts without torch, transformers or aiohttp: each subcommand
 imports what it needs when it runs, and ``--device auto`` is resolved then, not at parsing."""
 
 from __future__ import annotations

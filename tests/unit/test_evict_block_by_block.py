@@ -1,4 +1,4 @@
-"""Block-by-block eviction (issue 19): each evicted block is the tail of the leaf ranked first
+"""Block-by-block eviction: each evicted block is the tail of the leaf ranked first
 when it is taken, so a policy keyed on a leaf's last block keeps a long leaf's reused front."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_one_call_equals_one_block_at_a_time(policy_name: str) -> None:
 
 # ---- policies keyed on node-level fields: same victims as the rule before ---------------
 def reference_whole_shortfall(tree: RadixTree, num_blocks: int) -> list[int]:
-    """The rule before issue 19: the whole shortfall from the first leaf, re-ranked after."""
+    """The earlier rule: the whole shortfall from the first leaf, re-ranked after."""
     freed: list[int] = []
     leaves = tree.leaves
     while len(freed) < num_blocks:

@@ -1,4 +1,4 @@
-"""The eviction path's fast paths (issue 19: bench tree's evict ratio) make the same choices and
+"""The eviction path's fast paths (what ``bench tree``'s evict ratio times) make the same choices and
 records as the reference path: the tree's one-block and one-slice paths against its trim_tail
 path (taken while a store tier's ``trim_hook`` is set), the pool's unchecked ``free_cached``
 against its every-block check, the ghost list's entries after re-evictions."""

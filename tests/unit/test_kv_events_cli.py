@@ -1,4 +1,4 @@
-"""``radixkv serve``'s KV-event flags (issue #16): ``--kv-events-config`` (vLLM's JSON, same keys
+"""``radixkv serve``'s KV-event flags: ``--kv-events-config`` (vLLM's JSON, same keys
 and defaults) and its shorthands ``--kv-events-endpoint`` / ``--kv-events-replay-endpoint``, as
 ``kv_events_config_from_args`` turns parsed arguments into a ``KVEventsConfig``; and two real
 ``radixkv serve`` processes: one advertising the port it bound, one refusing a taken port."""

@@ -1,4 +1,4 @@
-"""Per-node history the cache keeps for learned policies (issue 19): session key, end of the
+"""Per-node history the cache keeps for learned policies: session key, end of the
 latest request holding the node, gaps between its accesses, most children, and the ghost
 list's "forgotten without coming back" labels (``on_ghost_drop``)."""
 

@@ -1,4 +1,4 @@
-"""Generated sampling parameters straight into the engine (issue 15): each set is either refused
+"""Generated sampling parameters straight into the engine: each set is either refused
 by ``SamplingParams`` with a ValueError naming the field at fault, or generation finishes
 normally and the cache's integrity holds. Seeds cover the whole int range (2**64 - 1 and
 negatives included: an ``n = 2`` request at seed 2**64 - 1 once overflowed inside the engine
@@ -71,7 +71,7 @@ def _kw(**changes) -> dict:
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
-@example(kw=_kw(seed=2**64 - 1, n=2), prompt=[5, 6, 7])  # issue 15, input 1
+@example(kw=_kw(seed=2**64 - 1, n=2), prompt=[5, 6, 7])  # the per-choice seed once overflowed here
 @example(kw=_kw(seed=-(2**63), n=3, top_k=5, top_p=0.5, stop=["e"]), prompt=[9])
 @example(kw=_kw(seed=2**70 + 1, n=1, temperature=0.3), prompt=[1, 2])
 @given(kw=PARAMS, prompt=st.lists(st.integers(3, 40_000), min_size=1, max_size=10))
