@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-from radixkv.model import loader  # noqa: E402
-from radixkv.model.gguf_loader import dequantize, read_gguf, read_gguf_header, unpermute_qk  # noqa: E402
-from radixkv.model.loader import load_model  # noqa: E402
+from radixkv.model import loader
+from radixkv.model.gguf_loader import dequantize, read_gguf, read_gguf_header, unpermute_qk
+from radixkv.model.loader import load_model
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, FFN = 64, 2, 1, 96  # head_dim 32: every row is one or more blocks
@@ -77,7 +76,7 @@ def write_tiny_gguf(path: Path, seed: int) -> None:
 
 
 def _reference_state(path: Path) -> dict[str, torch.Tensor]:
-    """The converted state dict computed the pre-#18 way: gguf.GGUFReader + gguf.quants.dequantize."""
+    """The converted state dict computed by gguf itself: GGUFReader + gguf.quants.dequantize."""
     reader = gguf.GGUFReader(str(path))
     state = {}
     for tensor in reader.tensors:

@@ -1,7 +1,7 @@
 """Fixtures: two tiny-model replicas per module, and each router in front of them once.
 
 ``router`` is parametrized over the installed routers with ``round_robin``; a module that wants
-another policy or more flags (``kv_aware`` in #16) builds its own fixture from
+another policy or more flags (``kv_aware`` in ``test_kv_aware.py``) builds its own fixture from
 ``tests.routers.harness.run_router`` the same way. A failed test gets the router's last output
 as a report section.
 """
