@@ -1,7 +1,7 @@
 """Report fields and tables of ``radixkv bench eviction``.
 
-Per trace × capacity, against the offline optimum and LRU (FLOP hit rates, the issue-19
-measure):
+Per trace × capacity, against the offline optimum and LRU (FLOP hit rates, the
+measure of docs/eviction.md):
 
 - ``best_oracle`` = whichever of ``belady`` and ``belady-cost`` has the higher FLOP hit rate at
   that capacity (``belady`` on a tie), ``best_oracle_flop_hit_rate`` its rate;

@@ -16,7 +16,7 @@ HISTORY_TOKENS = (100, 400)
 REPLY_TOKENS = (30, 300)
 TOOL_TOKENS = (200, 1500)
 #: Most ``ratio_to_floor`` each operation may reach (the deliverable's targets).
-TARGETS = {"match": 0.25, "insert": 1.2, "evict": 1.0}  # evict: issue 19
+TARGETS = {"match": 0.25, "insert": 1.2, "evict": 1.0}
 #: C18: the largest tree's time per operation ÷ the smallest's must stay below this.
 C18_MAX_RATIO = 3.0
 #: The workload the targets were set on (flags that shape the replay; not --repeat or C18's).

@@ -5,10 +5,10 @@ Usage::
 
     radixkv bench eviction       # the shipped Mooncake sample, every policy, 4 capacities
     radixkv bench eviction --shared --policies lru,lfu,fifo,gdsf,s3fifo,cost,belady \\
-        --capacity 0.02,0.05,0.1,0.2 --out bench/results/eviction-conversation
+        --capacity 0.02,0.05,0.1,0.2 --out /tmp/eviction-conversation
     radixkv bench eviction --format chat --source tau-bench --block-size 16 --out DIR
     radixkv bench eviction --format chat --source openhands --shared --capacity 0.05,0.1
-    bench/results/eviction-all.sh      # every issue-19 trace and capacity, one markdown table
+    bench/results/eviction-all.sh      # every shared trace and capacity, one markdown table
 
 With no ``--trace`` the trace is a sample shipped in the package (``radixkv/tools/data/``): the
 first 400 requests of the Mooncake conversation trace (``mooncake``), or the source's sample

@@ -1,5 +1,5 @@
 """How much of the LRU→oracle gap on the conversation trace a ranking by what a cache can know
-could close (issue 19's 1/3 goal at 5 % and 10 %).
+could close (the goal: 1/3 of the gap at 5 % and 10 %).
 
 On the Mooncake conversation trace (block 512) ``predicted-reuse`` falls back to ``cost``'s
 order (irregular returns) and closes 0.12 / 0.16 of the gap at 5 / 10 %. This script asks
@@ -18,7 +18,7 @@ saw its own label) and *in-sample* (fitted on every label), and replays at each 
 ``cost`` with its ``P`` replaced by the fit's probability for the request that released the
 leaf (kept until the leaf's next release), and by the label itself (P = 1 / 0.01: an oracle
 told only *whether*), next to the committed ``lru``, ``cost``, ``predicted-reuse`` and oracle
-FLOP hit rates (``bench/results/eviction-issue19/conversation``), each with its share of the
+FLOP hit rates (``bench/results/eviction/conversation``), each with its share of the
 LRU→oracle gap.
 
 The cross-fitted rows are what these features can predict; an in-sample fit also ranks by

@@ -3,10 +3,10 @@
 ``predicted-reuse`` (regular return gaps) evicts *overdue* leaves first (ended sessions' before
 active sessions' other branches, each by ``cost``'s credit), then the *live* leaf of furthest
 predicted next use (its release plus the return gap over the learned reuse probability). This
-replays issue 19's six traces with the tier orders replaced by the trace oracle's next use
+replays the six traces of the eviction table with the tier orders replaced by the trace oracle's next use
 (furthest first), one tier at a time and both, and prints each one's FLOP hit rate and share
 of the LRU→oracle gap next to ``predicted-reuse``'s own and the best online policy's, from the
-committed results (``bench/results/eviction-issue19/<trace>/results.json``).
+committed results (``bench/results/eviction/<trace>/results.json``).
 A learned next-use predictor inside the tiers can reach at most these figures; the oracle keys
 are computed when a leaf enters its tier (as the policy's own keys are), so they are a bound for
 that design, not Belady's.
@@ -36,7 +36,7 @@ from radixkv.eviction.predicted_reuse import PredictedReusePolicy  # noqa: E402
 TRACES = ("conversation", "tau-bench", "swe-agent", "mini-swe-agent-gemini3", "crewai",
           "openhands")
 ONLINE = ("lru", "lfu", "fifo", "gdsf", "s3fifo", "cost")
-RESULTS = Path(__file__).resolve().parent / "results" / "eviction-issue19"
+RESULTS = Path(__file__).resolve().parent / "results" / "eviction"
 #: Bound name -> (overdue tier by the oracle, live tier by the oracle).
 BOUNDS = {"oracle-overdue": (True, False), "oracle-live": (False, True),
           "oracle-both": (True, True)}

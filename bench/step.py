@@ -31,7 +31,7 @@ exceeds ``--max-pool-gib`` is skipped and says so in its row.
   ``2 · P`` per token + attention ``4 · L · Hq · D`` per causal (query, key) pair; no LM head)
   ÷ GEMM FLOP/s.
 
-``ratio`` = measured time ÷ floor time (1 = at the floor; the issue's goals: decode batch 1 at
+``ratio`` = measured time ÷ floor time (1 = at the floor; the goals: decode batch 1 at
 2k ≤ 1.5, prefill ≤ 2). Timings share the machine with whatever else runs: use an idle one.
 
 Usage::

@@ -24,7 +24,7 @@ fits one step). The whole-request difference (``TTFT Δ``) is reported too.
 Each engine checks the cached tokens it reports (device and store) before a time counts. Per
 block: best of the repetitions (min; other load on the cores only adds time) divided by k, in
 µs (medians in the JSON too); ``ratio`` = recompute ÷ store hit (the
-goal of issue 17 is ≥ 10 on CPU). Mooncake runs against a ``mooncake_master`` this bench starts
+goal is ≥ 10 on CPU). Mooncake runs against a ``mooncake_master`` this bench starts
 on free loopback ports (``tests/mooncake_harness.py``), skipped with the reason printed when
 Mooncake is not installed. Writes ``--json`` and a Markdown table next to it (``.md``).
 

