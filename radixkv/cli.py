@@ -34,11 +34,16 @@ BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None, help="model id clients send")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id that /v1/models lists and requests send as 'model' "
+                        "(default: the model's own name)")
     p.add_argument("--lora", type=_lora_module, action="append", default=[], metavar="NAME=PATH",
                    help="serve a PEFT LoRA adapter directory as model NAME (repeatable)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="port to listen on; bound before the model loads, so a busy port exits 2 "
+                        "at once")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: from --kv-cache-memory)")
@@ -46,12 +51,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool memory in GiB (default 4 on CPU, ~90%% of free memory on CUDA)")
     p.add_argument("--eviction-policy", type=eviction_policy_arg, default="lru",
                    help=f"eviction policy: {', '.join(online_eviction_policies())}")
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt in full (blocks are still paged)")
+    p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"],
+                   help="hash of the chained block keys; sha256 where a cryptographic hash is "
+                        "required")
     p.add_argument("--publish-interval-blocks", type=int, default=16,
                    help="publish generated blocks to the prefix cache in batches of this many "
                         "(and the rest when the request ends); 1 = as each block fills")
-    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=32,
+                   help="most sequences running in one step; more wait in the queue")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget of one forward step")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None,
@@ -65,14 +74,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "per-sequence torch oracle; triton: the GPU kernels")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights, activations and KV pool; bfloat16 halves the bytes a decoded "
-                        "token reads (accuracy: README)")
+                        "token reads (accuracy: docs/performance.md)")
     p.add_argument("--num-threads", type=positive_int, default=None,
                    help="torch threads of the forward (default: the CPUs this process may run "
                         "on; replicas sharing a machine: one each)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers' dense math (slow first steps; "
                         "compile time is logged)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info",
+                   help="structlog level: debug, info, warning or error")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help='JSON {"<key>": {"tenant": "<name>", "admin": false}}: require '
                         "'Authorization: Bearer <key>', one cache namespace per tenant")
@@ -82,10 +92,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency-per-tenant", type=positive_int, default=None,
                    help="most in-flight requests per tenant; more get 429 (default: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long in-flight requests may finish before they are "
-                        "aborted")
+                   help="on SIGTERM or Ctrl-C, how long in-flight requests may finish before they "
+                        "are aborted; a second signal aborts them at once")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20,
-                   help="largest request body; larger ones get 413")
+                   help="largest request body in bytes (8 MiB); larger ones get 413")
     p.add_argument("--tokenizer-workers", type=positive_int, default=None,
                    help="threads that template and tokenize prompts, fairly across tenants "
                         "(default: one per CPU, at most 8)")
@@ -105,7 +115,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store", type=_kv_store_arg, default=None, metavar="SPEC",
                    help="a store tier under the prefix cache: host:GIB (process memory) or "
                         "mooncake://MASTER_HOST:PORT?metadata=URL[&local=HOST:PORT] (Mooncake "
-                        "Store, shared by the replicas on one master); README 'Store tier'")
+                        "Store, shared by the replicas on one master); docs/operations.md")
     p.add_argument("--kv-store-write", default="all", choices=["all", "evict"],
                    help="write every published block once (all) or only what the device pool "
                         "evicts (evict)")
