@@ -150,7 +150,7 @@ def test_ghost_drop_labels_runs_forgotten_without_coming_back(monkeypatch) -> No
 @pytest.mark.parametrize("policy_name", ["lru", "s3fifo"])
 def test_no_drop_hook_for_policies_without_notes(policy_name: str) -> None:
     c = Cache(num_blocks=16, eviction_policy=policy_name, ghost_capacity=2)
-    assert c.cm.ghost.on_drop is None or policy_name == "s3fifo"
+    assert c.cm.ghost.on_drop is None
     for i in range(3):
         c.serve(float(i), [5 + i] * 8)
         assert c.cm.evict(2) == 2
