@@ -46,6 +46,7 @@ from aiohttp import web
 from radixkv.config import check_int
 from radixkv.server import adapters, fleet, request_id
 from radixkv.server.auth import REQUEST_TENANT, KeyStore, Tenant, auth_middleware, cache_salt_for
+from radixkv.server.body import HANDLER_ARGS, read_body
 from radixkv.server.completions import parse_completion_request
 from radixkv.server.detokenize import parse_detokenize_request
 from radixkv.server.errors import (
@@ -99,12 +100,8 @@ def _tenant(request: web.Request) -> Tenant | None:
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    limit = request.client_max_size
-    if request.content_length is not None and request.content_length > limit:
-        raise APIError(413, f"request body of {request.content_length} bytes exceeds the "
-                            f"server's limit of {limit} bytes", code="request_too_large")
-    raw = await request.read()  # aiohttp itself raises 413 past client_max_size (chunked)
-    return parse_json_object(raw, request.content_type)
+    # Decoded (Content-Encoding) and held to --max-body-bytes before and after decoding.
+    return parse_json_object(await read_body(request), request.content_type)
 
 
 def _check_healthy(engine: AsyncEngine) -> None:
@@ -261,7 +258,8 @@ def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
 
     Args:
         engine: The engine serving requests; must be started before the first request.
-        max_body_bytes: Largest accepted request body in bytes; larger bodies get 413.
+        max_body_bytes: Largest accepted request body in bytes, on the wire and again once
+            its Content-Encoding is undone; larger bodies get 413 (``radixkv.server.body``).
         api_keys: Key → tenant (``auth.load_api_keys``); None serves a single tenant, no keys.
         max_concurrency_per_tenant: Most in-flight completion requests per tenant (429 past).
 
@@ -276,7 +274,7 @@ def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     state = ServerState(engine, keys=keys, max_concurrency_per_tenant=max_concurrency_per_tenant)
     # Outermost first: the request id covers errors and their log lines; the tokenizer queue
     # key needs the tenant that auth found.
-    app = web.Application(client_max_size=max_body_bytes,
+    app = web.Application(client_max_size=max_body_bytes, handler_args=HANDLER_ARGS,
                           middlewares=[request_id.request_id_middleware, error_middleware,
                                        auth_middleware(keys), tenant_queue_middleware])
     request_id.install(app)

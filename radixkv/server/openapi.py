@@ -35,11 +35,15 @@ def _nullable(schema: dict) -> dict:
 
 _ERRORS = {
     "400": "Invalid or unsupported parameter (``error.param`` names it); prompt + max_tokens "
-           "over the context (``code: context_length_exceeded``).",
+           "over the context (``code: context_length_exceeded``); a body that does not decode as its "
+           "``Content-Encoding`` says (``code: invalid_content_encoding``).",
     "401": "Missing or unknown API key (only when the server runs with --api-keys).",
     "404": "Unknown model (``code: model_not_found``).",
     "409": "The LoRA adapter is in use by an in-flight request (``code: lora_in_use``).",
-    "413": "Request body over the server's limit (``code: request_too_large``).",
+    "413": "Request body over the server's limit, on the wire or once decoded "
+           "(``code: request_too_large``).",
+    "415": "A ``Content-Encoding`` other than gzip, deflate or identity "
+           "(``code: unsupported_content_encoding``; ``Accept-Encoding`` lists those).",
     "429": "The tenant's concurrency limit is reached (``Retry-After``).",
     "500": "A fault in the server or engine that belongs to this request "
            "(``code: internal_error``); the request is ended and its blocks freed, the engine "
@@ -203,7 +207,7 @@ def openapi_document(model_name: str) -> dict:
                     "example": {"model": model_name, "max_tokens": 16,
                                 "messages": [{"role": "user", "content": "Hello"}]}}}},
                 "responses": {"200": chat_ok,
-                              **_error_responses("400", "401", "404", "413", "429", "500",
+                              **_error_responses("400", "401", "404", "413", "415", "429", "500",
                                                  "503")}}},
             "/v1/completions": {"post": {
                 "summary": "Text completion (prompt as text or token ids)",
@@ -211,7 +215,7 @@ def openapi_document(model_name: str) -> dict:
                     "schema": _ref("CompletionRequest"),
                     "example": {"model": model_name, "prompt": [1, 2, 3], "max_tokens": 8}}}},
                 "responses": {"200": text_ok,
-                              **_error_responses("400", "401", "404", "413", "429", "500",
+                              **_error_responses("400", "401", "404", "413", "415", "429", "500",
                                                  "503")}}},
             "/v1/models": {"get": {"summary": "The served model and its loaded LoRA adapters",
                                    "responses": {"200": _json(_ref("Models")),
@@ -236,25 +240,25 @@ def openapi_document(model_name: str) -> dict:
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref("ChatCompletionRequest")}}},
                 "responses": {"200": _json(_ref("RenderResponse")),
-                              **_error_responses("400", "401", "404", "413", "503")}}},
+                              **_error_responses("400", "401", "404", "413", "415", "503")}}},
             "/v1/completions/render": {"post": {
                 "summary": "The prompt ids of each prompt of a completions request",
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref("CompletionRequest")}}},
                 "responses": {"200": _json({"type": "array", "items": _ref("RenderResponse")}),
-                              **_error_responses("400", "401", "404", "413", "503")}}},
+                              **_error_responses("400", "401", "404", "413", "415", "503")}}},
             "/tokenize": {"post": {
                 "summary": "Token ids of a chat (as a chat request renders it) or of text",
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref("TokenizeRequest")}}},
                 "responses": {"200": _json(_ref("TokenizeResponse")),
-                              **_error_responses("400", "401", "404", "413", "503")}}},
+                              **_error_responses("400", "401", "404", "413", "415", "503")}}},
             "/detokenize": {"post": {
                 "summary": "Text of token ids (special tokens kept)",
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref("DetokenizeRequest")}}},
                 "responses": {"200": _json(_ref("DetokenizeResponse")),
-                              **_error_responses("400", "401", "404", "413", "503")}}},
+                              **_error_responses("400", "401", "404", "413", "415", "503")}}},
             "/health": {"get": {
                 "summary": "Liveness", "security": [],
                 "responses": {"200": _json(_obj({"status": {"const": "ok"}})),
