@@ -158,6 +158,30 @@ def test_no_trace_runs_the_shipped_mooncake_sample_into_a_new_results_folder(
 
 
 @pytest.mark.shared_data
+def test_no_arguments_run_pools_where_the_policies_differ(tmp_path: Path, monkeypatch) -> None:
+    # On the shipped sample, pools of 2-20 % of its distinct blocks left lru, lfu, fifo, gdsf,
+    # s3fifo, cost and predicted-reuse-prior on the same hit rates: a table that taught nothing.
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    bench = load_bench("eviction")
+    bench.add_arguments(parser)
+    result = bench.run(parser.parse_args([]))
+    assert not result.get("error")
+    assert result["trace"] == str(sample_path(TRACE_SAMPLE))
+    records = result["records"]
+    assert sorted({r["capacity_fraction"] for r in records}) == [0.35, 0.5, 0.6, 0.7]
+    assert {r["policy"] for r in records} == set(bench.DEFAULT_POLICIES.split(","))
+    cached = {(r["policy"], r["capacity_fraction"]): r["cached_tokens"] for r in records}
+    assert [cached["lru", f] for f in (0.35, 0.5, 0.6, 0.7)] == [270336, 360960, 515072, 575488]
+    assert [cached["gdsf", f] for f in (0.35, 0.5, 0.6, 0.7)] == [246784, 494080, 672256, 733184]
+    assert cached["fifo", 0.5] == 457216 and cached["predicted-reuse", 0.35] == 348160
+    assert cached["belady", 0.5] == 780800  # the infinite cache's hits
+    online = [p for p in bench.DEFAULT_POLICIES.split(",") if not p.startswith("belady")]
+    for f in (0.35, 0.5, 0.6, 0.7):
+        assert len({cached[p, f] for p in online}) >= 4, f
+
+
+@pytest.mark.shared_data
 def test_shared_reads_the_trace_under_radixkv_shared_dir(tmp_path: Path, monkeypatch) -> None:
     bench = load_bench("eviction")
     parser = argparse.ArgumentParser()
