@@ -13,6 +13,10 @@ and ``radixkv.eviction``. ``model`` may import ``radixkv.eviction.cost_model`` a
 of the eviction package. Only ``radixkv.cli`` imports ``server`` and ``tools``; ``tools`` sits
 beside ``server`` (engine and below). ``bench`` may import anything; nothing imports ``bench``.
 ``cache`` and ``eviction`` import no torch (nor triton).
+
+Module length is a review guideline, not a rule: ``long_modules`` lists modules over
+``REVIEW_MODULE_LINES`` for test_layering to print as a warning. Split a module where it holds two
+things that change apart, never to get under the number (a class owns its state in one place).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = {"radixkv": "radixkv", "kernels": "radixkv.kernels",
                 "eviction": "radixkv.eviction", "bench": "bench"}
 BASE_MODULES = frozenset({"radixkv", "radixkv.config", "radixkv.errors", "radixkv.log"})
-MAX_MODULE_LINES = 450
+#: Past this many lines test_layering warns (a prompt to look at the module, not a failure).
+REVIEW_MODULE_LINES = 400
 
 _LOWER = {
     "eviction": set(),
@@ -45,7 +50,7 @@ _TORCH_FREE = {"cache", "eviction"}
 
 @dataclass(frozen=True)
 class Violation:
-    kind: str  # "upward", "cycle", "torch", "size"
+    kind: str  # "upward", "cycle", "torch"
     module: str
     detail: str
 
@@ -143,14 +148,11 @@ def _first_party(name: str, sources: dict[str, str]) -> str | None:
 
 
 def check(sources: dict[str, str]) -> list[Violation]:
-    """Every layering, cycle, torch and size violation among ``sources``."""
+    """Every layering, cycle and torch violation among ``sources``."""
     problems: list[Violation] = []
     graph: dict[str, set[str]] = {}
     for module, source in sources.items():
         comp = component(module)
-        if len(source.splitlines()) > MAX_MODULE_LINES:
-            problems.append(Violation("size", module, f"{len(source.splitlines())} lines "
-                                                      f"> {MAX_MODULE_LINES}"))
         edges = graph.setdefault(module, set())
         for name in sorted(imports_of(module, source, sources)):
             root = name.split(".")[0]
@@ -172,6 +174,12 @@ def check(sources: dict[str, str]) -> list[Violation]:
                 problems.append(Violation("upward", module, f"imports {target} ({comp} -> {tcomp})"))
     problems.extend(Violation("cycle", min(c), " -> ".join(sorted(c))) for c in _cycles(graph))
     return problems
+
+
+def long_modules(sources: dict[str, str], limit: int = REVIEW_MODULE_LINES) -> list[tuple[str, int]]:
+    """``(module, line count)`` for each module longer than ``limit`` lines, longest first."""
+    sizes = ((module, len(source.splitlines())) for module, source in sources.items())
+    return sorted((m for m in sizes if m[1] > limit), key=lambda m: (-m[1], m[0]))
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:

@@ -1,4 +1,5 @@
-"""The import direction of docs/design.md §1, no import cycles, torch-free cache/eviction, module size.
+"""The import direction of docs/design.md §1, no import cycles, torch-free cache/eviction; long
+modules are reported (a warning), not failed.
 
 The checker lives in tests/layering.py; its self-tests feed it a fake upward import and a fake
 cycle (both hidden the way real ones hide: inside a function and under TYPE_CHECKING).
@@ -6,7 +7,17 @@ cycle (both hidden the way real ones hide: inside a function and under TYPE_CHEC
 
 from __future__ import annotations
 
-from tests.layering import Violation, check, component, imports_of, read_sources
+import warnings
+
+from tests.layering import (
+    REVIEW_MODULE_LINES,
+    Violation,
+    check,
+    component,
+    imports_of,
+    long_modules,
+    read_sources,
+)
 
 
 def added_violations(extra: dict[str, str]) -> list[Violation]:
@@ -24,6 +35,18 @@ def test_the_source_tree_keeps_the_import_direction_and_has_no_cycles():
     assert {"cache", "engine", "model", "server", "tools", "eviction", "kernels", "cli",
             "bench", "base"} <= comps
     assert len(sources) > 60
+    assert check(sources) == []
+
+
+def test_long_modules_are_a_warning_for_review_not_a_failure():
+    long = long_modules(read_sources())
+    if long:
+        warnings.warn(f"modules over {REVIEW_MODULE_LINES} lines (review whether each holds one "
+                      "thing; do not split a class to get under it): "
+                      + ", ".join(f"{m} ({n})" for m, n in long), stacklevel=1)
+    sources = {"radixkv.engine.a": "x = 1\n" * 401, "radixkv.engine.b": "x = 1\n" * 400,
+               "radixkv.cache.c": "x = 1\n" * 900}
+    assert long_modules(sources) == [("radixkv.cache.c", 900), ("radixkv.engine.a", 401)]
     assert check(sources) == []
 
 
@@ -80,11 +103,9 @@ def test_self_test_other_rules():
         "radixkv.engine.fake_server": "from radixkv.server import app\n",
         "radixkv.model.fake_evict": "from radixkv.eviction.lru import LRUPolicy\n",
         "radixkv.engine.fake_bench": "import bench.tree\n",
-        "radixkv.engine.fake_long": "x = 1\n" * 451,
     }) == [
         Violation("torch", "radixkv.cache.fake_torch", "imports torch"),
         Violation("upward", "radixkv.engine.fake_bench", "imports bench.tree (engine -> bench)"),
-        Violation("size", "radixkv.engine.fake_long", "451 lines > 450"),
         # `from pkg import sub` imports both the package and its submodule.
         Violation("upward", "radixkv.engine.fake_server",
                   "imports radixkv.server (engine -> server)"),
