@@ -35,7 +35,10 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from radixkv.tools.chat_args import add_arguments  # noqa: F401 - the CLI's flags, re-exported
+from radixkv.tools.chat_args import (
+    DEFAULT_TEMPERATURE,
+    add_arguments,  # noqa: F401 - the CLI's flags, re-exported
+)
 
 MAX_INPUT_CHARS = 100_000
 HELP = "commands: /reset  /stats  /help  /quit  (//text sends /text)"
@@ -90,7 +93,7 @@ class ChatSession:
     """
 
     def __init__(self, url: str, *, model: str | None = None, system: str | None = None,
-                 max_tokens: int = 512, temperature: float = 0.7, seed: int | None = None,
+                 max_tokens: int = 512, temperature: float = DEFAULT_TEMPERATURE, seed: int | None = None,
                  api_key: str | None = None, cache_salt: str | None = None,
                  timeout_s: float = 600.0) -> None:
         self.url = normalise_url(url)

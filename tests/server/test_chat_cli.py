@@ -78,7 +78,40 @@ def test_chat_reports_server_errors_and_keeps_going(server):
 
 def test_cli_registers_chat():
     args = build_parser().parse_args(["chat", "--url", "http://h:1", "--max-tokens", "7"])
-    assert (args.command, args.url, args.max_tokens, args.temperature) == ("chat", "http://h:1", 7, 0.7)
+    assert (args.command, args.url, args.max_tokens, args.temperature) == ("chat", "http://h:1", 7, 0.0)
+
+
+def test_help_states_every_default():
+    import argparse
+
+    chat = argparse.ArgumentParser(prog="radixkv chat")
+    add_arguments(chat)
+    flags = [a for a in chat._actions if a.option_strings != ["-h", "--help"]]
+    assert [a.dest for a in flags] == ["url", "model", "system", "max_tokens", "temperature", "seed",
+                                       "api_key", "cache_salt", "timeout"]
+    for action in flags:
+        assert "(default: " in action.help, action.dest
+    text = " ".join(chat.format_help().split())
+    assert "0 is greedy, the same reply for the same history (default: 0)" in text
+    assert "most output tokens per reply (default: 512)" in text
+    assert "(default: http://127.0.0.1:8000)" in text
+
+
+def test_default_temperature_reaches_the_engine_as_greedy(server, monkeypatch):
+    """No --temperature: every request the chat sends samples at exactly 0.0 (greedy), with the
+    default 512 max tokens."""
+    seen = []
+    generate = server.engine.generate
+
+    def recording_generate(prompt_token_ids, params, *args, **kwargs):
+        seen.append((params.temperature, params.max_tokens))
+        return generate(prompt_token_ids, params, *args, **kwargs)
+
+    monkeypatch.setattr(server.engine, "generate", recording_generate)
+    args = build_parser().parse_args(["chat", "--url", server.url, "--cache-salt", uuid.uuid4().hex])
+    turns = asyncio.run(run_chat(args, io.StringIO("Hello there\nAnd then?\n"), io.StringIO()))
+    assert len(turns) == 2
+    assert seen == [(0.0, 512), (0.0, 512)]
 
 
 def run_cli_chat(*flags: str, stdin: str = "") -> subprocess.CompletedProcess:
