@@ -2,9 +2,15 @@
 (``radixkv.engine.llm_engine``) in a dedicated thread, bridged to asyncio. The server uses
 this engine (and ``SamplingParams``), never ``LLMEngine`` itself.
 
-The event loop never runs model or cache code: requests and aborts go into a thread-safe
-inbox that the engine thread drains before each step, and outputs come back through
-``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request. Tokenizing (chat
+Threads. Once ``start`` has run, the engine thread alone touches cache state: the cache
+manager, its pool, tree, identity memo, KV-event log and eviction policy, and the scheduler.
+The event loop never runs model or cache code: it validates a request into an immutable
+``RequestSpec`` (``LLMEngine.prepare_request``: bad input raises there, synchronously) and puts
+it, aborts and calls such as ``reset_prefix_cache`` into a thread-safe inbox that the engine
+thread drains before each step; the engine thread resolves the cache identity when it admits
+the request. Outputs come back through ``loop.call_soon_threadsafe`` into one
+``asyncio.Queue`` per request; ``/stats`` and the scheduler gauges are snapshots the engine
+thread takes after each step. Tokenizing (chat
 template rendering) and detokenizing run on a fair, bounded pool of worker threads, each with
 its own tokenizer copy (``radixkv.engine.tokenize_pool``), so a long prompt never blocks the
 loop, the engine thread's detokenizer, or other tenants' prompts.
@@ -124,6 +130,7 @@ class AsyncEngine(AsyncLoRAMixin):
         self.tokenize_pool = self._tokenize_pool = TokenizePool(
             self.tokenizer, workers=tokenizer_workers, max_queue=max_tokenize_queue)
         self._stats = self._engine.stats_snapshot()
+        self._gauges = self._engine.scheduler_gauges()
         self.error: BaseException | None = None
         self.instance_id = uuid.uuid4().hex
         self.kv_events: KVEventPublisher | None = None
@@ -222,7 +229,8 @@ class AsyncEngine(AsyncLoRAMixin):
                  capacity_checked: bool = False, session_key: str | None = None) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (call from the loop).
 
-        Validation happens here, before anything is queued. See ``RequestStream``.
+        Validation happens here, before anything is queued; the engine thread builds the
+        request (``LLMEngine.admit``). See ``RequestStream``.
 
         Args:
             tenant: labels the request for per-tenant stats and latency (not isolation: that
@@ -233,7 +241,7 @@ class AsyncEngine(AsyncLoRAMixin):
 
         Raises:
             LoRANotFoundError: no adapter named ``lora_name`` is loaded (a ValueError).
-            ValueError: the request is invalid (see ``LLMEngine.make_request``).
+            ValueError: the request is invalid (see ``LLMEngine.prepare_request``).
             QueueFullError: the admission bound (``max_queue``) is reached.
             EngineDeadError: the engine thread has stopped.
         """
@@ -241,20 +249,20 @@ class AsyncEngine(AsyncLoRAMixin):
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         if not capacity_checked:
             self.check_capacity(params.n)
-        req = self._engine.make_request(prompt_token_ids, params, cache_salt=cache_salt,
-                                        request_id=request_id, tenant=tenant,
-                                        lora_name=lora_name, session_key=session_key)
+        spec = self._engine.prepare_request(prompt_token_ids, params, cache_salt=cache_salt,
+                                            request_id=request_id, tenant=tenant,
+                                            lora_name=lora_name, session_key=session_key)
         out_queue: asyncio.Queue = asyncio.Queue()
-        live = _Live(asyncio.get_running_loop(), out_queue, params.n, tenant, req.arrival_s)
+        live = _Live(asyncio.get_running_loop(), out_queue, params.n, tenant, spec.arrival_s)
         with self._streams_lock:
             if self._closed:
-                self._engine.discard_request(req)
+                self._engine.discard_request(spec)
                 raise EngineDeadError(f"engine stopped: {self.error!r}")
-            self._streams[req.request_id] = live
-        stream = RequestStream(self, req.request_id, params.n, out_queue)
+            self._streams[spec.request_id] = live
+        stream = RequestStream(self, spec.request_id, params.n, out_queue)
         self._active.add(stream)
         self._num_seqs += params.n
-        self._inbox.put(("add", req))
+        self._inbox.put(("add", spec))
         self._wake.set()
         return stream
 
@@ -288,7 +296,7 @@ class AsyncEngine(AsyncLoRAMixin):
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._inbox.put(("call", (self._engine.cache.reset_prefix_cache, loop, done)))
+        self._inbox.put(("call", (self._engine.reset_prefix_cache, loop, done)))
         self._wake.set()
         while True:  # a thread that dies first never answers
             try:
@@ -327,10 +335,9 @@ class AsyncEngine(AsyncLoRAMixin):
         return self._engine.stats
 
     def scheduler_gauges(self) -> dict[str, int]:
-        """Sequences running and waiting in the scheduler now (read across threads)."""
-        sched = self._engine.scheduler
-        return {"running": len(sched.running),
-                "waiting": len(sched.waiting) + len(sched.loading) + len(sched.loaded)}
+        """Sequences running and waiting in the scheduler (``LLMEngine.scheduler_gauges``), as
+        the engine thread saw them after its latest step: the scheduler is its alone."""
+        return self._gauges
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -340,11 +347,11 @@ class AsyncEngine(AsyncLoRAMixin):
                 self._drain_inbox()
                 if engine.has_work:
                     outputs = engine.step()
-                    self._stats = engine.stats_snapshot()
+                    self._snapshot()
                     self._deliver(outputs)
                     self._publish_events()
                     continue
-                self._stats = engine.stats_snapshot()
+                self._snapshot()
                 if engine.store is not None:  # blocks still waiting for a write slot
                     engine.store.pump()
                 self._publish_events()  # the store tier's writes finish between steps
@@ -372,13 +379,10 @@ class AsyncEngine(AsyncLoRAMixin):
             except queue.Empty:
                 break
             if kind == "add":
-                try:
-                    if payload.request_id in self._streams:
-                        engine.add_request(payload)
-                    else:
-                        engine.discard_request(payload)
-                except Exception as exc:  # noqa: BLE001 - this request's fault (fatal ones re-raise)
-                    outputs += engine.fail_request(payload, exc)
+                if payload.request_id in self._streams:
+                    outputs += engine.admit(payload)  # a fault of its own ends it there
+                else:  # its stream closed before this thread saw it
+                    engine.discard_request(payload)
             elif kind == "call":  # run on this thread, answer the waiting coroutine
                 fn, loop, done = payload
                 try:
@@ -397,8 +401,14 @@ class AsyncEngine(AsyncLoRAMixin):
                 elif live is not None:  # not in the engine (finished meanwhile): end the stream
                     del self._streams[payload]
         if outputs:
-            self._stats = engine.stats_snapshot()
+            self._snapshot()
             self._deliver(outputs)
+
+    def _snapshot(self) -> None:
+        """Take what other threads may read of the engine's state (engine thread); each is
+        replaced whole, so a reader sees one snapshot or the next."""
+        self._stats = self._engine.stats_snapshot()
+        self._gauges = self._engine.scheduler_gauges()
 
     def _publish_events(self) -> None:
         """One batch per step that stored or removed blocks (engine thread)."""

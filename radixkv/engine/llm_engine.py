@@ -3,8 +3,9 @@
 ``LLMEngine`` is single-threaded and has no event loop: offline use and tests step it directly;
 the server uses the asynchronous engine, ``AsyncEngine`` in ``radixkv.engine.async_engine``,
 which runs it in its own thread. Everything here (scheduler, cache manager, pools) is touched
-only by that thread; the LoRA adapter registry (``radixkv.engine.adapters``) is the exception
-that module documents.
+only by that thread. Two exceptions: ``prepare_request`` (validation, no cache state: the
+event loop calls it and hands the result to ``admit`` on the engine thread), and the LoRA
+adapter registry (``radixkv.engine.adapters``), which documents its own lock.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from radixkv.engine.faults import (
     make_output,
     num_unfinished,
 )
-from radixkv.engine.request import Request, RequestStatus
+from radixkv.engine.request import Request, RequestSpec, RequestStatus
 from radixkv.engine.sampling import SamplingParams, make_generator, sample_each
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.stats import EngineStats
@@ -139,7 +140,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def cache_root(self, cache_salt: str | None, adapter: LoRAAdapter | None = None) -> bytes:
-        """The identity root for this model, KV layout, salt and adapter (memoised by the cache).
+        """The identity root for this model, KV layout, salt and adapter (memoised by the cache;
+        the thread that steps only: it writes the identity memo and the event log's allow-list).
 
         The adapter enters as ``(name, weights digest)``: new weights under an old name get a
         new root, so KV computed with the old weights is never matched.
@@ -173,23 +175,24 @@ class LLMEngine:
         """Room left for generation when a client gives no ``max_tokens`` (vLLM's default)."""
         return max(1, min(self.max_model_len, self.num_blocks * self.block_size) - num_prompt_tokens)
 
-    def make_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                     cache_salt: str | None = None, request_id: str | None = None,
-                     tenant: str | None = None, lora_name: str | None = None,
-                     session_key: str | None = None) -> Request:
-        """Validate a prompt and build its ``Request`` (not yet queued).
+    def prepare_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                        cache_salt: str | None = None, request_id: str | None = None,
+                        tenant: str | None = None, lora_name: str | None = None,
+                        session_key: str | None = None) -> RequestSpec:
+        """Validate a prompt and describe its request (any thread: no cache state is touched).
 
         ``tenant`` only labels the request for per-tenant stats; isolation is ``cache_salt``;
         ``session_key`` (``prompt_cache_key`` / ``user``) is a hint for the eviction policy.
         ``lora_name`` selects a loaded LoRA adapter (None: the base model); the request holds
-        it from now until it finishes or is aborted, so pass the request to ``add_request``
-        (or to ``discard_request`` if it will not run).
+        it from now until it finishes or is aborted, so pass the description on to ``admit``
+        or ``build_request`` (or to ``discard_request`` if it will not run).
 
         Raises:
             LoRANotFoundError: no adapter named ``lora_name`` is loaded.
             ValueError: empty prompt, a token id outside the vocabulary (naming it,
-                ``prompt[i]: ...``), prompt + max_tokens beyond the model's context, or a
-                request that could never fit the KV pool.
+                ``prompt[i]: ...``), a ``cache_salt`` that is not a string, prompt +
+                max_tokens beyond the model's context, or a request that could never fit the
+                KV pool.
         """
         adapter = self.adapters.resolve(lora_name) if lora_name is not None else None
         prompt = check_token_ids("prompt", prompt_token_ids, self.model.shape.vocab_size)
@@ -204,21 +207,83 @@ class LLMEngine:
             raise ValueError(
                 f"The request needs {num_blocks_needed} KV blocks ({total} tokens) but the pool "
                 f"holds only {self.num_blocks} blocks of {self.block_size} tokens.")
-        req = Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
-                      params=params, cache_root=self.cache_root(cache_salt, adapter),
-                      detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-                      generator=make_generator(params, self.config.device), tenant=tenant,
-                      adapter=adapter, session_key=session_key)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt: must be a string or None")  # as CacheIdentity says
         if adapter is not None:
-            self.adapters.hold(adapter)
+            self.adapters.hold(adapter)  # now: an unload from here on sees it in use
+        return RequestSpec(request_id=request_id or uuid.uuid4().hex,
+                           prompt_token_ids=tuple(prompt), params=params,
+                           arrival_s=time.monotonic(), cache_salt=cache_salt, tenant=tenant,
+                           adapter=adapter, session_key=session_key)
+
+    def build_request(self, spec: RequestSpec) -> Request:
+        """The ``Request`` of ``spec``, its cache identity root resolved (the cache's thread).
+
+        The root goes through the cache's identity memo and, with KV events on, names the
+        identity in the event log's allow-list: both belong to the thread that steps.
+        """
+        req = self._request_of(spec)
+        self._bind(req, spec)
         return req
+
+    def _request_of(self, spec: RequestSpec) -> Request:
+        # Plain data from a validated spec: nothing here can fault, so a fault in _bind has a
+        # request to end (fail_request). The root is filled in by _bind.
+        return Request(request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
+                       params=spec.params, cache_root=b"",
+                       detokenizer=IncrementalDetokenizer(self.tokenizer, spec.params.stop),
+                       arrival_s=spec.arrival_s, tenant=spec.tenant, adapter=spec.adapter,
+                       session_key=spec.session_key)
+
+    def _bind(self, req: Request, spec: RequestSpec) -> None:
+        req.cache_root = self.cache_root(spec.cache_salt, spec.adapter)
+        req.generator = make_generator(spec.params, self.config.device)
+
+    def make_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                     cache_salt: str | None = None, request_id: str | None = None,
+                     tenant: str | None = None, lora_name: str | None = None,
+                     session_key: str | None = None) -> Request:
+        """Validate a prompt and build its ``Request`` (not yet queued), in the calling thread:
+        ``prepare_request`` then ``build_request``, for offline use and tests that step the
+        engine themselves. Pass it to ``add_request`` (or ``discard_request``).
+
+        Raises:
+            As ``prepare_request``.
+        """
+        spec = self.prepare_request(prompt_token_ids, params, cache_salt=cache_salt,
+                                    request_id=request_id, tenant=tenant, lora_name=lora_name,
+                                    session_key=session_key)
+        try:
+            return self.build_request(spec)
+        except BaseException:
+            self.discard_request(spec)
+            raise
+
+    def admit(self, spec: RequestSpec) -> list[RequestOutput]:
+        """Build ``spec``'s request and queue it (the engine thread's side of
+        ``prepare_request``).
+
+        Returns:
+            [] once it is queued; when a fault of its own stops it (``fail_request``), its
+            final ``"error"`` outputs.
+
+        Raises:
+            BaseException: a fatal fault (``faults.is_fatal``): the engine must stop.
+        """
+        req = self._request_of(spec)
+        try:
+            self._bind(req, spec)
+            self.add_request(req)
+        except Exception as exc:  # noqa: BLE001 - fail_request re-raises fatal faults
+            return self.fail_request(req, exc)
+        return []
 
     def add_request(self, req: Request) -> None:
         self._groups[req.group_id] = [req]
         self.scheduler.add(req)
 
-    def discard_request(self, req: Request) -> None:
-        """Give back a request from ``make_request`` that will never be added (its adapter hold)."""
+    def discard_request(self, req: Request | RequestSpec) -> None:
+        """Give back a request (or description) that will never be added: its adapter hold."""
         if req.adapter is not None:
             self.adapters.release(req.adapter)
 
@@ -406,6 +471,19 @@ class LLMEngine:
                 del self._groups[req.group_id]
                 self._end_group(group)
         return make_output(req, [token], text, finished=reason is not None)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached block no running request holds; returns how many.
+
+        With KV events on, the event log records one ``AllBlocksCleared``.
+        """
+        return self.cache.reset_prefix_cache()
+
+    def scheduler_gauges(self) -> dict[str, int]:
+        """Sequences running and waiting (queued, loading from the store tier, or loaded)."""
+        sched = self.scheduler
+        return {"running": len(sched.running),
+                "waiting": len(sched.waiting) + len(sched.loading) + len(sched.loaded)}
 
     def stats_snapshot(self) -> dict:
         out = self.stats.snapshot(self.cache, self.runner.bytes_per_block)

@@ -39,6 +39,36 @@ class RequestStatus(enum.Enum):
     ABORTED = "aborted"
 
 
+@dataclass(frozen=True)
+class RequestSpec:
+    """A validated request not built yet: what any thread may hand the engine thread.
+
+    ``LLMEngine.prepare_request`` makes it (validation, the LoRA adapter resolved and held);
+    ``LLMEngine.build_request`` turns it into a :class:`Request` on the thread that owns the
+    cache, which resolves the cache identity root then. It holds no cache state and is never
+    changed, so the event loop can make it and pass it over a queue.
+
+    Attributes:
+        request_id: unique id (the client-visible group id).
+        prompt_token_ids: the prompt, N ≥ 1 token ids in ``[0, vocab_size)``.
+        params: sampling parameters.
+        arrival_s: ``time.monotonic()`` when it was made (time to first token counts from it).
+        cache_salt: the isolation namespace (None: unsalted).
+        tenant: per-tenant stats label.
+        adapter: the LoRA adapter it holds (None: the base model).
+        session_key: the client's session hint for the eviction policy.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_s: float
+    cache_salt: str | None = None
+    tenant: str | None = None
+    adapter: LoRAAdapter | None = None
+    session_key: str | None = None
+
+
 @dataclass
 class Request:
     """One generation request.
