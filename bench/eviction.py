@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _eviction_replay as replay_mod  # noqa: E402
 import _eviction_report as report_mod  # noqa: E402
 import _eviction_trace as trace_mod  # noqa: E402
+from _provenance import provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from radixkv.eviction import available_policies  # noqa: E402
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> dict:
     if any(r["skipped_requests"] for r in records):
         print("skipped: requests larger than the whole pool (served without the cache, no hit)")
     sessions = len({r.session for r in trace.requests if r.session is not None})
-    summary = {"trace": trace_path, "trace_name": trace.name, "label": args.label,
+    summary = {"provenance": provenance(), "trace": trace_path, "trace_name": trace.name, "label": args.label,
                "format": args.format, "source": args.source if args.format == "chat" else None,
                "itl_ms": args.itl_ms, "session_keys": sessions,
                "block_size": block_size, "model_shape": shape.name,

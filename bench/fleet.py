@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _fleet_procs as procs  # noqa: E402
 import _serve_replay  # noqa: E402
 import aiohttp  # noqa: E402
+from _provenance import provenance  # noqa: E402
 
 from radixkv.tools.data import SHARED_DIR_ENV, default_results_dir  # noqa: E402
 from radixkv.tools.transcripts import SOURCES, default_path, load_source  # noqa: E402
@@ -247,7 +248,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"bench fleet: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    results = {"replicas": args.replicas, "model": args.model, "model_id": sizing["model_id"],
+    results = {"provenance": provenance(), "replicas": args.replicas, "model": args.model,
+               "model_id": sizing["model_id"],
                "source": args.source, "data_path": str(path or default_path(args.source)),
                "sessions": len(sessions), "max_turns": args.max_turns,
                "concurrency": args.concurrency, "max_tokens": args.max_tokens,

@@ -272,6 +272,9 @@ def run(args: argparse.Namespace) -> dict:
     result["all_checks_ok"] = all(c["ok"] for c in result["checks"])
     print(format_report(result))
     if getattr(args, "json", None):
+        from _provenance import provenance
+
+        result["provenance"] = provenance()
         Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
 

@@ -83,6 +83,7 @@ import _serve_replay  # noqa: E402
 import _serve_targets  # noqa: E402
 import _serve_tokens  # noqa: E402
 import aiohttp  # noqa: E402
+from _provenance import provenance  # noqa: E402
 from _serve_report import format_table, label, plot_ttft  # noqa: E402, F401 - label re-exported
 
 from radixkv.tools.data import SHARED_DIR_ENV, default_results_dir  # noqa: E402
@@ -378,6 +379,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if other["ttft_ms_p50"] and results["ttft_ms_p50"]:
             print(f"TTFT p50 {label(other)} / {label(results)}: "
                   f"{other['ttft_ms_p50'] / results['ttft_ms_p50']:.2f}x")
+    results["provenance"] = provenance()
     try:  # first: a failing plot must not lose the results
         json_path.write_text(json.dumps(results, indent=2) + "\n")
     except OSError as exc:

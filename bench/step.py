@@ -204,6 +204,9 @@ def run(args: argparse.Namespace) -> dict:
         result["accuracy"] = _step_accuracy.dtype_accuracy(fp32, model, block_size=args.block_size)
     print(format_report(result))
     if args.json:
+        from _provenance import provenance
+
+        result["provenance"] = provenance()
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 

@@ -46,6 +46,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _provenance import provenance  # noqa: E402
+
 DEFAULT_JSON = ROOT / "bench" / "results" / "store-hit-cost.json"
 WRITE_WAIT_S = 60.0
 
@@ -282,7 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "fetch_ms_p90": snap.get("fetch_ms_p90")})
     table = format_table(rows)
     print(table)
-    results = {"model": model.name, "depth_tokens": args.depth, "block_size_tokens": args.block_size,
+    results = {"provenance": provenance(), "model": model.name, "depth_tokens": args.depth,
+               "block_size_tokens": args.block_size,
                "reps": args.reps, "threads": torch.get_num_threads(), "host_gib": args.host_gib,
                "rows": rows, "skipped": skipped, "raw_seconds": raw}
     json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")

@@ -370,6 +370,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "hit": hit_ratio < C18_MAX_RATIO}}
     _print(out)
     if args.json:
+        from _provenance import provenance
+
+        out["provenance"] = provenance()
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return out
