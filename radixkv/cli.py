@@ -295,7 +295,7 @@ def _serve(args: argparse.Namespace) -> int:
     Returns 0 after a graceful shutdown, 130 when a second signal forced the exit, 2 for bad
     flags, an address that cannot be bound (e.g. a busy port: reported before the model
     loads) or a model that cannot be loaded."""
-    from radixkv.cache.store.backend import StoreError
+    from radixkv.errors import StoreError
     from radixkv.server.auth import load_api_keys
     from radixkv.server.listen import bind_listeners
 

@@ -29,21 +29,14 @@ from collections import Counter
 
 import torch
 
+from radixkv.errors import LoRAError, LoRAInUseError, LoRANotFoundError
 from radixkv.log import get_logger
 from radixkv.model.config import ModelShape
-from radixkv.model.lora import LoRAAdapter, LoRAError, LoRARegistry
+from radixkv.model.lora import LoRAAdapter, LoRARegistry
 
 log = get_logger(__name__)
 
-__all__ = ["LoRAAdapters", "LoRAError", "LoRAInUseError", "LoRANotFoundError"]
-
-
-class LoRANotFoundError(LoRAError):
-    """No adapter of that name is loaded (server: 404)."""
-
-
-class LoRAInUseError(LoRAError):
-    """A request holds the adapter (server: 409)."""
+__all__ = ["LoRAAdapters"]
 
 
 class LoRAAdapters:

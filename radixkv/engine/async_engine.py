@@ -36,7 +36,6 @@ from typing import Any, Hashable, Sequence
 
 from radixkv.cache.events import KVEventLog
 from radixkv.config import EngineConfig, check_int
-from radixkv.engine.adapters import LoRAError, LoRAInUseError, LoRANotFoundError
 from radixkv.engine.async_lora import AsyncLoRAMixin
 from radixkv.engine.kv_events import KVEventPublisher, KVEventsConfig
 from radixkv.engine.llm_engine import LLMEngine, RequestOutput
@@ -46,25 +45,15 @@ from radixkv.engine.tokenize_pool import (
     CONTEXT_KEY,
     DEFAULT_MAX_TOKENIZE_QUEUE,
     TokenizePool,
-    TokenizeQueueFullError,
     pool_key,
 )
+from radixkv.errors import EngineDeadError, QueueFullError
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel
 
 log = get_logger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "LoRAError", "LoRAInUseError", "LoRANotFoundError",
-           "QueueFullError", "RequestOutput", "RequestStream", "SamplingParams",
-           "TokenizeQueueFullError"]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; no request can make progress."""
-
-
-class QueueFullError(RuntimeError):
-    """Admitting the request would queue more than ``max_queue`` sequences (server: 503)."""
+__all__ = ["AsyncEngine", "RequestOutput", "RequestStream", "SamplingParams"]
 
 
 def _settle(done: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from radixkv.errors import TokenizeQueueFullError
 from radixkv.log import get_logger
 from radixkv.model.tokenizer import ChatTokenizer
 
@@ -58,10 +59,6 @@ def pool_key(key: Hashable) -> Hashable:
 def default_workers() -> int:
     """Workers for this machine: one per CPU, at least 1 and at most ``MAX_DEFAULT_WORKERS``."""
     return max(1, min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1))
-
-
-class TokenizeQueueFullError(RuntimeError):
-    """``max_queue`` jobs already wait for a tokenizer worker (server: 503 ``queue_full``)."""
 
 
 class QueueHistogram:

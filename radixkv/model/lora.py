@@ -36,9 +36,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from radixkv.errors import LoRAError
+
 from .config import ModelShape
 
-__all__ = ["LoRAError", "LoRAAdapter", "LoRABatch", "LoRARegistry", "read_adapter",
+__all__ = ["LoRAAdapter", "LoRABatch", "LoRARegistry", "read_adapter",
            "CONFIG_FILE", "WEIGHTS_FILE", "TARGET_MODULES"]
 
 CONFIG_FILE = "adapter_config.json"
@@ -55,10 +57,6 @@ TARGET_MODULES: dict[str, tuple[str, str]] = {
 }
 _KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)"
                   r"\.lora_([AB])(?:\.default)?\.weight")
-
-
-class LoRAError(ValueError):
-    """An adapter cannot be read or does not fit the model (the message names what)."""
 
 
 def _module_dims(shape: ModelShape) -> dict[str, tuple[str, int, int, int]]:

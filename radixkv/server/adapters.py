@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from radixkv.engine.async_engine import LoRAError, LoRAInUseError, LoRANotFoundError
+from radixkv.errors import LoRAError, LoRAInUseError, LoRANotFoundError
 from radixkv.server.errors import APIError, bad_request, json_response
 from radixkv.server.params import opt_bool, refuse_unknown_keys
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
-from radixkv.engine.async_engine import EngineDeadError, QueueFullError
 from radixkv.engine.faults import FAILED
+from radixkv.errors import EngineDeadError, QueueFullError
 from radixkv.server.auth import KeyStore, Tenant
 from radixkv.server.errors import (
     INTERNAL_ERROR,

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from radixkv.engine.async_engine import TokenizeQueueFullError
 from radixkv.engine.tokenize_pool import TOKENIZE_KEY
+from radixkv.errors import TokenizeQueueFullError
 from radixkv.server.auth import REQUEST_TENANT
 from radixkv.server.errors import bad_request, queue_full
 

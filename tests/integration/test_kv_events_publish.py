@@ -14,7 +14,6 @@ import pytest
 import zmq
 
 from radixkv.cache.events import event_block_id
-from radixkv.engine.async_engine import EngineDeadError
 from radixkv.engine.kv_events import (
     KVEventPublisher,
     KVEventsConfig,
@@ -22,6 +21,7 @@ from radixkv.engine.kv_events import (
     parse_kv_events_config,
 )
 from radixkv.engine.sampling import SamplingParams
+from radixkv.errors import EngineDeadError
 from radixkv.model.loader import LoadedModel
 from tests.factories import make_async_engine
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from radixkv.config import EngineConfig
-from radixkv.engine.adapters import LoRAInUseError, LoRANotFoundError
 from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
-from radixkv.model.lora import LoRAError, read_adapter
+from radixkv.errors import LoRAError, LoRAInUseError, LoRANotFoundError
+from radixkv.model.lora import read_adapter
 from radixkv.model.runner import ModelRunner
 from tests.factories import make_engine
 from tests.lora_files import ATTN, merged_model, write_adapter

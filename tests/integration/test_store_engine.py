@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from radixkv.cache.store.backend import StoreError
 from radixkv.cache.store.host import HostStore
 from radixkv.cache.store.tier import StoreTier
 from radixkv.cache.store.value import store_key
 from radixkv.engine.sampling import SamplingParams
+from radixkv.errors import StoreError
 from radixkv.model.loader import load_model
 from tests.conftest import make_tiny_model_dir
 from tests.factories import make_engine

@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixkv.engine.async_engine import AsyncEngine
-from radixkv.engine.tokenize_pool import TokenizePool, TokenizeQueueFullError, default_workers
+from radixkv.engine.tokenize_pool import TokenizePool, default_workers
+from radixkv.errors import TokenizeQueueFullError
 from radixkv.model.tokenizer import ChatTokenizer
 from radixkv.server.auth import parse_api_keys
 from tests.factories import engine_config

@@ -9,14 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from radixkv.errors import LoRAError
 from radixkv.model.config import ModelShape
-from radixkv.model.lora import (
-    LoRABatch,
-    LoRAError,
-    LoRARegistry,
-    check_name,
-    read_adapter,
-)
+from radixkv.model.lora import LoRABatch, LoRARegistry, check_name, read_adapter
 from tests.lora_files import ATTN, peft_key, write_adapter
 
 SHAPE = ModelShape(vocab_size=100, hidden_size=16, intermediate_size=24, num_layers=2,

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.cache.store.backend import PutEntry, StoreError, parse_kv_store
+from radixkv.cache.store.backend import PutEntry, parse_kv_store
 from radixkv.cache.store.mooncake import INVALID_PARAMS, OBJECT_NOT_FOUND, MooncakeStore
 from radixkv.cache.store.value import BlockLayout
+from radixkv.errors import StoreError
 from tests.mooncake_harness import MooncakeMaster, local_hostname, run_master
 
 SMOLLM2 = BlockLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", itemsize=4,

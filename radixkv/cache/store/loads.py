@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from radixkv.cache.store.backend import StoreError
 from radixkv.cache.store.value import CHECKSUM_BYTES, check_value, encode_header, store_key
+from radixkv.errors import StoreError
 from radixkv.log import get_logger
 
 log = get_logger(__name__)

@@ -53,7 +53,8 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from radixkv.cache.store.backend import KVStoreSpec, PutEntry, StoreBackend, StoreError
+from radixkv.cache.store.backend import KVStoreSpec, PutEntry, StoreBackend
+from radixkv.errors import StoreError
 
 #: What makes the backend importable (named in every "not installed" error).
 MOONCAKE_PIP_PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from radixkv.cache.store.backend import PutEntry, StoreError
+from radixkv.cache.store.backend import PutEntry
 from radixkv.cache.store.value import encode_header, payload_checksum, store_key
+from radixkv.errors import StoreError
 
 
 class WriteItem(NamedTuple):
