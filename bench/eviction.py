@@ -68,8 +68,8 @@ from radixkv.tools.data import (  # noqa: E402
     SHARED_TRACE,
     TRACE_SAMPLE,
     default_results_dir,
+    require_shared,
     sample_path,
-    shared_path,
 )
 
 DEFAULT_POLICIES = ",".join(["lru", "lfu", "fifo", "gdsf", "s3fifo", "cost", "predicted-reuse",
@@ -163,9 +163,10 @@ def _trace_path(args: argparse.Namespace) -> str:
         if args.source in SHARED_ONLY_PATHS and not args.shared:
             raise ValueError(f"trace: no sample of {args.source} is shipped; use --shared "
                              "or --trace")
-        return str(default_path(args.source, shared=args.shared))
+        path = default_path(args.source, shared=args.shared)
+        return str(require_shared(path) if args.shared else path)
     if args.format == "mooncake":
-        return str(shared_path(SHARED_TRACE) if args.shared else sample_path(TRACE_SAMPLE))
+        return str(require_shared(SHARED_TRACE) if args.shared else sample_path(TRACE_SAMPLE))
     raise ValueError(f"trace: --trace is required for --format {args.format}")
 
 

@@ -45,7 +45,7 @@ import _serve_replay  # noqa: E402
 import aiohttp  # noqa: E402
 from _provenance import provenance  # noqa: E402
 
-from radixkv.tools.data import SHARED_DIR_ENV, default_results_dir  # noqa: E402
+from radixkv.tools.data import SHARED_DIR_ENV, default_results_dir, require_shared  # noqa: E402
 from radixkv.tools.transcripts import SOURCES, default_path, load_source  # noqa: E402
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown or not policies:
         raise SystemExit(f"--policies: expected some of {', '.join(POLICIES)}, got {args.policies!r}")
     pools = parse_pools(args.pools)
-    path = default_path(args.source, shared=True) if args.shared else args.path
+    path = require_shared(default_path(args.source, shared=True)) if args.shared else args.path
     try:
         sessions = load_source(args.source, path)[: args.sessions]
     except (OSError, ValueError) as exc:

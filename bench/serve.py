@@ -86,7 +86,7 @@ import aiohttp  # noqa: E402
 from _provenance import provenance  # noqa: E402
 from _serve_report import format_table, label, plot_ttft  # noqa: E402, F401 - label re-exported
 
-from radixkv.tools.data import SHARED_DIR_ENV, default_results_dir  # noqa: E402
+from radixkv.tools.data import SHARED_DIR_ENV, default_results_dir, require_shared  # noqa: E402
 from radixkv.tools.transcripts import SOURCES, default_path, load_source  # noqa: E402
 
 replay = _serve_replay.replay
@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     urls = [args.url, *getattr(args, "more_urls", ())]
     if len(set(urls)) != len(urls):
         raise SystemExit("bench serve: the same --url twice")
-    path = default_path(args.source, shared=True) if args.shared else args.path
+    path = require_shared(default_path(args.source, shared=True)) if args.shared else args.path
     try:
         sessions = load_source(args.source, path)[: args.sessions]
     except (OSError, ValueError) as exc:

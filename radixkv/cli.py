@@ -418,7 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         args = bp.parse_args(argv[2:])
         from radixkv.log import configure_logging
         configure_logging("warning")
-        result = module.run(args)
+        from radixkv.tools.data import SharedDataMissing
+        try:
+            result = module.run(args)
+        except SharedDataMissing as exc:  # a usage error: what --shared needs is not there
+            print(f"radixkv bench {argv[1]}: {exc}", file=sys.stderr)
+            return 2
         # A driver reports failed checks in its result (bench kernels: all_checks_ok / error).
         failed = isinstance(result, dict) and (result.get("error") or result.get("all_checks_ok") is False)
         return 1 if failed else 0

@@ -17,6 +17,7 @@ import pytest
 
 from radixkv.cli import load_bench
 from radixkv.cli import main as cli_main
+from radixkv.tools.data import SharedDataMissing
 from radixkv.tools.transcripts import ideal_cached_tokens, load_tau_bench
 from tests.server.conftest import BLOCK_SIZE
 
@@ -254,7 +255,7 @@ def test_shared_reads_the_full_data_under_radixkv_shared_dir(tmp_path, monkeypat
     bench = load_bench("serve")
     monkeypatch.setenv("RADIXKV_SHARED_DIR", str(tmp_path / "nowhere"))
     missing = tmp_path / "nowhere" / "agent-transcripts" / "crewai-cassettes"
-    with pytest.raises(SystemExit, match=f"bench serve: path: {missing} does not exist"):
+    with pytest.raises(SharedDataMissing, match=f"^--shared: {missing} does not exist "):
         bench.main(["--url", "http://127.0.0.1:1", "--source", "crewai", "--shared"])
     with pytest.raises(SystemExit):  # --path and --shared exclude each other
         bench.main(["--shared", "--path", str(tmp_path)])

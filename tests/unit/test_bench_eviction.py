@@ -19,7 +19,7 @@ import _eviction_replay as replay_mod  # noqa: E402
 import _eviction_trace as trace_mod  # noqa: E402
 
 from radixkv.eviction.cost_model import PRESETS, prefill_flops  # noqa: E402
-from radixkv.tools.data import SHARED_TRACE, TRACE_SAMPLE, sample_path  # noqa: E402
+from radixkv.tools.data import SHARED_TRACE, TRACE_SAMPLE, SharedDataMissing, sample_path  # noqa: E402
 from tests.shared_data import shared_path  # noqa: E402
 
 
@@ -198,9 +198,13 @@ def test_shared_reads_the_trace_under_radixkv_shared_dir(tmp_path: Path, monkeyp
     # Chat: the source's sample, or its full data under the shared folder.
     assert bench._trace_path(parser.parse_args(["--format", "chat", "--source", "swe-agent"])) == \
         str(sample_path("agent-transcripts/swe-agent"))
-    assert bench._trace_path(parser.parse_args(["--format", "chat", "--shared"])) == str(
-        tmp_path / "shared" / "agent-transcripts" / "tau-bench" / "historical_trajectories"
-        / "gpt-4o-airline.json")
+    tau = (tmp_path / "shared" / "agent-transcripts" / "tau-bench" / "historical_trajectories"
+           / "gpt-4o-airline.json")
+    with pytest.raises(SharedDataMissing, match=f"^--shared: {tau} does not exist"):
+        bench._trace_path(parser.parse_args(["--format", "chat", "--shared"]))
+    tau.parent.mkdir(parents=True)
+    tau.write_text("[]")
+    assert bench._trace_path(parser.parse_args(["--format", "chat", "--shared"])) == str(tau)
     assert "--trace is required" in bench.run(parser.parse_args(["--format", "tokens"]))["error"]
     with pytest.raises(SystemExit):  # --trace and --shared exclude each other
         parser.parse_args(["--shared", "--trace", "t.jsonl"])

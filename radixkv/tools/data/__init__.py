@@ -10,7 +10,8 @@ Two places hold data:
 - the **shared data folder** with the full public data (``agent-transcripts/``, ``traces/``):
   ``$RADIXKV_SHARED_DIR``, default the ``shared`` folder beside the repository root
   (``<repo>/../shared``). :func:`shared_dir` is the one place that resolves it; the benchmarks
-  read it with ``--shared`` and the tests that need the full data skip without it.
+  read it with ``--shared`` through :func:`require_shared` (a clear error when it is missing)
+  and the tests that need the full data skip without it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,47 @@ def shared_dir() -> Path:
 def shared_path(relative: str | os.PathLike[str]) -> Path:
     """``relative`` (e.g. ``"agent-transcripts/swe-agent"``) under :func:`shared_dir`."""
     return shared_dir() / relative
+
+
+class SharedDataMissing(Exception):
+    """``--shared`` names data the shared data folder does not hold (or the folder is missing).
+
+    The message says which path is missing, what the folder is and what to do; ``radixkv bench``
+    prints it and exits 2. Not an ``OSError``/``ValueError``, so a driver's handler for a bad
+    file or argument does not turn it into a plain failure.
+    """
+
+
+def require_shared(relative: str | os.PathLike[str]) -> Path:
+    """``relative`` under :func:`shared_dir`, for ``--shared``: it must exist.
+
+    Args:
+        relative: a path in the shared data folder, e.g. ``"traces/conversation_trace.jsonl"``;
+            a path already under it (as :func:`shared_path` returns one) is taken as is.
+
+    Returns:
+        The existing path.
+
+    Raises:
+        SharedDataMissing: the path (or the whole folder) does not exist; the message names
+            ``--shared``, ``$RADIXKV_SHARED_DIR``, the missing path, what the folder holds and
+            the two ways on (set the variable, or drop ``--shared`` for the shipped samples).
+    """
+    path = shared_path(relative)
+    if path.exists():
+        return path
+    folder = shared_dir()
+    value = os.environ.get(SHARED_DIR_ENV, "").strip()
+    where = (f"${SHARED_DIR_ENV} = {folder}" if value
+             else f"${SHARED_DIR_ENV} is not set, so the default <repo>/../shared = {folder}")
+    state = "that folder does not exist" if not folder.is_dir() else "that folder lacks this path"
+    raise SharedDataMissing(
+        f"--shared: {path} does not exist ({where}; {state}). --shared reads the full public "
+        f"data from the shared data folder, which is not part of the repository: it holds "
+        f"agent-transcripts/ and traces/ (public agent transcripts and the Mooncake conversation "
+        f"trace, each listed with its source and licence in a SOURCES.md). Set {SHARED_DIR_ENV} "
+        f"to a folder holding them, or drop --shared to use the samples shipped in "
+        f"radixkv/tools/data/.")
 
 
 def sample_path(relative: str | os.PathLike[str]) -> Path:
