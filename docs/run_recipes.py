@@ -221,21 +221,22 @@ def run(recipe: Recipe, replacements: dict[str, str] | None = None, repo: Path =
                 argv = ["bash", "-e", "-o", "pipefail", "-c", code]
             else:
                 argv = [str(repo / ".venv/bin/python"), "-c", code]
-            proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            # Output goes to a file, not a pipe: a process the block left in the background
+            # would hold a pipe open, and the block's end must not wait for it.
+            out_path = Path(tmp) / "output.txt"
+            with open(out_path, "wb") as out:
+                proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                out, _ = proc.communicate(timeout=recipe.timeout_s)
+                proc.wait(timeout=recipe.timeout_s)
                 ok = proc.returncode == 0
-                text = out.decode(errors="replace")
-                if not ok:
-                    text += f"\n[exit status {proc.returncode}]"
+                note = "" if ok else f"\n[exit status {proc.returncode}]"
             except subprocess.TimeoutExpired:
-                _stop_group(proc)
-                out, _ = proc.communicate()
                 ok = False
-                text = out.decode(errors="replace") + f"\n[timed out after {recipe.timeout_s:.0f} s]"
+                note = f"\n[timed out after {recipe.timeout_s:.0f} s]"
             finally:
                 _stop_group(proc)
+            text = out_path.read_text(errors="replace") + note
             return Result(recipe.name, ok, time.monotonic() - t0, text)
         finally:
             if server is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"docs_{name}", DOCS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
