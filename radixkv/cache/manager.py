@@ -241,15 +241,21 @@ class CacheManager(CacheGauges):
         return num
 
     def reset_prefix_cache(self) -> int:
-        """Evict every cached block no running request holds (vLLM's ``reset_prefix_cache``).
+        """Evict every cached block no running request holds (vLLM's ``reset_prefix_cache``),
+        and empty a per-replica store tier (``host``; :meth:`StoreTier.reset`), as SGLang's
+        ``flush_cache`` empties its host tier: the cache is cold afterwards in every tier this
+        replica owns, and the one ``AllBlocksCleared`` says so. A shared store (Mooncake) is
+        kept: it is other replicas' cache too, and its blocks are never announced.
 
         With KV events on, one ``cleared`` event replaces the removals, followed by the blocks
         still held (see :meth:`~radixkv.cache.events.KVEventLog.cleared`).
 
-        Returns: Blocks evicted.
+        Returns: Device blocks evicted (the store tier counts its own: ``reset_blocks_total``).
         """
         mark = self.events.mark() if self.events is not None else 0
         evicted = self._evict(self.tree.num_evictable_blocks)
+        if self.store is not None:  # after the eviction: in evict mode it writes to the tier
+            self.store.reset()
         if self.events is not None:
             self.events.cleared(self.tree.roots, mark)
         return evicted

@@ -6,7 +6,8 @@ Routes (``docs/routers-and-kv-events.md`` §1, §2.6):
                               means a restarted replica); sglang-router reads the model id
     GET  /kv_event_sources    where this replica publishes KV events, keyed by DP rank
                               (``radixkv.engine.kv_events``); ``{}`` when events are off
-    POST /reset_prefix_cache  vLLM's name: evict every cached block no running request holds;
+    POST /reset_prefix_cache  vLLM's name: evict every cached block no running request holds
+                              and empty a host store tier (a shared Mooncake store is kept);
                               subscribers get one ``AllBlocksCleared``
     POST /flush_cache         SGLang's name for the same (both routers fan it out)
 
@@ -18,8 +19,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from radixkv.engine.async_engine import AsyncEngine
-from radixkv.errors import EngineDeadError
+from radixkv.engine.async_engine import AsyncEngine, EngineDeadError
 from radixkv.server.errors import json_response
 from radixkv.server.generation import engine_dead
 

@@ -179,6 +179,7 @@ _STORE_COUNTERS = (
     ("skipped_existing_blocks_total", "Blocks not written: the store held them already."),
     ("refused_write_blocks_total", "Blocks the store refused to take (no space)."),
     ("reconnects_total", "Times the store tier came back after being down."),
+    ("reset_blocks_total", "Blocks a prefix-cache reset dropped from a per-replica store tier."),
 )
 
 

@@ -13,7 +13,7 @@ never interprets a value: the tier above builds and checks headers. Backends:
 
 Backend calls run in the tier's loader and writer threads, never in the engine's step loop, and
 may run concurrently with each other: a backend is thread-safe. A failed call raises
-:class:`radixkv.errors.StoreError`; the tier counts it and carries on (a recompute, never a crash).
+:class:`StoreError`; the tier counts it and carries on (a recompute, never a crash).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from typing import Sequence
 
 #: ``--kv-store-write`` modes: every published block once, or only what the device pool evicts.
 WRITE_MODES = ("all", "evict")
+
+
+class StoreError(Exception):
+    """A backend call failed (store down, timeout, refused): counted, never fatal."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +111,19 @@ class StoreBackend(abc.ABC):
         Raises:
             StoreError: the store could not be reached.
         """
+
+    def clear(self) -> int:
+        """Drop every value (``reset_prefix_cache``) and every eviction not yet drained; only
+        a per-replica backend (``kv_event_medium`` set) implements it: a shared one holds
+        other replicas' cache too, which one replica's reset must not drop.
+
+        Returns:
+            How many values were held.
+
+        Raises:
+            NotImplementedError: a shared backend.
+        """
+        raise NotImplementedError(f"{self.name}: a shared store is not cleared by one replica")
 
     def healthy(self) -> bool:
         """Whether the backend can serve now (cheap; no exception)."""

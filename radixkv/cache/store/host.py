@@ -275,6 +275,17 @@ class HostStore(StoreBackend):
                     removed += 1
         return removed
 
+    def clear(self) -> int:
+        """Drop every value (``reset_prefix_cache``), each through the policy as a removal,
+        and forget the evictions not drained yet (the reset's ``AllBlocksCleared`` covers
+        them); returns how many values were held."""
+        with self._lock:
+            entries = list(self._entries.values())
+            for entry in entries:
+                self._delete(entry)
+            self._pending_evicted.clear()
+        return len(entries)
+
     # ---- events, gauges, lifecycle ------------------------------------------------------
     def drain_evicted(self) -> list[str]:
         """Keys evicted by pressure since the last call (oldest first), for ``BlockRemoved``

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
-from radixkv.cache.store.backend import WRITE_MODES, PutEntry, StoreBackend
+from radixkv.cache.store.backend import WRITE_MODES, PutEntry, StoreBackend, StoreError
 from radixkv.cache.store.loads import LoadJob, run_load
 from radixkv.cache.store.staging import StagingArena, gather_block, scatter_block
 from radixkv.cache.store.value import (
@@ -35,7 +35,6 @@ from radixkv.cache.store.value import (
     store_key,
 )
 from radixkv.cache.store.writes import WriteItem, drain_kv_events, run_write
-from radixkv.errors import StoreError
 from radixkv.log import get_logger
 
 log = get_logger(__name__)
@@ -46,6 +45,8 @@ HEALTH_CHECK_INTERVAL_S = 2.0
 MAX_DEFERRED_BLOCKS = 1 << 14
 #: Keys remembered as stored (the engine thread skips gathering them again).
 PRESENT_MEMO_SIZE = 1 << 16
+#: Seconds ``reset`` waits for the writes queued before it (host puts: memory copies).
+RESET_WRITES_TIMEOUT_S = 5.0
 
 
 class StoreTier:
@@ -107,7 +108,8 @@ class StoreTier:
             "written_blocks_total", "written_bytes_total", "skipped_existing_blocks_total",
             "rejected_blocks_total", "dropped_write_blocks_total", "refused_write_blocks_total",
             "errors_total",
-            "load_timeouts_total", "loads_skipped_down_total", "reconnects_total"), 0)
+            "load_timeouts_total", "loads_skipped_down_total", "reconnects_total",
+            "reset_blocks_total"), 0)
         self.rejected_by_reason = {"header": 0, "checksum": 0, "size": 0}
         #: Runs the tier stored, for KV events (a per-replica backend only): ``(root, parent
         #: hash, hashes, token bytes)``; appended by the writer, drained by the engine thread.
@@ -417,6 +419,36 @@ class StoreTier:
                 self._down_since = self._clock()
         if ok:
             log.info("kv_store_reconnected", backend=self.backend.name)
+
+    def reset(self, timeout_s: float = RESET_WRITES_TIMEOUT_S) -> int:
+        """``reset_prefix_cache`` (engine thread): empty a per-replica backend (``host``), so
+        that the reset's ``AllBlocksCleared`` is true of this tier too and the next request
+        is cold in every tier. The writes queued so far land first (the device eviction just
+        queued some, in ``evict`` mode all it evicted); then every value goes, with the stored
+        runs and evictions not yet published. Blocks still deferred belong to running
+        requests and are written later, announced after the reset.
+
+        A shared backend (Mooncake: every replica's cache) is left as it is; its blocks are
+        never announced as this replica's (``kv_event_medium`` None).
+
+        Args:
+            timeout_s: Longest wait for the queued writes (a write still running past it may
+                land after the reset: it is then announced after it, still true).
+
+        Returns:
+            Values dropped (0 for a shared backend).
+        """
+        if self.backend.kv_event_medium is None:
+            return 0
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending_writes == 0, timeout_s)
+        dropped = self.backend.clear()
+        self.stored_runs.clear()
+        with self.lock:
+            self._present.clear()
+            self.counters["reset_blocks_total"] += dropped
+        log.info("kv_store_reset", backend=self.backend.name, dropped_blocks=dropped)
+        return dropped
 
     def drain_kv_events(self, log: object) -> None:
         """Hand what the tier stored and evicted to the engine's ``KVEventLog`` (engine
