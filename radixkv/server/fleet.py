@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from radixkv.engine.async_engine import AsyncEngine, EngineDeadError
+from radixkv.engine.async_engine import AsyncEngine
+from radixkv.errors import EngineDeadError
 from radixkv.server.errors import json_response
 from radixkv.server.generation import engine_dead
 

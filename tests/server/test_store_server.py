@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from radixkv.cache.store.backend import StoreError
+from radixkv.errors import StoreError
 from tests.factories import make_async_engine
 from tests.server.conftest import RunningServer, run_server_in_thread
 from tests.server.helpers import cached_tokens, complete, get, post_json

@@ -13,7 +13,7 @@ never interprets a value: the tier above builds and checks headers. Backends:
 
 Backend calls run in the tier's loader and writer threads, never in the engine's step loop, and
 may run concurrently with each other: a backend is thread-safe. A failed call raises
-:class:`StoreError`; the tier counts it and carries on (a recompute, never a crash).
+:class:`radixkv.errors.StoreError`; the tier counts it and carries on (a recompute, never a crash).
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ from typing import Sequence
 
 #: ``--kv-store-write`` modes: every published block once, or only what the device pool evicts.
 WRITE_MODES = ("all", "evict")
-
-
-class StoreError(Exception):
-    """A backend call failed (store down, timeout, refused): counted, never fatal."""
 
 
 @dataclasses.dataclass(frozen=True)

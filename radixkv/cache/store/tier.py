@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
-from radixkv.cache.store.backend import WRITE_MODES, PutEntry, StoreBackend, StoreError
+from radixkv.cache.store.backend import WRITE_MODES, PutEntry, StoreBackend
 from radixkv.cache.store.loads import LoadJob, run_load
 from radixkv.cache.store.staging import StagingArena, gather_block, scatter_block
 from radixkv.cache.store.value import (
@@ -35,6 +35,7 @@ from radixkv.cache.store.value import (
     store_key,
 )
 from radixkv.cache.store.writes import WriteItem, drain_kv_events, run_write
+from radixkv.errors import StoreError
 from radixkv.log import get_logger
 
 log = get_logger(__name__)
