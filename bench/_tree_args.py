@@ -15,11 +15,12 @@ from radixkv.config import online_eviction_policies
 HISTORY_TOKENS = (100, 400)
 REPLY_TOKENS = (30, 300)
 TOOL_TOKENS = (200, 1500)
-#: Most ``ratio_to_floor`` each operation may reach (the deliverable's targets).
+#: Most ``ratio_to_floor`` each operation may reach (the targets).
 TARGETS = {"match": 0.25, "insert": 1.2, "evict": 1.0}
-#: C18: the largest tree's time per operation ÷ the smallest's must stay below this.
+#: Tree-size scaling: the largest tree's time per operation ÷ the smallest's must stay below this.
 C18_MAX_RATIO = 3.0
-#: The workload the targets were set on (flags that shape the replay; not --repeat or C18's).
+#: The workload the targets were set on (flags that shape the replay; not --repeat or the
+#: scaling check's).
 DEFAULT_WORKLOAD = {"sessions": 48, "turns": 10, "block_size": 16, "system_tokens": 2048,
                     "capacity_fraction": 0.35, "policy": "lru", "publish_interval_blocks": 16,
                     "seed": 0}
@@ -79,9 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "replay (the machine may be shared); as many more, alternating, "
                              "time the tree's eviction alone (evict_tree)")
     parser.add_argument("--c18-sizes", type=_sizes, default="5000,50000",
-                        help="leaf counts for C18 (comma list), each >= 3 x --c18-ops")
+                        help="leaf counts of the tree-size scaling check (comma list), each "
+                             ">= 3 x --c18-ops")
     parser.add_argument("--c18-ops", type=positive_int, default=1000,
-                        help="evictions and hits for C18 (>= 1)")
+                        help="evictions and hits of the tree-size scaling check (>= 1)")
     parser.add_argument("--skip-c18", action="store_true")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write the results here (missing parent folders are created "
@@ -100,7 +102,7 @@ def check_args(args: argparse.Namespace) -> str | None:
                 f"({shortest} tokens: --system-tokens {args.system_tokens} + "
                 f"{HISTORY_TOKENS[0]}); every prompt must hold a full block")
     if not args.skip_c18:
-        # C18 evicts --c18-ops leaves (the oldest third of the LRU order must cover them) and
+        # The scaling check evicts --c18-ops leaves (the oldest third of the LRU order must cover them) and
         # then hits as many distinct leaves of the middle third, which must still be cached.
         small = [n for n in args.c18_sizes if n // 3 < args.c18_ops]
         if small:
