@@ -104,11 +104,14 @@ def test_qk_match_transformers_gguf_processing(smollm2: LoadedModel) -> None:
     wanted = {"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",
               "blk.0.attn_k.weight": "model.layers.0.self_attn.k_proj.weight",
               "blk.29.attn_k.weight": "model.layers.29.self_attn.k_proj.weight"}
+    compared = []
     for tensor in reader.tensors:
         if tensor.name in wanted:
             raw = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             theirs = processor.process(np.array(raw, dtype=np.float32), tensor.name).weights
             assert torch.equal(torch.from_numpy(np.ascontiguousarray(theirs)), smollm2.state_dict[wanted[tensor.name]])
+            compared.append(tensor.name)
+    assert sorted(compared) == sorted(wanted)  # a renamed tensor fails here, not silently
 
 
 def test_logits_match_transformers_full_and_cached_suffix(smollm2: LoadedModel, hf_smollm2: torch.nn.Module) -> None:

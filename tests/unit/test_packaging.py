@@ -55,6 +55,7 @@ def test_the_shipped_samples_are_declared_as_package_data():
     assert not sorted(files - declared), "sample files not declared as package data"
     # What the benchmarks read by default is among them.
     from radixkv.tools.transcripts import SOURCE_PATHS, default_path
+    assert sorted(SOURCE_PATHS) == ["crewai", "mini-swe-agent", "swe-agent", "tau-bench"]
     for source in SOURCE_PATHS:
         sample = default_path(source)
         assert sample.is_relative_to(root)
@@ -91,6 +92,7 @@ def test_the_defaults_name_no_path_outside_the_package(monkeypatch):
     # With no shared data folder at all, the defaults still resolve inside the package.
     monkeypatch.setenv(data.SHARED_DIR_ENV, "/nonexistent/shared")
     from radixkv.tools.transcripts import SOURCE_PATHS, default_path
+    assert sorted(SOURCE_PATHS) == ["crewai", "mini-swe-agent", "swe-agent", "tau-bench"]
     for source in SOURCE_PATHS:
         assert default_path(source).is_relative_to(data.SAMPLES_DIR)
         assert default_path(source, shared=True).is_relative_to("/nonexistent/shared")
