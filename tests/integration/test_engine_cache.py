@@ -1,7 +1,7 @@
 """Engine-level prefix-cache behaviour with token ids on the tiny random-init model.
 
-Cases C07 and C16 of shared/cases/prefix-cache-cases.md, exact cached-token counts, and
-greedy outputs that do not depend on the cache, on batching or on preemption.
+The hit cap at exact block multiples, hit-rate and saved-token definitions (output tokens
+cached too), exact cached-token counts, and greedy outputs that do not depend on the cache, on batching or on preemption.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Engine scheduling and lifecycle cases (C08–C13 of shared/cases/prefix-cache-cases.md).
+"""Engine scheduling and lifecycle: partial tail blocks never shared, no eviction of blocks in
+use, no leak after an abort, only fully computed KV published, chunked prefill, sliding windows.
 
 Engine level with token ids on the tiny random-init model. Phases are made deterministic by
 stepping the engine by hand.

@@ -2,8 +2,8 @@
 
 Outputs with an adapter must equal the base model run on merged weights ``W + scale·B·A``
 (logits within 1e-5 on the tiny fp32 model, 1e-3 on SmolLM2), alone and in a mixed batch with
-other adapters and the base model; and case C03: the adapter identity (name + weights digest)
-keys the cache.
+other adapters and the base model; and the adapter identity (name + weights digest) keys the
+cache, so no KV is shared across adapters or adapter versions.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``/v1/completions``: text and token-id prompts, echo, streaming, the official client, C14."""
+"""``/v1/completions``: text and token-id prompts, echo, streaming, the official client, prompt
+logprobs refused."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ async def test_stream_matches_non_stream(server):
 
 
 @pytest.mark.parametrize("body,param,fragment", [
-    # C14: prompt logprobs (echo + logprobs) are not computed: a 400 that says so.
+    # Prompt logprobs (echo + logprobs) are not computed: a 400 that says so.
     ({"prompt": [1, 2, 3, 4, 5, 6, 7, 8], "echo": True, "logprobs": 1}, "logprobs",
      "prompt logprobs"),
     ({"prompt": [1, 2, 3], "logprobs": 0}, "logprobs", "not supported"),

@@ -1,7 +1,8 @@
 """LoRA adapters over HTTP: --lora at start, model selection, /v1/models, run-time load and
-unload (vLLM's endpoints), admin-only with keys, bad adapters as 400s, and case C03.
+unload (vLLM's endpoints), admin-only with keys, bad adapters as 400s, and no KV shared across adapters or
+adapter versions.
 
-One server per module: tiny model, B = 4 (as the case is written), adapter "A" loaded at start.
+One server per module: tiny model, B = 4, adapter "A" loaded at start.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Disconnect storm, event-loop blocking (C20), /metrics, latency_ms, /openapi.json, CLI flags."""
+"""Disconnect storm, event-loop blocking by one long request, /metrics, latency_ms, /openapi.json, CLI flags."""
 
 from __future__ import annotations
 

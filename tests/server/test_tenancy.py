@@ -1,4 +1,5 @@
-"""Tenancy: API keys, the tenant as part of the cache identity, per-tenant /stats (C05, C17).
+"""Tenancy: API keys, the tenant as part of the cache identity, per-tenant /stats,
+no timing side channel across tenants.
 
 One server for the module: tiny model, B = 4 (as the cases are written), three keys.
 """

@@ -1,5 +1,5 @@
-"""CacheManager features: multimodal identity (C04), miss causes, fork, deferred free, lookup
-side effects, and linear hashing of long prompts (C19)."""
+"""CacheManager features: multimodal identity, miss causes, fork, deferred free, lookup
+side effects, and linear hashing of long prompts."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def warm(cm: CacheManager, root: bytes, rid: str, tokens, mm_items=None) -> int:
     return m
 
 
-# ---- C04: same placeholder tokens, different images ---------------------------------------
+# ---- same placeholder tokens, different images ------------------------------------------
 def test_c04_images_keyed_by_digest_and_offset() -> None:
     cm, root = make()
     h1 = cm.hasher.media_digest("rgb8", (2, 2, 3), b"image one...")
@@ -236,7 +236,7 @@ def test_published_blocks_are_not_deferred() -> None:
     cm.check_integrity()
 
 
-# ---- C19: hashing is linear in the prompt --------------------------------------------------
+# ---- hashing is linear in the prompt -----------------------------------------------------
 @pytest.mark.parametrize("num_tokens", [65536, 131072])
 def test_c19_hashed_bytes_linear(num_tokens: int) -> None:
     fed: list[int] = []

@@ -1,4 +1,5 @@
-"""CacheManager facade: hit cap (C07), exact block ids, eviction, publish rules (C01, C09, C16)."""
+"""CacheManager facade: hit cap, exact block ids, eviction (never of blocks in use), publish
+rules (stored tokens compared on a hash collision, output tokens cached)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ After every step it checks that the manager agrees with the model:
 * ``check_integrity`` (with the hash chain recomputed) passes and the gauges add up.
 
 At least 10,000 steps run in CI (``test_machine_runs_enough_steps``), over three policies and
-with C01's colliding hash.
+with a deliberately colliding hash.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 class CollidingHashMachine(CacheMachine):
-    """C01's colliding H (sum of bytes mod 7): tokens decide, never hashes."""
+    """A colliding H (sum of bytes mod 7): tokens decide, never hashes."""
 
     hash_fn = staticmethod(lambda data: bytes([sum(data) % 7]))
 

@@ -1,4 +1,5 @@
-"""Block hashes and cache identity: golden vectors, typed encoding, C01 and C02."""
+"""Block hashes and cache identity: golden vectors, typed encoding, collisions
+answered by stored tokens, hashes reproducible across processes."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def test_unknown_algo_names_field() -> None:
 
 
 def tiny_hash(data: bytes) -> bytes:
-    """C01's deliberately colliding H: sum of the input bytes mod 7."""
+    """A deliberately colliding H: sum of the input bytes mod 7."""
     return bytes([sum(data) % 7])
 
 

@@ -1,4 +1,4 @@
-"""Radix tree: match by stored tokens, split under locks (C09), eviction order, leaf index."""
+"""Radix tree: match by stored tokens, split under locks, eviction order, leaf index."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def test_lru_evicts_least_recent_leaf_tail_first() -> None:
 
 @pytest.mark.parametrize("policy_name", ["lru", "lfu", "fifo"])
 def test_c18_evict_order_matches_naive_reference(policy_name: str) -> None:
-    """C18 (test part): the sorted leaf index evicts exactly what a full scan would pick."""
+    """The sorted leaf index (eviction cost that does not grow with the cache) evicts exactly
+    what a full scan would pick."""
     rng = random.Random(7)
     tree, root, hasher = make_tree(get_policy(policy_name))
     ids = itertools.count()
