@@ -17,6 +17,15 @@ Wire format (vLLM 0.33 ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``)
   buffered batch from ``start_seq`` on (``[id, b"", topic, seq, payload]`` each), then the end
   marker ``[id, b"", b"", seq=-1, b""]``; the buffer keeps the last ``buffer_steps`` batches.
 
+Replay is lossless. A ROUTER drops what it cannot queue for a peer past its high-water mark,
+so a reader slower than the replay would miss batches and still get the end marker. Here the
+ROUTER is ``ZMQ_ROUTER_MANDATORY`` and replies are sent without blocking: when the reader's
+pipe is full the rest waits (flow control) and goes out as the reader drains it, between live
+batches, and the end marker goes only after the last batch. A reader that takes nothing for
+``replay_stall_s`` (``REPLAY_STALL_S``) is given up (logged, counted in
+``num_replays_abandoned``): it never gets the end marker, so it knows its replay is incomplete
+(vllm-router also checks that seqs are contiguous, within its own 5 s deadline).
+
 Unlike vLLM, which connects when the endpoint names a concrete host, the PUB socket always
 binds: the routers connect to it. Port ``0`` (or ``*``) binds a free port;
 ``advertised_endpoint`` reports it. ZMQ sockets are not thread-safe: one publisher thread owns
@@ -45,6 +54,20 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVE
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.05  # the publisher thread's wait between replay checks when no batch arrives
+_REPLAY_POLL_S = 0.002  # ... while a replay waits for its reader to drain (flow control)
+#: Seconds a replay may go without sending anything (its reader's pipe full) before it is
+#: given up.
+REPLAY_STALL_S = 10.0
+
+
+@dataclasses.dataclass
+class _Replay:
+    """One replay in progress (publisher thread): what is left to send, in order; seq -1 is
+    the end marker."""
+
+    client: bytes
+    pending: deque[tuple[int, bytes]]
+    last_progress_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +232,9 @@ class KVEventPublisher:
     Attributes:
         withhold_seqs: Test hook: batches with these seqs go into the replay buffer but not
             onto PUB (a subscriber sees a gap and must replay).
+        replay_stall_s: Seconds a replay's reader may take nothing before the replay is
+            given up (``REPLAY_STALL_S``).
+        num_replays_abandoned: Replays given up that way (their readers got no end marker).
         advertised_endpoint, advertised_replay_endpoint: The endpoints as bound (the chosen
             port when the config asked for port 0); set by :meth:`start`.
     """
@@ -218,6 +244,9 @@ class KVEventPublisher:
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
         self.withhold_seqs: set[int] = set()
+        self.replay_stall_s = REPLAY_STALL_S
+        self.num_replays_abandoned = 0
+        self._replays: list[_Replay] = []  # publisher thread only
         self.advertised_endpoint = config.endpoint
         self.advertised_replay_endpoint = config.replay_endpoint
         self.num_batches_published = 0
@@ -288,6 +317,8 @@ class KVEventPublisher:
                     which = "replay_endpoint"
                     replay = ctx.socket(zmq.ROUTER)
                     replay.setsockopt(zmq.LINGER, 0)
+                    # A full reader pipe: EAGAIN (the reply waits), never a silent drop.
+                    replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                     replay.setsockopt(zmq.IPV6, 1)
                     self.advertised_replay_endpoint = _bind(replay, self.config.replay_endpoint)
                 self._sending = True  # before start() returns: the first step's batch counts
@@ -317,7 +348,7 @@ class KVEventPublisher:
     def _loop(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
         while True:
             try:
-                events = self._queue.get(timeout=_POLL_S)
+                events = self._queue.get(timeout=_REPLAY_POLL_S if self._replays else _POLL_S)
             except queue.Empty:
                 events = None
                 if self._stop.is_set():
@@ -326,6 +357,8 @@ class KVEventPublisher:
                 self._send(pub, events)
             while replay is not None and replay.poll(0):
                 self._answer_replay(replay)
+            if self._replays:
+                self._pump_replays(replay)
 
     def _send(self, pub: zmq.Socket, events: list[tuple]) -> None:
         payload = encode_batch(events, self.block_size, data_parallel_rank=self.data_parallel_rank)
@@ -343,11 +376,36 @@ class KVEventPublisher:
             log.warning("kv_events_bad_replay_request", frames=len(frames))
             return
         client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
-        for seq, payload in list(self._buffer):
-            if seq >= start:
-                replay.send_multipart((client, b"", self._topic,
-                                       seq.to_bytes(8, "big", signed=True), payload))
-        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        # The batches as buffered now (the buffer may roll on while the reader drains them).
+        pending = deque((seq, payload) for seq, payload in self._buffer if seq >= start)
+        pending.append((-1, b""))
+        self._replays.append(_Replay(client, pending, time.monotonic()))
+
+    def _pump_replays(self, replay: zmq.Socket) -> None:
+        """Send each replay's next replies until its reader's pipe is full (``zmq.Again``: the
+        rest waits for the next pass); drop a replay whose reader is gone or stalled."""
+        now = time.monotonic()
+        for job in list(self._replays):
+            try:
+                while job.pending:
+                    seq, payload = job.pending[0]
+                    # EAGAIN comes on the first frame only: a message goes whole or not at all.
+                    replay.send_multipart(
+                        (job.client, b"", b"", END_SEQ, b"") if seq < 0 else
+                        (job.client, b"", self._topic, seq.to_bytes(8, "big", signed=True),
+                         payload), flags=zmq.NOBLOCK)
+                    job.pending.popleft()
+                    job.last_progress_s = now
+            except zmq.Again:
+                if now - job.last_progress_s < self.replay_stall_s:
+                    continue
+                self.num_replays_abandoned += 1
+                log.warning("kv_events_replay_abandoned", unsent_batches=len(job.pending) - 1,
+                            stalled_s=round(now - job.last_progress_s, 3))
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the reader disconnected
+                log.info("kv_events_replay_reader_gone", error=str(exc),
+                         unsent_batches=len(job.pending) - 1)
+            self._replays.remove(job)
 
     def sources(self) -> dict[str, dict[str, Any]]:
         """``GET /kv_event_sources``: this engine's source keyed by DP rank, with the keys
