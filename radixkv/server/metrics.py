@@ -215,7 +215,7 @@ def _store_families(stats: dict, engine_stats: Any) -> Iterator[Any]:
 def _ignored_parameters() -> Any:
     # param_policy counts per process; "(unknown)" sums the names in no policy table.
     family = CounterMetricFamily("radixkv_ignored_parameters",
-                                 "Request fields accepted and ignored (README 'Parameter "
+                                 "Request fields accepted and ignored (docs/api.md 'Parameter "
                                  "policy'), by field; '(unknown)' = names in no table.",
                                  labels=["param"])
     for name, value in sorted(IGNORED_COUNTS.snapshot().items()):

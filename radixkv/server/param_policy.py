@@ -209,7 +209,7 @@ def request_schema(table: dict[str, Param], required: list[str], description: st
         "type": "object", "properties": {name: p.schema for name, p in table.items()},
         "additionalProperties": True,
         "description": description + " Fields not listed here are accepted and ignored with a "
-                                     "warning in the server log; see README 'Parameter policy'."}
+                                     "warning in the server log; see docs/api.md 'Parameter policy'."}
     if required:
         out["required"] = required
     return out

@@ -4,7 +4,8 @@ tokenize, as supported, ignored, or neutral-only (``radixkv.server.param_policy`
 Covers OpenAI's request fields, every extra of vLLM 0.33's ChatCompletionRequest /
 CompletionRequest / Tokenize*Request (sampling parameters included), the fields vllm-router
 and sglang-router inject into forwarded requests (docs/routers-and-kv-events.md §1),
-and a few of SGLang's own constrained-decoding fields. README "Parameter policy" states it.
+and a few of SGLang's own constrained-decoding fields. docs/api.md "Parameter policy" states it;
+docs/reference/parameters.md is generated from it.
 """
 
 from __future__ import annotations
