@@ -103,3 +103,17 @@ def test_readme_quickstart_recipes_run_as_pasted() -> None:
     # The second turn re-sends the first prompt and reply: at least the first prompt's full
     # blocks (16 tokens each) hit.
     assert cached2 % 16 == 0 and cached2 >= prompt1 // 16 * 16 and prompt2 > prompt1
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_store_tier_recipe_serves_evicted_blocks_from_the_host_store() -> None:
+    """docs/operations.md's host store recipe: a 24-block pool, three ~120-token prompts, the
+    first again; its evicted blocks come back from the store, as the page says."""
+    rr = _runner()
+    recipe = {r.name: r for r in rr.all_recipes()}["store-host"]
+    result = rr.run(recipe)
+    assert result.ok, result.output
+    by_tier, hit_blocks = result.output.strip().splitlines()[-1].rsplit("} ", 1)
+    assert by_tier + "}" == "{'device': 16, 'store': 96}"
+    assert int(hit_blocks) == 6
