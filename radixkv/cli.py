@@ -29,6 +29,9 @@ from radixkv.config import (
 )
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+#: ``--kv-store-connect-timeout`` default: a master started just before serve binds its ports
+#: in ~1–2 s; a wrong address still fails within a short wait.
+KV_STORE_CONNECT_TIMEOUT_S = 20.0
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +124,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "evicts (evict)")
     p.add_argument("--kv-store-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="a store load not done by then is abandoned and its blocks computed")
+    p.add_argument("--kv-store-connect-timeout", type=non_negative_seconds,
+                   default=KV_STORE_CONNECT_TIMEOUT_S, metavar="SECONDS",
+                   help="at start, wait up to this long for a mooncake:// master that is not "
+                        "up yet (its RPC port and metadata server), then exit 2 (0: look "
+                        "once)")
 
 
 def _kv_store_arg(text: str) -> str:
@@ -137,9 +145,10 @@ def _kv_store_arg(text: str) -> str:
 
 
 def _connect_kv_store(args: argparse.Namespace):
-    """A Mooncake backend, connected before the model loads (a dead master or a bad address
-    fails in seconds, not after the load); None for no store or the host tier (built with the
-    engine). Raises StoreError."""
+    """A Mooncake backend, connected before the model loads (a master not up yet is waited
+    for up to ``--kv-store-connect-timeout``; a dead one or a bad address fails then, not
+    after the load); None for no store or the host tier (built with the engine). Raises
+    StoreError."""
     if args.kv_store is None or args.no_prefix_cache:
         return None
     from radixkv.cache.store.backend import parse_kv_store
@@ -148,8 +157,16 @@ def _connect_kv_store(args: argparse.Namespace):
     if spec.kind != "mooncake":
         return None
     from radixkv.cache.store.factory import make_backend
+    from radixkv.errors import StoreError
 
-    return make_backend(spec, block_size=args.block_size, default_policy=args.eviction_policy)
+    try:
+        return make_backend(spec, block_size=args.block_size, default_policy=args.eviction_policy,
+                            connect_timeout_s=args.kv_store_connect_timeout)
+    except StoreError as exc:
+        if "unreachable" not in str(exc):
+            raise
+        raise StoreError(f"{exc}; start mooncake_master first, or wait longer with "
+                         f"--kv-store-connect-timeout") from None
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -181,6 +198,17 @@ def eviction_policy_arg(text: str) -> str:
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1 (one-line error naming the value otherwise)."""
     return _int_at_least(text, 1)
+
+
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def non_negative_int(text: str) -> int:

@@ -36,11 +36,14 @@ def test_an_unreachable_master_is_reported_before_the_model_loads():
     proc = subprocess.run(
         [sys.executable, "-m", "radixkv.cli", "serve", "--port", str(free_port()), "--kv-store",
          f"mooncake://127.0.0.1:{dead}?metadata=http://127.0.0.1:{free_port()}/metadata"
-         f"&local=127.0.0.1:{free_port()}"], capture_output=True, text=True, env=ENV, timeout=120)
+         f"&local=127.0.0.1:{free_port()}", "--kv-store-connect-timeout", "0"],
+        capture_output=True, text=True, env=ENV, timeout=120)
     elapsed_s = time.monotonic() - started
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("radixkv serve:")]
     assert lines == [f"radixkv serve: kv_store mooncake: master unreachable (master "
                      f"127.0.0.1:{dead}, metadata " + lines[0].split("metadata ", 1)[1]]
+    assert lines[0].endswith("); start mooncake_master first, or wait longer with "
+                             "--kv-store-connect-timeout")
     assert "Traceback" not in proc.stderr and "model_loaded" not in proc.stderr
     assert elapsed_s < 30

@@ -7,8 +7,10 @@ from radixkv.cache.store.backend import KVStoreSpec, StoreBackend
 
 
 def make_backend(spec: KVStoreSpec, *, block_size: int, default_policy: str,
-                 model_shape: object | None = None) -> StoreBackend:
-    """Build the backend ``spec`` names (imports Mooncake only when asked for).
+                 model_shape: object | None = None, connect_timeout_s: float = 0.0
+                 ) -> StoreBackend:
+    """Build the backend ``spec`` names (imports Mooncake only when asked for);
+    ``connect_timeout_s``: how long a Mooncake master not up yet is waited for (0: look once).
 
     Raises:
         StoreError: the Mooncake client is not installed or could not connect.
@@ -21,4 +23,4 @@ def make_backend(spec: KVStoreSpec, *, block_size: int, default_policy: str,
                          eviction_policy=spec.policy or default_policy, model_shape=model_shape)
     from radixkv.cache.store.mooncake import MooncakeStore
 
-    return MooncakeStore(spec)
+    return MooncakeStore(spec, connect_timeout_s=connect_timeout_s)

@@ -37,6 +37,12 @@ for ``PROBE_INTERVAL_S``, then lets a call through only when a TCP connect to th
 port succeeds (``PROBE_TIMEOUT_S``); ``reconnect`` probes first and never calls ``setup``
 against a dead master. The tier's loader keeps its own timeout on top.
 
+At start (``connect_timeout_s``; ``radixkv serve --kv-store-connect-timeout``) the backend
+waits for a master that is not up yet, looking every ``CONNECT_POLL_S`` until its RPC port
+accepts a connection and its HTTP metadata server answers: a replica started right after
+``mooncake_master … &`` comes up once the master has bound its ports (~1–2 s), and one with
+no master fails after the bound with the same "master unreachable" error.
+
 Calls run concurrently (the client is thread-safe: a 64-value put takes ~60 ms and must not hold
 up a fetch); ``reconnect`` and ``close`` wait for the calls in flight and hold new ones back.
 """
@@ -55,6 +61,9 @@ from typing import Any
 
 from radixkv.cache.store.backend import KVStoreSpec, PutEntry, StoreBackend
 from radixkv.errors import StoreError
+from radixkv.log import get_logger
+
+log = get_logger(__name__)
 
 #: What makes the backend importable (named in every "not installed" error).
 MOONCAKE_PIP_PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -74,6 +83,8 @@ HEALTHY, CLOSED, MASTER_UNREACHABLE = 0, 1, 2
 PROBE_INTERVAL_S = 1.0
 #: Bound on the TCP connect that tells whether the master's RPC port is up.
 PROBE_TIMEOUT_S = 0.5
+#: Seconds between looks at a master not up yet, while the start-up wait lasts.
+CONNECT_POLL_S = 0.25
 
 
 def _unreachable(code: int) -> bool:
@@ -185,7 +196,7 @@ class MooncakeStore(StoreBackend):
     name = "mooncake"
     kv_event_medium = None
 
-    def __init__(self, spec: KVStoreSpec) -> None:
+    def __init__(self, spec: KVStoreSpec, *, connect_timeout_s: float = 0.0) -> None:
         if spec.kind != "mooncake":
             raise ValueError(f"kv_store: MooncakeStore needs a mooncake:// spec, got {spec.kind!r}")
         self._spec = spec
@@ -202,9 +213,38 @@ class MooncakeStore(StoreBackend):
         self._unreachable_total = 0
         self._closed = False
         self._local = spec.local_hostname  # this client's transfer-engine address
-        self._client: Any = self._new_client()
+        self._client: Any = self._new_client(wait_s=connect_timeout_s)
 
     # -- connection ----------------------------------------------------------------------------
+
+    def _metadata_reachable(self) -> bool:
+        """Whether the HTTP metadata server answers at all (any status; True for other
+        metadata services: nothing to ask)."""
+        url = self._spec.metadata_url
+        if not url.startswith(("http://", "https://")):
+            return True
+        try:
+            with urllib.request.urlopen(f"{url}?key=radixkv-probe", timeout=PROBE_TIMEOUT_S):
+                return True
+        except urllib.error.HTTPError:  # a missing key is a 404: the server is up
+            return True
+        except OSError:
+            return False
+
+    def _wait_for_master(self, wait_s: float) -> bool:
+        """Look at the master until its RPC port and metadata server are both up, for at most
+        ``wait_s`` seconds (0: look once); True when they are."""
+        deadline = time.monotonic() + wait_s
+        logged = False
+        while not (self._master_reachable() and self._metadata_reachable()):
+            if time.monotonic() >= deadline:
+                return False
+            if not logged:  # why serve sits still; once
+                log.info("kv_store_waiting_for_master", master=self._spec.master,
+                         metadata=self._spec.metadata_url, up_to_s=wait_s)
+                logged = True
+            time.sleep(CONNECT_POLL_S)
+        return True
 
     def _master_reachable(self) -> bool:
         """Whether the master's RPC port accepts a TCP connection within PROBE_TIMEOUT_S."""
@@ -214,10 +254,14 @@ class MooncakeStore(StoreBackend):
         except OSError:
             return False
 
-    def _new_client(self) -> Any:
-        """A set-up client with every known buffer registered (caller holds no shared lock)."""
+    def _new_client(self, wait_s: float = 0.0) -> Any:
+        """A set-up client with every known buffer registered (caller holds no shared lock);
+        ``wait_s``: how long a master not up yet is waited for (start-up only)."""
         spec = self._spec
         where = f"master {spec.master}, metadata {spec.metadata_url}, local {self._local}"
+        if wait_s > 0 and not self._wait_for_master(wait_s):
+            raise StoreError(f"kv_store mooncake: master unreachable after {wait_s:g} s "
+                             f"({where})")
         # setup() against a dead master blocks 4–90 s: probe first.
         if not self._master_reachable():
             raise StoreError(f"kv_store mooncake: master unreachable ({where})")
