@@ -380,6 +380,7 @@ class AsyncEngine(AsyncLoRAMixin):
                     loop.call_soon_threadsafe(_settle, done, None, exc)
                     raise
                 self._publish_events()
+                self._snapshot()  # a /stats read after the answer sees what the call did
                 loop.call_soon_threadsafe(_settle, done, result, None)
             else:
                 aborted = engine.abort_request(payload)

@@ -7,15 +7,19 @@ it never reads or writes those objects itself (``radixkv.engine.async_engine``).
 
 The check is patched in here, not built into the classes (their hot paths stay as they are):
 every attribute read on an instance of those classes records the thread it happened on, and
-the test drives a real server through chat, completions with ``n > 1``, a salted request, a
-LoRA adapter loaded at run time, a client that hangs up mid-stream, requests refused with a
-4xx, ``/stats``, ``/metrics``, ``/kv_event_sources`` and ``/reset_prefix_cache`` with KV
-events on, then asserts no read happened outside the engine thread.
+the test drives a real server with KV events and a host store tier on through chat,
+completions with ``n > 1``, a salted request, a LoRA adapter loaded at run time, a prompt
+served from the store tier after eviction, a client that hangs up mid-stream, requests refused
+with a 4xx, ``/stats``, ``/metrics``, ``/kv_event_sources`` and ``/reset_prefix_cache``, then
+asserts no read happened outside the engine thread (the event loop's, the store tier's loader
+and writer, the tokenizer workers', the KV-event publisher's).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -32,6 +36,8 @@ from radixkv.cache.tree.leaves import LeafIndex
 from radixkv.cache.tree.node import Node
 from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.engine.kv_events import KVEventsConfig
+from radixkv.engine.llm_engine import LLMEngine
+from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.eviction.base import EvictionPolicy
 from tests.factories import make_async_engine
@@ -51,13 +57,16 @@ LOOPBACK = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1
 class OwnerCheck:
     """Records, per thread, which attributes of the ``OWNED`` classes were read.
 
-    Armed by ``arm(thread)``: from then on a read on any other thread is a violation. Reads are
-    counted, not raised: an exception inside the engine's own code paths would be caught by
-    their fault handling and hide where it came from.
+    Armed by ``arm(thread)``: from then on a read on any other thread is a violation, except on
+    the instances passed to ``exempt`` (the host store backend's own index and policy: the
+    backend is not cache state but a store behind its own lock, which the store tier's threads
+    call). Reads are counted, not raised: an exception inside the engine's own code paths would
+    be caught by their fault handling and hide where it came from.
     """
 
     def __init__(self) -> None:
         self.owner: int | None = None
+        self.exempt_ids: set[int] = set()
         self.violations: Counter[tuple[str, str, str]] = Counter()  # (class, attribute, thread)
         self.owner_reads: Counter[tuple[str, str]] = Counter()
         self._saved: list[tuple[type, object | None]] = []
@@ -65,6 +74,9 @@ class OwnerCheck:
     def arm(self, thread: threading.Thread) -> None:
         assert thread.ident is not None
         self.owner = thread.ident
+
+    def exempt(self, *objects: object) -> None:
+        self.exempt_ids.update(id(obj) for obj in objects)
 
     def install(self) -> None:
         for cls in OWNED:
@@ -85,7 +97,7 @@ class OwnerCheck:
 
         def __getattribute__(obj, name: str):
             owner = check.owner
-            if owner is not None:
+            if owner is not None and id(obj) not in check.exempt_ids:
                 ident = threading.get_ident()
                 if ident == owner:
                     check.owner_reads[(name_of_cls, name)] += 1
@@ -106,8 +118,11 @@ def checked(tiny_model) -> Iterator[tuple[RunningServer, OwnerCheck]]:
     check = OwnerCheck()
     check.install()
     try:
-        engine = make_async_engine(tiny_model, kv_events=LOOPBACK, block_size=B, num_blocks=512,
-                                   max_num_seqs=8)
+        # 96 blocks: the long prompt below evicts, so the store tier's threads load and write.
+        engine = make_async_engine(tiny_model, kv_events=LOOPBACK, block_size=B, num_blocks=96,
+                                   max_num_seqs=8, kv_store="host:0.01")
+        backend = engine._engine.store.backend
+        check.exempt(backend._leaves, backend.policy)
         for server in run_server_in_thread(engine):
             assert engine._thread is not None
             check.arm(engine._thread)
@@ -120,7 +135,7 @@ async def hang_up_mid_stream(url: str) -> None:
     """A streaming chat whose client goes away after the first content event (abort)."""
     async with aiohttp.ClientSession() as http:
         resp = await http.post(url + "/v1/chat/completions",
-                               json={"messages": HI, "max_tokens": 400, "temperature": 0,
+                               json={"messages": HI, "max_tokens": 200, "temperature": 0,
                                      "ignore_eos": True, "stream": True})
         assert resp.status == 200
         seen = b""
@@ -168,6 +183,14 @@ async def test_the_event_loop_never_touches_cache_state(checked, lora_path):
         status, body = await complete(url, [1, 10**9])
         assert status == 400 and "prompt[1]" in body["error"]["message"], body
 
+        status, body = await complete(url, list(range(1000, 1300)), max_tokens=1)
+        assert status == 200, body  # 75 of the 96 blocks: the earlier prompts are evicted
+        status, body = await complete(url, list(range(100, 140)), max_tokens=1)
+        assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
+        status, stats = await get(url, "/stats")
+        # Part of the 36 came from the store (how much depends on the writer thread's pace).
+        assert stats["store"]["hit_blocks_total"] > 0, stats["store"]
+
         await hang_up_mid_stream(url)
         stats = await wait_idle(url)
         assert stats["pool"]["in_use_blocks"] == 0
@@ -181,9 +204,45 @@ async def test_the_event_loop_never_touches_cache_state(checked, lora_path):
     finally:
         sub.close()
 
-    assert sorted(check.violations.items()) == []  # ((class, attribute, thread), reads)
+    assert not check.violations, "\n".join(f"{c}.{a} on {t}: {n}" for (c, a, t), n in sorted(check.violations.items()))
     # The flows above ran through the owned state on the engine thread (the check saw them).
     for read in [("CacheManager", "identity_root"), ("KVEventLog", "allow_root"),
                  ("Scheduler", "add"), ("Scheduler", "running"),
                  ("CacheManager", "reset_prefix_cache")]:
         assert check.owner_reads[read] > 0, read
+
+
+async def test_a_reset_answers_after_the_snapshot_that_shows_it(tiny_model, monkeypatch):
+    """``/stats`` is the engine thread's snapshot: one taken before a reset's answer, so a read
+    right after the answer never shows the blocks it evicted. The engine thread is held just
+    after the call (before its next step or idle snapshot) to make the order deterministic."""
+    engine = make_async_engine(tiny_model, block_size=B, num_blocks=64)
+    called, held, release = threading.Event(), threading.Event(), threading.Event()
+    real_reset, real_has_work = LLMEngine.reset_prefix_cache, LLMEngine.has_work
+
+    def reset(self):
+        called.set()
+        return real_reset(self)
+
+    def has_work(self):  # the engine thread asks this right after draining its inbox
+        if called.is_set() and not held.is_set():
+            held.set()
+            release.wait(10)
+        return real_has_work.fget(self)
+
+    monkeypatch.setattr(LLMEngine, "reset_prefix_cache", reset)
+    monkeypatch.setattr(LLMEngine, "has_work", property(has_work))
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        outputs = [out async for out in engine.generate(list(range(100, 140)), params)]
+        assert outputs[-1].finished
+        deadline = time.monotonic() + 10
+        while engine.stats()["tree"]["cached_blocks"] != 10:  # 40 prompt tokens, B = 4
+            assert time.monotonic() < deadline, engine.stats()["tree"]
+            await asyncio.sleep(0.01)
+        assert await engine.reset_prefix_cache() == 10
+        assert engine.stats()["tree"]["cached_blocks"] == 0
+    finally:
+        release.set()
+        await engine.shutdown()
