@@ -1,7 +1,7 @@
 """Frozen configuration dataclasses, validated at construction, and the shared validators.
 
 Every value is checked by one function here, where it enters: a config, a request
-(``LLMEngine.make_request``, the server's parsing), the constructor of a public class, or a CLI
+(``LLMEngine.prepare_request``, the server's parsing), the constructor of a public class, or a CLI
 flag (``radixkv.cli`` wraps the same checks as argparse types). Inside, values are trusted:
 nothing re-checks them per step, and nothing validates device tensors. Every error is a
 ``ValueError`` whose message starts with the field's name (``block_size: must be ...``).

@@ -2,14 +2,14 @@
 
 ``LoRAAdapters`` owns the served adapters (a :class:`radixkv.model.lora.LoRARegistry`) and
 counts the requests holding each name. ``LLMEngine`` calls it (``load_lora``, ``unload_lora``,
-``make_request``, and as requests end); ``AsyncEngine`` calls the same object, only moving the
+``prepare_request``, and as requests end); ``AsyncEngine`` calls the same object, only moving the
 blocking file read off the event loop.
 
 Rules:
 
 * A name is 1-128 printable characters, is not the base model's, and is not taken unless
   ``replace`` (``check_name``).
-* A request holds its adapter's name from ``LLMEngine.make_request`` until its last choice
+* A request holds its adapter's name from ``LLMEngine.prepare_request`` until its last choice
   finishes or it is aborted (``hold`` / ``release``); an adapter is in use while any request
   holds its name.
 * ``unload`` refuses an unknown name (``LoRANotFoundError``, the server's 404) and a name in use
@@ -18,8 +18,11 @@ Rules:
   changes their weights. The cache identity is ``(name, weights digest)``, so KV computed with
   old weights is never matched by the new ones; it stays cached until evicted.
 
-Threads: in the server the registry is read and changed on the event loop (loading, unloading,
-``make_request``) while requests end on the engine thread, so a lock guards the hold counts.
+Threads: this registry is the one engine object both threads use. In the server it is read and
+changed on the event loop (loading, unloading, ``prepare_request`` resolving and holding a name,
+so a 404 or an in-use refusal is answered at once) while requests end on the engine thread,
+which releases their holds; a lock guards the hold counts. It holds no cache state: the cache
+identity of an adapter is resolved on the engine thread.
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ class LlamaForward:
         """Run the decoder on packed tokens.
 
         Token ids and positions are trusted, not checked: they are validated where they enter
-        (``LLMEngine.make_request`` checks ids against the vocabulary and prompt + max_tokens
+        (``LLMEngine.prepare_request`` checks ids against the vocabulary and prompt + max_tokens
         against the context), and a check here would sync the device every step.
 
         Args:
