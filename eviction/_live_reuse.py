@@ -55,7 +55,12 @@ import threading
 import time
 from bisect import bisect_right
 from collections import deque
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .base import NodeView
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 _log = logging.getLogger("radixkv.eviction")
 
@@ -64,7 +69,7 @@ FEATURE_NAMES = ("log_hits", "shared", "log_depth_tokens", "log_num_blocks", "nu
                  "mean_gap_over_g", "log_lifetime_over_g", "duration_over_g")
 
 
-def features(node: Any, release_s: float, gap_s: float) -> tuple[float, ...]:
+def features(node: NodeView, release_s: float, gap_s: float) -> tuple[float, ...]:
     """Features of a leaf released at ``release_s`` (clock units), ``gap_s`` the return
     window ``ĝ`` (> 0): ``log1p(hit_count)``, 1.0 if it ever had ≥ 2 children, ``log1p`` of its
     depth in tokens and of its blocks, the number of its recorded access gaps and their mean
@@ -209,10 +214,10 @@ class LiveReuseModel:
         self._new_blocks = 0
         self._pending: dict[int, tuple[float, tuple]] = {}  # uid -> (release, features)
         self._deadlines: deque = deque()  # (deadline, uid, release), in release order
-        self._worker: Any = None
-        self._job: Any = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._job: Future[None] | None = None
         self._lock = threading.Lock()
-        self._one_thread: Any = None
+        self._one_thread: Any = None  # a threadpoolctl.ThreadpoolController (no stubs)
         self._fit_failed = False
         if train_mode == "sync":
             # One-off costs paid here, not on the first eviction that refits: the import (~1 s)

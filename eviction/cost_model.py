@@ -32,7 +32,6 @@ meta-llama/Meta-Llama-3-70B.) Pure Python: no torch, no radixkv imports; a serve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["CostShape", "PRESETS", "get_shape", "cost_shape_from_model_shape", "prefill_flops",
            "saved_prefill_flops"]
@@ -121,7 +120,7 @@ PRESETS: dict[str, CostShape] = {
 """Preset shapes by name (published configs, see the module docstring)."""
 
 
-def get_shape(shape: str | CostShape | Any | None) -> CostShape:
+def get_shape(shape: str | CostShape | object | None) -> CostShape:
     """Resolve a preset name, a :class:`CostShape`, or a model-shape-like object.
 
     Args:
@@ -144,7 +143,7 @@ def get_shape(shape: str | CostShape | Any | None) -> CostShape:
     return cost_shape_from_model_shape(shape)
 
 
-def cost_shape_from_model_shape(shape: Any, name: str = "served") -> CostShape:
+def cost_shape_from_model_shape(shape: object, name: str = "served") -> CostShape:
     """Adapt a ``radixkv.model.ModelShape`` (or any object with its fields) to a CostShape.
 
     Reads ``num_layers``, ``hidden_size``, ``intermediate_size``, ``num_q_heads``,

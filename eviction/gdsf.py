@@ -133,7 +133,7 @@ class GreedyDualPolicy(PriorityPolicy):
         if h is not None and h > level:
             self._keys[uid] = level
 
-    def on_evict(self, node: NodeView, num_blocks: int) -> None:
+    def on_evict(self, node: NodeView, num_blocks: int) -> object | None:
         h = self._keys.get(node.uid)
         if node.num_blocks == 0:
             self._keys.pop(node.uid, None)
@@ -143,6 +143,7 @@ class GreedyDualPolicy(PriorityPolicy):
             if idle > 0:
                 self.mean_victim_idle_s = self._mean(self.mean_victim_idle_s, idle)
         self._restamp(self._latest, h)
+        return None  # no note (``cost``, a subclass, returns one)
 
     def _restamp(self, stamp: float, h: float | None) -> None:
         """From ``stamp`` on: ``L`` = max(its current value, ``h``), advancing at the drift rate."""

@@ -134,17 +134,19 @@ class PredictedReusePolicy(VictimPolicy):
         self.live_model = LiveReuseModel(train_mode=train_mode, seed=seed) if learn else None
         self.victims_by_rule = {"overdue": 0, "branch": 0, "latest": 0, "value": 0}
         self._leaves: dict[int, NodeView] = {}
-        self._by_time = SortedList()  # (release time key, uid): live leaves
-        self._live = SortedList()  # (predicted next use - ĝ, uid): live leaves (learn=True)
+        self._by_time: SortedList[tuple] = SortedList()  # (release time key, uid): live leaves
+        # (predicted next use - ĝ, uid): live leaves (learn=True)
+        self._live: SortedList[tuple] = SortedList()
         self._live_key: dict[int, tuple] = {}
-        self._overdue = SortedList()  # (session active, cost key, uid): leaves found overdue
+        # (session active, cost key, uid): leaves found overdue
+        self._overdue: SortedList[tuple] = SortedList()
         self._overdue_key: dict[int, tuple] = {}
         # (session's latest activity when checked, uid): overdue leaves of an active session,
         # demoted to the ended group once that activity too is past the horizon
-        self._branches = SortedList()
+        self._branches: SortedList[tuple] = SortedList()
         self._branch_key: dict[int, tuple] = {}
         self._session_seen: dict[object, float] = {}  # session key -> its latest release or hit
-        self._by_value = SortedList()  # (cost key, uid): every leaf
+        self._by_value: SortedList[tuple] = SortedList()  # (cost key, uid): every leaf
         self._time_key: dict[int, tuple] = {}
         self._value_key: dict[int, tuple] = {}
         self._is_overdue: set[int] = set()
@@ -281,7 +283,7 @@ class PredictedReusePolicy(VictimPolicy):
         g = self.gaps.window_s
         if g <= 0:
             return (time_key_s, node.uid)
-        model = self.live_model
+        model: LiveReuseModel = self.live_model  # type: ignore[assignment]  # learn=True: set
         p = 1.0
         if release_s is not None and self.regular:
             x = features(node, release_s, g)
@@ -324,7 +326,7 @@ class PredictedReusePolicy(VictimPolicy):
                 if self._clock is not None:
                     self._seen(self._clock())
                 horizon = self.now_s - self.overdue_factor * g
-                self.live_model.expire(self.now_s)
+                self.live_model.expire(self.now_s)  # type: ignore[union-attr]  # regular: learn
                 while by_time and by_time[0][0] < horizon:
                     uid = by_time.pop(0)[1]
                     self._live.remove(self._live_key[uid])

@@ -133,7 +133,7 @@ class S3FIFOPolicy(VictimPolicy):
                     self._move(uid, info, _M, 0)
                     continue
             else:
-                uid, info = m  # type: ignore[misc]
+                uid, info = m  # type: ignore[misc]  # not None: both empty returned above
                 if info[2] > 0:  # CLOCK: reinsert at the tail of M
                     self._move(uid, info, _M, info[2] - 1)
                     continue

@@ -228,7 +228,7 @@ def decode_attention(
     if not 1 <= int(num_kv_splits) <= _MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits: must be in [1, {_MAX_KV_SPLITS}], got {num_kv_splits}")
     if num_seqs == 0:
-        return (out, lse) if return_lse else out
+        return (out, lse) if lse is not None else out
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         raise ValueError("k_pool/v_pool: the head_dim axis must have stride 1")
     q = last_dim_contiguous(q)
@@ -270,4 +270,4 @@ def decode_attention(
     )
     if dst is not out:
         out.copy_(dst)
-    return (out, lse) if return_lse else out
+    return (out, lse) if lse is not None else out

@@ -282,7 +282,7 @@ def extend_attention(
     lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device) if return_lse else None
     check_device("extend_attention", q, k, v, k_pool, v_pool, block_tables, prefix_lens, qo_indptr, out)
     if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
-        return (out, lse) if return_lse else out
+        return (out, lse) if lse is not None else out
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         raise ValueError("k_pool/v_pool: the head_dim axis must have stride 1")
     if out.stride(-1) != 1:
@@ -315,4 +315,4 @@ def extend_attention(
     )
     if dst is not out:
         out.copy_(dst)
-    return (out, lse) if return_lse else out
+    return (out, lse) if lse is not None else out

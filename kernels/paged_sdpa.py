@@ -171,14 +171,16 @@ class AttentionPlan:
                 enable_gqa=True)
             return out[0].transpose(0, 1)
         num_blocks, block_row = k_pool.shape[0], k_pool.shape[1] * num_kv_heads * head_dim
+        kv_blocks = group.kv_blocks
+        assert kv_blocks is not None  # set unless causal_own (returned above)
         buffers = self._buffers.get(id(group))
         if buffers is None or buffers[0].dtype != k_pool.dtype:
-            buffers = tuple(torch.empty(group.kv_blocks.shape[0], block_row, dtype=k_pool.dtype,
-                                        device=k_pool.device) for _ in range(2))
+            buffers = (torch.empty(kv_blocks.shape[0], block_row, dtype=k_pool.dtype, device=k_pool.device),
+                       torch.empty(kv_blocks.shape[0], block_row, dtype=k_pool.dtype, device=k_pool.device))
             self._buffers[id(group)] = buffers
         # Whole blocks (B * Hkv * D contiguous values each): far faster than per-token rows.
-        keys = torch.index_select(k_pool.view(num_blocks, block_row), 0, group.kv_blocks, out=buffers[0])
-        values = torch.index_select(v_pool.view(num_blocks, block_row), 0, group.kv_blocks, out=buffers[1])
+        keys = torch.index_select(k_pool.view(num_blocks, block_row), 0, kv_blocks, out=buffers[0])
+        values = torch.index_select(v_pool.view(num_blocks, block_row), 0, kv_blocks, out=buffers[1])
         keys, values = keys.view(g * skv, -1), values.view(g * skv, -1)
         if group.pad_rows is not None:
             # Masked keys still meet a zero weight in P @ V: a stale NaN there would leak.

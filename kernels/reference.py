@@ -240,9 +240,9 @@ def extend_attention(
         rows, rows_lse = _attend(q[start:end], keys, values, prefix_len, scale, window_left,
                                  logits_soft_cap, return_lse)
         out[start:end] = rows
-        if lse is not None:
+        if lse is not None and rows_lse is not None:
             lse[start:end] = rows_lse
-    return (out, lse) if return_lse else out
+    return (out, lse) if lse is not None else out
 
 
 def decode_attention(
@@ -297,6 +297,6 @@ def decode_attention(
         row, row_lse = _attend(q[i : i + 1], keys, values, kv_len - 1, scale, window_left,
                                logits_soft_cap, return_lse)
         out[i : i + 1] = row
-        if lse is not None:
+        if lse is not None and row_lse is not None:
             lse[i : i + 1] = row_lse
-    return (out, lse) if return_lse else out
+    return (out, lse) if lse is not None else out

@@ -397,6 +397,7 @@ def load_bench(name: str) -> ModuleType:
     if not path.is_file():
         raise SystemExit(f"radixkv bench {name}: driver {path} not found (run from a source checkout)")
     spec = importlib.util.spec_from_file_location(f"radixkv_bench_{name}", path)
+    assert spec is not None and spec.loader is not None  # a .py file always has both
     module = importlib.util.module_from_spec(spec)
     # Registered first so dataclasses and postponed annotations can resolve the module.
     sys.modules[spec.name] = module

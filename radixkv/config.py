@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 from radixkv.eviction import available_policies, make_policy
 
@@ -45,7 +46,7 @@ def check_int(name: str, value: object, *, minimum: int = 0, maximum: int | None
     problem = int_problem(value, minimum=minimum, maximum=maximum)
     if problem is not None:
         raise ValueError(f"{name}: {problem}")
-    return value  # type: ignore[return-value]
+    return cast(int, value)  # int_problem accepted it
 
 
 def check_block_size(block_size: object) -> int:
@@ -66,13 +67,13 @@ def check_token_ids(name: str, token_ids: Sequence[object], vocab_size: int) -> 
         ValueError: ``"{name}: must contain at least one token"``, or naming the first bad id
             ``"{name}[i]: must be an int in [0, vocab_size - 1], got ..."``.
     """
-    ids = list(token_ids)
+    ids: list[Any] = list(token_ids)  # checked below: ints in range
     if not ids:
         raise ValueError(f"{name}: must contain at least one token")
-    if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):  # type: ignore
+    if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
         for i, token in enumerate(ids):  # name the first bad one
             check_int(f"{name}[{i}]", token, minimum=0, maximum=vocab_size - 1)
-    return ids  # type: ignore[return-value]
+    return ids
 
 
 def online_eviction_policies() -> list[str]:
@@ -193,10 +194,11 @@ class SchedulerConfig:
     admission_window: int = 64
 
     def __post_init__(self) -> None:
-        if self.prefill_chunk_tokens is None:
-            object.__setattr__(self, "prefill_chunk_tokens", self.max_num_batched_tokens)
-        _require(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens",
-                 f"must be >= 1, got {self.prefill_chunk_tokens}")
+        chunk = self.prefill_chunk_tokens
+        if chunk is None:
+            chunk = self.max_num_batched_tokens
+            object.__setattr__(self, "prefill_chunk_tokens", chunk)
+        _require(chunk >= 1, "prefill_chunk_tokens", f"must be >= 1, got {chunk}")
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(self.admission_policy in ("lpm", "fcfs"), "admission_policy",
                  f"must be 'lpm' or 'fcfs', got {self.admission_policy!r}")

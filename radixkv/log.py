@@ -16,7 +16,7 @@ def configure_logging(level: str = "info", json_lines: bool = False) -> None:
     """Console rendering in a terminal (dev), JSON lines otherwise or when asked."""
     as_json = json_lines or not sys.stderr.isatty()
     renderer = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
-    processors = [
+    processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso"),

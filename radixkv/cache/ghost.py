@@ -187,7 +187,7 @@ class GhostList:
             added += num
         self._grew(added, dropped)
 
-    def add_block(self, parent_hash: bytes, tokens: bytearray, block_hash: bytes) -> None:
+    def add_block(self, parent_hash: bytes, tokens: bytearray, block_hash: bytes | bytearray) -> None:
         """:meth:`add` of one evicted text block with no note (a decode step's eviction: the
         commonest), given apart: its parent's chained hash (``bytes``), packed tokens, chained
         hash (``bytes`` or a ``bytearray`` cut). Extending the open entry in front is inlined:

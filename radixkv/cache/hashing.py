@@ -326,7 +326,7 @@ class BlockHasher:
                              f"{type(data).__name__}") from None
         return self.hash_fn(MEDIA_DOMAIN + _enc(media_format) + _enc(tuple(shape)) + _enc(raw))
 
-    def hash_blocks(self, parent_hash: bytes, token_bytes: bytes, block_size: int,
+    def hash_blocks(self, parent_hash: bytes, token_bytes: bytes | bytearray, block_size: int,
                     extras: Sequence[bytes] | None = None) -> list[bytes]:
         """Chained hashes of the packed blocks in ``token_bytes`` (the insert hot path).
 

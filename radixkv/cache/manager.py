@@ -279,10 +279,7 @@ class CacheManager(CacheGauges):
                 not a multiple of 4, ``mm_items`` if malformed; nothing is changed then.
         """
         req = self._requests[request_id]
-        back = publish(req, self.tree, self.pool, self.hasher, token_ids, num_computed_tokens,
-                       mm_items, self.enable_prefix_caching, self.events,
-                       self.store if self.store is not None and self.store.write_mode == "all"
-                       else None, req.session_key)
+        back = publish(self, req, token_ids, num_computed_tokens, mm_items)
         if back:
             self.ghost.came_back(back)
 
@@ -304,7 +301,9 @@ class CacheManager(CacheGauges):
 
     def store_ready(self, request_id: str) -> bool:
         """The request's store load finished or passed its deadline."""
-        return self.store.is_ready(request_id)  # type: ignore[union-attr]
+        tier = self.store
+        assert tier is not None  # only for a load store_begin queued: a tier is attached
+        return tier.is_ready(request_id)
 
     def store_finish(self, request_id: str, prompt_token_ids: bytes) -> tuple[int, int, bool]:
         """Insert what the load verified (pool blocks + tree, as published). Returns the
@@ -313,13 +312,14 @@ class CacheManager(CacheGauges):
         wait for ``store_ready`` again)."""
         req = self._requests[request_id]
         tier = self.store
+        assert tier is not None  # as in store_ready
         loaded = bridge.finish_load(
-            tier, req, request_id, self._take_blocks,  # type: ignore[arg-type]
+            tier, req, request_id, self._take_blocks,
             lambda: self.pool.num_free_blocks + self.tree.num_evictable_blocks,
             lambda n: self.publish(request_id, prompt_token_ids, n), self.block_size)
         req.num_store_tokens += loaded
-        more = loaded == tier.max_blocks_per_load * self.block_size and bridge.start_load(  # type: ignore[union-attr]
-            tier, req, request_id, self.hasher.hash_blocks, prompt_token_ids,  # type: ignore[arg-type]
+        more = loaded == tier.max_blocks_per_load * self.block_size and bridge.start_load(
+            tier, req, request_id, self.hasher.hash_blocks, prompt_token_ids,
             len(prompt_token_ids) >> 2, self.block_size)
         return req.num_cached_tokens, loaded, more
 

@@ -275,7 +275,7 @@ class BlockPool:
         self._num_private -= num
         self._num_cached += num
 
-    def free_cached(self, block_ids: list[int] | array) -> None:
+    def free_cached(self, block_ids: Sequence[int]) -> None:
         """Return blocks the tree evicted (in eviction order) to the free list.
 
         Like :meth:`to_cached`, the hot path checks the run's ends and the cached count, then
@@ -318,7 +318,7 @@ class BlockPool:
         self._num_cached -= 1
         self._free.append(block_id)
 
-    def _check_free_cached(self, block_ids: list[int]) -> None:
+    def _check_free_cached(self, block_ids: Sequence[int]) -> None:
         """Check every block of a :meth:`free_cached` call before anything changes."""
         own = self._own
         if len(block_ids) > self._num_cached:

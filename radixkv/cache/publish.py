@@ -9,7 +9,7 @@ are reused for the very tokens it compared.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from radixkv.cache.events import KVEventLog
 from radixkv.cache.hashing import BlockHasher, block_extras, pack_tokens, validate_mm_items
@@ -17,28 +17,48 @@ from radixkv.cache.pool import BlockPool
 from radixkv.cache.request_state import RequestState
 from radixkv.cache.store.bridge import write_published
 from radixkv.cache.store.tier import StoreTier
+from radixkv.cache.tree.node import Node
 from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.config import check_int
 
 
-def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHasher,
-        token_ids: Sequence[int] | bytes, num_computed_tokens: int,
-        mm_items: Sequence[Sequence] | None, enable_prefix_caching: bool,
-        events: KVEventLog | None = None, store: StoreTier | None = None,
-        session_key: str | None = None) -> list:
-    """Insert every full, computed block of ``req`` not yet published into ``tree``.
+class PublishTarget(Protocol):
+    """What publishing reads of the cache (``CacheManager``, which calls :func:`publish`)."""
+
+    @property
+    def tree(self) -> RadixTree: ...
+    @property
+    def pool(self) -> BlockPool: ...
+    @property
+    def hasher(self) -> BlockHasher: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def events(self) -> KVEventLog | None: ...
+    @property
+    def store(self) -> StoreTier | None: ...
+
+
+def publish(cache: PublishTarget, req: RequestState, token_ids: Sequence[int] | bytes,
+            num_computed_tokens: int, mm_items: Sequence[Sequence] | None) -> list:
+    """Insert every full, computed block of ``req`` not yet published into ``cache.tree``.
 
     Arguments, errors and effects as ``CacheManager.publish``; ``req`` is advanced in place
     (``num_computed_tokens``, ``num_published_blocks``, ``cursor``, ``last_hash``, duplicates)
-    and the inserted blocks pass from the request to the tree in ``pool``. ``events`` records
-    the newly inserted run (none when every block was already cached); ``store`` (a tier in
-    ``all`` write mode) is asked to write it. The node receiving the blocks takes
-    ``session_key``.
+    and the inserted blocks pass from the request to the tree in ``cache.pool``.
+    ``cache.events`` records the newly inserted run (none when every block was already
+    cached); ``cache.store``, in ``all`` write mode, is asked to write it. The node receiving
+    the blocks takes ``req.session_key``.
 
     Returns:
         The ghost runs (``GhostRun``) this insert brought back whose notes went to the policy's
         ``on_ghost_hit`` (for ``GhostList.came_back``); usually empty.
     """
+    tree, pool, hasher, events = cache.tree, cache.pool, cache.hasher, cache.events
+    store = cache.store
+    if store is not None and store.write_mode != "all":
+        store = None
+    session_key = req.session_key
     bs = tree.block_size
     packed = isinstance(token_ids, (bytes, bytearray))
     if packed and len(token_ids) & 3:
@@ -60,25 +80,27 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
     if items is not None and items != req.mm_items:
         req.mm_items, req.known_hashes, req.ghost_notes = items, [], []
     start = req.num_published_blocks
-    if num_full <= start or not enable_prefix_caching:
+    if num_full <= start or not cache.enable_prefix_caching:
         return []
+    cursor: Node = req.cursor  # type: ignore[assignment]  # None only with prefix caching off
+    root_hash = req.root.root_hash  # type: ignore[union-attr]  # as cursor
     # (a slice of the engine's bytearray is a bytearray: fine for the fast path, which only
     # hashes and appends it; the general insert keys children by bytes)
-    tb = (token_ids[start * 4 * bs : num_full * 4 * bs] if packed
-          else pack_tokens(token_ids[start * bs : num_full * bs]))
+    tb: bytes | bytearray = (token_ids[start * 4 * bs : num_full * 4 * bs]  # type: ignore[assignment]  # packed: bytes
+                             if packed else pack_tokens(token_ids[start * bs : num_full * bs]))
     # An array slice (one memcpy): the fast path appends it to the leaf's array as is.
     ids = req.block_table[start:num_full]
     if not req.mm_items and not req.known_hashes:
-        last_hash = tree.extend_leaf(req.cursor, tb, ids, hasher)
+        last_hash = tree.extend_leaf(cursor, tb, ids, hasher)
         if last_hash is not None:  # the request extended its own leaf
             pool.to_cached(ids)
             req.last_hash = last_hash
             req.num_published_blocks = num_full
             if events is not None:
-                events.stored(req.root.root_hash, req.cursor, len(ids))
+                events.stored(root_hash, cursor, len(ids))
             if store is not None:
-                write_published(store, req.root.root_hash, req.cursor, len(ids))
-            req.cursor.session_key = session_key
+                write_published(store, root_hash, cursor, len(ids))
+            cursor.session_key = session_key
             return []
     if type(tb) is not bytes:
         tb = bytes(tb)
@@ -101,14 +123,14 @@ def publish(req: RequestState, tree: RadixTree, pool: BlockPool, hasher: BlockHa
             req.known_hashes = []
         if not req.known_hashes:
             req.ghost_notes = []
-    result = tree.insert(req.cursor, tb, ids, hasher, extras=extras, known_hashes=known,
+    result = tree.insert(cursor, tb, ids, hasher, extras=extras, known_hashes=known,
                          ghost_notes=[(i, note) for i, note, _ in noted], session_key=session_key)
     result.node.session_key = session_key
     pool.to_cached(result.inserted_ids)
     if events is not None and result.inserted_ids:
-        events.stored(req.root.root_hash, result.node, len(result.inserted_ids))
+        events.stored(root_hash, result.node, len(result.inserted_ids))
     if store is not None and result.inserted_ids and not req.mm_items:
-        write_published(store, req.root.root_hash, result.node, len(result.inserted_ids))
+        write_published(store, root_hash, result.node, len(result.inserted_ids))
     if result.duplicate_ids:
         req.duplicate_ids += result.duplicate_ids
     req.cursor = result.node

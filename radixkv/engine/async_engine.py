@@ -32,9 +32,10 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Sequence, cast
 
 from radixkv.cache.events import KVEventLog
+from radixkv.cache.store.backend import StoreBackend
 from radixkv.config import EngineConfig, check_int
 from radixkv.engine.async_lora import AsyncLoRAMixin
 from radixkv.engine.kv_events import KVEventPublisher, KVEventsConfig
@@ -94,7 +95,7 @@ class AsyncEngine(AsyncLoRAMixin):
                  tokenizer_workers: int | None = None,
                  max_tokenize_queue: int = DEFAULT_MAX_TOKENIZE_QUEUE,
                  kv_events: KVEventsConfig | KVEventPublisher | None = None,
-                 store_backend: object | None = None) -> None:
+                 store_backend: StoreBackend | None = None) -> None:
         if max_queue is not None:
             check_int("max_queue", max_queue, minimum=0)
         self._engine = LLMEngine(config, model, store_backend=store_backend)
@@ -127,14 +128,15 @@ class AsyncEngine(AsyncLoRAMixin):
         if publisher is not None and publisher.block_size != self.block_size:
             raise ValueError(f"kv_events: a publisher for block size {publisher.block_size}, "
                              f"the engine uses {self.block_size}")
-        if kv_events is not None and (publisher is not None or kv_events.enabled):
+        if publisher is not None or (isinstance(kv_events, KVEventsConfig) and kv_events.enabled):
             if not config.cache.enable_prefix_caching:  # nothing is ever cached to announce
                 log.warning("kv_events_off_without_prefix_caching")
                 if publisher is not None:
                     publisher.close()
             else:
                 self._engine.cache.events = KVEventLog(self.block_size)
-                self.kv_events = publisher or KVEventPublisher(kv_events, self.block_size)
+                self.kv_events = publisher or KVEventPublisher(cast(KVEventsConfig, kv_events),
+                                                               self.block_size)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -402,10 +404,11 @@ class AsyncEngine(AsyncLoRAMixin):
 
     def _publish_events(self) -> None:
         """One batch per step that stored or removed blocks (engine thread)."""
-        if self.kv_events is not None:
+        event_log = self._engine.cache.events  # set whenever kv_events is
+        if self.kv_events is not None and event_log is not None:
             if self._engine.store is not None:
-                self._engine.store.drain_kv_events(self._engine.cache.events)
-            events = self._engine.cache.events.drain()
+                self._engine.store.drain_kv_events(event_log)
+            events = event_log.drain()
             if events:
                 self.kv_events.publish(events)
 

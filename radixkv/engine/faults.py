@@ -12,7 +12,7 @@ thread stops and the server answers 503 ``engine_dead`` from then on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,7 +21,7 @@ from radixkv.log import get_logger
 
 if TYPE_CHECKING:
     from radixkv.cache.manager import CacheManager
-    from radixkv.engine.scheduler import Scheduler
+    from radixkv.engine.scheduler import ScheduledChunk, Scheduler
     from radixkv.engine.stats import EngineStats
 
 log = get_logger(__name__)
@@ -99,13 +99,14 @@ def num_unfinished(group: list[Request], culprit: Request | None = None) -> int:
 class FaultHost(Protocol):
     """What the fault functions need of the engine (``LLMEngine``; engine thread only)."""
 
-    _groups: dict[str, list[Request]]
-    scheduler: Scheduler
-    cache: CacheManager
-    stats: EngineStats
-
-    def _end_group(self, group: list[Request]) -> None: ...
-
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def cache(self) -> CacheManager: ...
+    @property
+    def stats(self) -> EngineStats: ...
+    def pop_group(self, group_id: str) -> list[Request] | None: ...
+    def end_group(self, group: list[Request]) -> None: ...
     def discard_request(self, req: Request) -> None: ...
 
 
@@ -132,7 +133,7 @@ def fail_request(engine: FaultHost, req: Request, exc: BaseException, *, check: 
     """
     if is_fatal(exc):
         raise exc
-    group = engine._groups.pop(req.group_id, None)
+    group = engine.pop_group(req.group_id)
     live = group is not None
     if group is None:  # its group already ended, or it was never added
         group = [req]
@@ -154,7 +155,7 @@ def fail_request(engine: FaultHost, req: Request, exc: BaseException, *, check: 
         outputs.append(make_output(member, [], "", finished=True))
     engine.stats.record_failure(num_sequences=num_sequences, tenant=req.tenant)
     if live:
-        engine._end_group(group)
+        engine.end_group(group)
     elif not req.admitted:
         engine.discard_request(req)  # made but never added: its adapter hold is still taken
     if check:
@@ -162,7 +163,7 @@ def fail_request(engine: FaultHost, req: Request, exc: BaseException, *, check: 
     return outputs
 
 
-def fail_step(engine: FaultHost, chunks: list[Any], exc: Exception) -> list[RequestOutput]:
+def fail_step(engine: FaultHost, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
     """The batched forward (or building it) failed: every request in it ends with
     ``"error"``; the cache's integrity decides whether the engine goes on."""
     if is_fatal(exc):

@@ -303,7 +303,7 @@ class KVEventPublisher:
             self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         pub = ctx.socket(zmq.PUB)
         replay = None
         try:
@@ -357,7 +357,7 @@ class KVEventPublisher:
                 self._send(pub, events)
             while replay is not None and replay.poll(0):
                 self._answer_replay(replay)
-            if self._replays:
+            if self._replays and replay is not None:  # replays come only through it
                 self._pump_replays(replay)
 
     def _send(self, pub: zmq.Socket, events: list[tuple]) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from radixkv.cache.hashing import CacheIdentity
 from radixkv.cache.manager import CacheManager
+from radixkv.cache.store.backend import StoreBackend
 from radixkv.config import GIB, EngineConfig, check_token_ids
 from radixkv.engine.adapters import LoRAAdapters
 from radixkv.engine.detokenizer import IncrementalDetokenizer
@@ -87,7 +88,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *,
-                 store_backend: object | None = None) -> None:
+                 store_backend: StoreBackend | None = None) -> None:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -292,7 +293,11 @@ class LLMEngine:
         """End ``req`` on a fault of its own (``radixkv.engine.faults.fail_request``)."""
         return fail_request(self, req, exc, check=check)
 
-    def _end_group(self, group: list[Request]) -> None:
+    def pop_group(self, group_id: str) -> list[Request] | None:
+        """Take a live request's choices out of the engine (None: ended, or never added)."""
+        return self._groups.pop(group_id, None)
+
+    def end_group(self, group: list[Request]) -> None:
         """The request (all its choices) is over: its adapter is no longer held."""
         adapter = group[0].adapter
         if adapter is not None:
@@ -317,7 +322,7 @@ class LLMEngine:
                 outputs.append(make_output(req, [], "", finished=True))
         if outputs:
             self.stats.record_abort(num_sequences=num_unfinished(group), tenant=group[0].tenant)
-        self._end_group(group)
+        self.end_group(group)
         return outputs
 
     @property
@@ -469,7 +474,7 @@ class LLMEngine:
             group = self._groups.get(req.group_id)
             if group is not None and all(r.is_finished for r in group):
                 del self._groups[req.group_id]
-                self._end_group(group)
+                self.end_group(group)
         return make_output(req, [token], text, finished=reason is not None)
 
     def reset_prefix_cache(self) -> int:

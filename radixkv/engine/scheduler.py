@@ -70,6 +70,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, cache: CacheManager, stats: EngineStats) -> None:
         self.config = config
+        #: ``config.prefill_chunk_tokens`` (an int once the config is built; frozen).
+        self._chunk_tokens: int = config.prefill_chunk_tokens or config.max_num_batched_tokens
         self.cache = cache
         self.stats = stats
         self.waiting: deque[Request] = deque()
@@ -114,7 +116,7 @@ class Scheduler:
 
     def _chunk_size(self, req: Request, start: int, budget: int) -> int:
         remaining = len(req.token_ids) - start
-        return min(remaining, self.config.prefill_chunk_tokens, budget)
+        return min(remaining, self._chunk_tokens, budget)
 
     def _next_waiting(self) -> Request:
         """The waiting request to admit next (see the module docstring for the order)."""

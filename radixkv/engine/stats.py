@@ -15,22 +15,36 @@ import bisect
 import math
 import threading
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
-from radixkv.eviction.cost_model import saved_prefill_flops
+from radixkv.eviction.cost_model import CostShape, saved_prefill_flops
 
 
 class _CacheGauges(Protocol):
-    block_size: int
-    num_blocks: int
-    eviction_policy: str
-    enable_prefix_caching: bool
-    num_free_blocks: int
-    num_cached_evictable_blocks: int
-    num_in_use_blocks: int
-    num_tree_nodes: int
-    num_cached_blocks: int
-    evicted_blocks_total: int
+    """What ``EngineStats.snapshot`` reads of the cache (``CacheManager``): read-only gauges."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def eviction_policy(self) -> str: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_cached_evictable_blocks(self) -> int: ...
+    @property
+    def num_in_use_blocks(self) -> int: ...
+    @property
+    def num_tree_nodes(self) -> int: ...
+    @property
+    def num_cached_blocks(self) -> int: ...
+    @property
+    def evicted_blocks_total(self) -> int: ...
+    @property
+    def miss_tokens(self) -> Mapping[str, int]: ...
 
 
 # Prometheus-style upper bounds (seconds) of the TTFT / ITL histograms.
@@ -137,7 +151,7 @@ class EngineStats:
             the prefill FLOPs it saved to ``saved_prefill_flops_total``.
     """
 
-    def __init__(self, cost_shape: Any = None) -> None:
+    def __init__(self, cost_shape: CostShape | None = None) -> None:
         self._lock = threading.Lock()
         self.totals = Counters()
         self.tenants: dict[str, Counters] = {}

@@ -151,7 +151,8 @@ def _write_tokenizer(model: LoadedModel, target: Path) -> None:
         if value is not None:
             config[key] = str(value)
     _write_json(config_path, config)
-    special = {key: str(getattr(hf, key)) for key in _SPECIAL_KEYS if getattr(hf, key, None) is not None}
+    special: dict[str, str | list[str]] = {
+        key: str(getattr(hf, key)) for key in _SPECIAL_KEYS if getattr(hf, key, None) is not None}
     extra = [str(t) for t in getattr(hf, "additional_special_tokens", None) or []]
     if extra:
         special["additional_special_tokens"] = extra

@@ -340,7 +340,7 @@ def read_gguf(path: Path, *, progress: Callable[[int, int], None] | None = None
             # views of it), and no read-only mmap reaches torch.
             raw = np.empty(info.num_bytes, dtype=np.uint8)
             handle.seek(info.offset_bytes)
-            if handle.readinto(raw) != info.num_bytes:
+            if handle.readinto(raw.data) != info.num_bytes:
                 raise ValueError(f"model: GGUF tensor {info.name!r} is truncated: {path}")
             weight = dequantize(raw, info.ggml_type, info.shape)
             if hf_name.endswith("q_proj.weight"):

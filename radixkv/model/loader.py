@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # Tokenizers must never reach for the network (the GGUF and HF dirs carry everything).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,6 +35,9 @@ from .config import ModelShape  # noqa: E402
 from .digest import cache_dir, file_sha256  # noqa: E402
 from .hf_loader import generation_eos_ids, hf_revision, load_hf_weights, read_hf_config, shape_from_hf_config  # noqa: E402
 from .tokenizer import ChatTokenizer  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["LoadedModel", "load_model", "embedded_gguf_path", "embedded_tokenizer_dir", "EMBEDDED_PACKAGE"]
 
@@ -89,7 +93,7 @@ def _load_tokenizer(source: Path, *, gguf_file: str | None = None):
     return AutoTokenizer.from_pretrained(str(source), gguf_file=gguf_file)
 
 
-def _tokenizers_backend() -> type | None:
+def _tokenizers_backend() -> type[PreTrainedTokenizerBase] | None:
     """transformers >= 5's generic fast tokenizer class (None before 5)."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend

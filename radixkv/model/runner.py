@@ -73,9 +73,9 @@ class ForwardBatch:
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         """Copy of the batch with every tensor on ``device``."""
-        return ForwardBatch(*(getattr(self, f).to(device) for f in (
-            "input_ids", "positions", "qo_indptr", "prefix_lens", "block_tables", "slot_mapping")),
-            lora=self.lora)
+        return ForwardBatch(self.input_ids.to(device), self.positions.to(device),
+                            self.qo_indptr.to(device), self.prefix_lens.to(device),
+                            self.block_tables.to(device), self.slot_mapping.to(device), lora=self.lora)
 
 
 class ModelRunner:

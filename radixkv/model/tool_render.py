@@ -37,7 +37,7 @@ def _dumps(value: Any) -> str:
 
 def template_handles_tools(template: str | None) -> bool:
     """True when the Jinja template references both ``tools`` and ``tool_calls``."""
-    return bool(template) and "tools" in template and "tool_calls" in template
+    return template is not None and "tools" in template and "tool_calls" in template
 
 
 def _call_text(call: dict) -> str:

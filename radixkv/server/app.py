@@ -189,6 +189,7 @@ async def tokenize(request: web.Request) -> web.Response:
         tokens = await tokenize_chat(engine, req.messages, req.tools, known, fit=False,
                                      template_kwargs=req.chat_template_kwargs)
     else:  # the engine encodes on its tokenizer pool, off the event loop
+        assert req.prompt is not None  # exactly one of messages / prompt (parser)
         tokens = await tokenize_text(engine, req.prompt, fit=False)
     return json_response({"tokens": list(tokens), "count": len(tokens),
                           "max_model_len": engine.max_model_len})
@@ -224,6 +225,7 @@ async def stats(request: web.Request) -> web.Response:
     engine = state.engine
     if state.keys is None:
         return json_response(engine.stats())
+    assert tenant is not None and tenant.name is not None  # keys on: a named tenant (auth)
     if tenant.admin:
         out = engine.stats()
         names = sorted(set(state.keys.tenant_names) | set(engine.engine_stats.tenant_names()))
@@ -358,7 +360,7 @@ async def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, 
             await site.start()
         bound_port = runner.addresses[0][1]
         log.info("server_listening", url=f"http://{host}:{bound_port}", model=engine.model_name,
-                 tenants=len(app[STATE_KEY].keys.tenant_names) if api_keys else None)
+                 tenants=len(keys.tenant_names) if (keys := app[STATE_KEY].keys) is not None else None)
         if ready is not None:
             ready(bound_port)
         await stop.wait()

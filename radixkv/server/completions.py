@@ -70,11 +70,13 @@ def _token_ids(ids: list, param: str) -> list[int]:
     (``radixkv.config.check_token_ids``)."""
     if not ids:
         raise bad_request(f"'{param}' must not be empty", param)
-    out = [as_int(t) for t in ids]
-    for i, t in enumerate(out):
-        if t is None:
-            raise bad_request(f"'{param}[{i}]' must be a token id (an integer), got {ids[i]!r}",
+    out: list[int] = []
+    for i, t in enumerate(ids):
+        v = as_int(t)
+        if v is None:
+            raise bad_request(f"'{param}[{i}]' must be a token id (an integer), got {t!r}",
                               f"{param}[{i}]")
+        out.append(v)
     return out
 
 
@@ -109,7 +111,8 @@ def parse_prompts(prompt: Any) -> tuple[PromptInput, ...]:
     return tuple(out)
 
 
-def parse_completion_request(body: dict[str, Any], served_model: str) -> CompletionRequest:
+def parse_completion_request(body: dict[str, Any], served_model: str | tuple[str, ...]
+                             ) -> CompletionRequest:
     """Validate a ``/v1/completions`` body.
 
     Raises:

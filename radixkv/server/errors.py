@@ -152,9 +152,10 @@ async def error_middleware(
     except web.HTTPException as exc:
         if exc.status < 400:  # redirects and the like pass through untouched
             raise
-        err = _from_http_exception(exc)
-        log.info("request_rejected", path=request.path, status=err.status, message=err.message)
-        return error_response(err)
+        api_err = _from_http_exception(exc)
+        log.info("request_rejected", path=request.path, status=api_err.status,
+                 message=api_err.message)
+        return error_response(api_err)
     except Exception:
         # CancelledError (client gone) is a BaseException and is deliberately not caught here.
         return error_response(server_fault(request, "unhandled_server_error"))

@@ -37,8 +37,9 @@ from radixkv.server.errors import (
 )
 from radixkv.server.multi_prompt import PromptAdmissionError, admit_prompts
 from radixkv.server.output_memory import OutputMemory, ids_for_text, off_engine_thread
+from radixkv.server.params import Sampling
 from radixkv.server.prefix_memory import PrefixMemory
-from radixkv.server.responses import SSE_DONE, usage
+from radixkv.server.responses import SSE_DONE, ChatCompletion, TextCompletion, usage
 from radixkv.server.tokenization import tokenize_errors
 from radixkv.server.tool_calls import ToolCallOptions, memory_key
 
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine, RequestOutput, RequestStream
 
 log = structlog.get_logger(__name__)
+
+#: The response builder of a request (ids, chunks, the final body) for its endpoint.
+ResponseShape = ChatCompletion | TextCompletion
 
 OUTCOMES = ("stop", "length", "abort", "rejected", "overloaded", "error")
 # Request-scoped key: how a completion request ended (web.RequestKey from aiohttp 3.12).
@@ -225,8 +229,8 @@ def resolve_max_tokens(requested: int | None, default: int | None, param: str,
     return requested
 
 
-async def generate_response(request: web.Request, state: ServerState, shape: Any, *,
-                            prompt: list[int], sampling: Any, max_tokens: int,
+async def generate_response(request: web.Request, state: ServerState, shape: ResponseShape, *,
+                            prompt: list[int], sampling: Sampling, max_tokens: int,
                             tenant: Tenant | None, cache_salt: str | None, prompt_param: str,
                             remember: Remember | None = None,
                             lora_name: str | None = None,
@@ -259,22 +263,23 @@ async def generate_response(request: web.Request, state: ServerState, shape: Any
                             tenant=tenant.name if tenant is not None else None,
                             lora_name=lora_name, session_key=session_key)
     except PromptAdmissionError as err:
-        exc, prompt_param = err.cause, err.prompt_param
-        if isinstance(exc, QueueFullError):
+        cause, prompt_param = err.cause, err.prompt_param
+        if isinstance(cause, QueueFullError):
             if len(runs) > 1:
-                raise queue_full(f"{prompt_param}: {exc}") from exc
-            raise queue_full(str(exc)) from exc
-        if isinstance(exc, ValueError):
-            raise engine_value_error(exc, prompt_param) from exc
-        if isinstance(exc, EngineDeadError):
-            raise engine_dead() from exc
-        raise exc from None
+                raise queue_full(f"{prompt_param}: {cause}") from cause
+            raise queue_full(str(cause)) from cause
+        if isinstance(cause, ValueError):
+            raise engine_value_error(cause, prompt_param) from cause
+        if isinstance(cause, EngineDeadError):
+            raise engine_dead() from cause
+        raise cause from None
     # Pairs the client's X-Request-Id (bound in the log context) with the engine's id, which
     # the engine thread's own lines (aborts, preemptions, faults) carry as request_id.
     log.info("request_admitted", completion_id=shape.id, num_prompts=len(runs))
     try:
         with tokenize_errors():  # decoded once the engine has checked the ids
-            for p in echo_prompts:
+            for p in echo_prompts:  # (echo: a /v1/completions field)
+                assert isinstance(shape, TextCompletion)
                 shape.echoes[p] = await engine.detokenize(runs[p][0], skip_special_tokens=False)
         first = await _first_output(gen)
         n = sampling.n * len(runs)
@@ -318,7 +323,7 @@ def _finish_outcome(last: dict[int, RequestOutput]) -> str:
     return "abort" if "abort" in reasons else "length" if "length" in reasons else "stop"
 
 
-async def _respond_json(request: web.Request, shape: Any, gen: RequestStream,
+async def _respond_json(request: web.Request, shape: ResponseShape, gen: RequestStream,
                         first: RequestOutput, n: int, remember: Remember | None) -> web.Response:
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     ids: dict[int, list[int]] = {i: [] for i in range(n)}
@@ -347,7 +352,7 @@ async def _respond_json(request: web.Request, shape: Any, gen: RequestStream,
     return json_response(shape.response(choices, _usage(last), **extra))
 
 
-async def _respond_stream(request: web.Request, shape: Any, gen: RequestStream,
+async def _respond_stream(request: web.Request, shape: ResponseShape, gen: RequestStream,
                           first: RequestOutput, n: int, remember: Remember | None
                           ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",

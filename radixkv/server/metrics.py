@@ -31,7 +31,7 @@ try:
     )
     from prometheus_client.utils import floatToGoString
 except ImportError:  # pragma: no cover - a declared dependency; /metrics says so if missing
-    CollectorRegistry = None  # type: ignore[assignment,misc]
+    CollectorRegistry = None  # type: ignore[assignment,misc]  # the class is absent: /metrics says so
 
 # (name without _total, /stats key, help)
 _COUNTERS = (

@@ -184,7 +184,7 @@ def openapi_document(model_name: str) -> dict:
     text_ok = {"description": "A text_completion, or with stream: true an SSE stream of them.",
                "content": {"application/json": {"schema": _ref("Completion")},
                            "text/event-stream": {"schema": _ref("Completion")}}}
-    bearer = [{"bearer": []}]
+    bearer: list[dict[str, list[str]]] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
         "info": {"title": "radixkv", "version": "0.1.0",

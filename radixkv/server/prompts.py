@@ -124,8 +124,11 @@ async def completion_prompts(state: ServerState, req: CompletionRequest,
     ids: list[list[int]] = []
     with tokenize_errors():  # a full tokenizer queue: 503
         for p in prompts:
-            ids.append(p.ids if p.ids is not None
-                       else await tokenize_with_memory(engine, state.prefixes, salt, p.text))
+            if p.ids is not None:
+                ids.append(p.ids)
+            else:
+                assert p.text is not None  # a PromptInput has ids or text
+                ids.append(await tokenize_with_memory(engine, state.prefixes, salt, p.text))
     for p, prompt in zip(prompts, ids):  # here, not only in the engine: render must refuse too
         try:
             check_token_ids(p.param, prompt, engine.vocab_size)

@@ -266,7 +266,7 @@ def parse_template_kwargs(body: dict) -> dict[str, Any] | None:
     return kwargs or None
 
 
-def parse_chat_request(body: dict[str, Any], served_model: str) -> ChatRequest:
+def parse_chat_request(body: dict[str, Any], served_model: str | tuple[str, ...]) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body (fields per ``param_table.CHAT_PARAMS``).
 
     Raises:
@@ -299,7 +299,7 @@ class TokenizeRequest:
     chat_template_kwargs: dict[str, Any] | None = None  # as for ChatRequest (messages only)
 
 
-def parse_tokenize_request(body: dict[str, Any], served_model: str) -> TokenizeRequest:
+def parse_tokenize_request(body: dict[str, Any], served_model: str | tuple[str, ...]) -> TokenizeRequest:
     """Validate a ``/tokenize`` body (vLLM's shape).
 
     ``{"model", "messages", "tools"?}`` renders the chat template exactly as a chat request

@@ -17,9 +17,10 @@ def reply_message(response: Any) -> dict[str, Any] | None:
     body = (response or {}).get("body") if isinstance(response, dict) else None
     if isinstance(body, dict):
         body = body.get("string")
+    if not isinstance(body, (str, bytes)):
+        return None
     try:
-        parsed = json.loads(body) if isinstance(body, (str, bytes)) else None
-        message = parsed["choices"][0]["message"]
+        message = json.loads(body)["choices"][0]["message"]
     except (ValueError, KeyError, IndexError, TypeError):
         return None
     return message if isinstance(message, dict) else None

@@ -123,6 +123,12 @@ class ChatSession:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def _client(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            raise RuntimeError("ChatSession: open it with `async with` before a request")
+        return self._http
+
     async def close(self) -> None:
         if self._http is not None and not self._http.closed:
             await self._http.close()
@@ -140,7 +146,7 @@ class ChatSession:
                 return  # the server has no model listing: nothing to check against
             raise
         data = body.get("data") if isinstance(body, dict) else None
-        ids = [m.get("id") for m in data or [] if isinstance(m, dict) and m.get("id")]
+        ids: list[str] = [m["id"] for m in data or [] if isinstance(m, dict) and m.get("id")]
         if self.model is None:
             if not ids:
                 raise ChatError("GET /v1/models lists no model (pass --model)")
@@ -154,7 +160,7 @@ class ChatSession:
         self.history = [{"role": "system", "content": self.system}] if self.system else []
 
     async def _get(self, path: str) -> Any:
-        async with self._http.get(self.url + path) as resp:
+        async with self._client.get(self.url + path) as resp:
             body = await _json_or_text(resp)
             if resp.status != 200:
                 raise ChatError(_error_message(resp.status, body))
@@ -181,7 +187,7 @@ class ChatSession:
         parts: list[str] = []
         usage: dict[str, Any] = {}
         finish = None
-        async with self._http.post(self.url + "/v1/chat/completions", json=body) as resp:
+        async with self._client.post(self.url + "/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
                 raise ChatError(_error_message(resp.status, await _json_or_text(resp)))
             async for raw in resp.content:

@@ -117,7 +117,8 @@ def write_published(tier: StoreTier, root_hash: bytes, node: Node, count: int, *
     bb = 4 * node.block_size
     n = len(node.block_ids)
     first = n - count
-    parent = node.block_hash(first - 1) if first else node.parent.end_hash  # type: ignore[union-attr]
+    parent = (node.block_hash(first - 1) if first
+              else node.parent.end_hash)  # type: ignore[union-attr]  # a published node is no root
     tier.write(root_hash, parent, node.hash_list(first), bytes(node.tokens[first * bb :]),
                node.block_ids[first:], node.depth_tokens // node.block_size + first, defer=defer)
 

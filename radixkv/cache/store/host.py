@@ -114,7 +114,7 @@ class HostStore(StoreBackend):
         self._clock = clock
         policy.bind_clock(clock)
         self._lock = threading.Lock()
-        self._leaves = LeafIndex(policy)
+        self._leaves: LeafIndex[_Entry] = LeafIndex(policy)
         self._notify_policy = not self._leaves.by_priority
         self._uids = itertools.count(1)
         self._entries: dict[str, _Entry] = {}
@@ -159,7 +159,7 @@ class HostStore(StoreBackend):
                 if entry is None:
                     values.append(None)
                     continue
-                self._leaves.record_hit(entry, now)  # type: ignore[arg-type]
+                self._leaves.record_hit(entry, now)
                 values.append(entry.value)
         out: list[int] = []
         for value, ptr, size in zip(values, ptrs, sizes):
@@ -215,12 +215,12 @@ class HostStore(StoreBackend):
                 self._refused_total += 1
                 return False
             need -= len(victim.value)
-            self._delete(victim)  # type: ignore[arg-type]
+            self._delete(victim)
             self._evicted_total += 1
             if len(self._pending_evicted) >= self._max_pending:
                 self._pending_evicted.popleft()
                 self._evicted_dropped_total += 1
-            self._pending_evicted.append(victim.key)  # type: ignore[union-attr]
+            self._pending_evicted.append(victim.key)
         entry = _Entry(e.key, parent, value, next(self._uids), e.depth_tokens,
                        self.block_size, self._clock())
         self._entries[e.key] = entry

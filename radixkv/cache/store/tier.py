@@ -27,14 +27,19 @@ import time
 from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
+from radixkv.cache.events import KVEventLog
 from radixkv.cache.store.backend import WRITE_MODES, PutEntry, StoreBackend
-from radixkv.cache.store.loads import LoadJob, run_load
+from radixkv.cache.store.loads import LoadJob
 from radixkv.cache.store.staging import StagingArena, gather_block, scatter_block
 from radixkv.cache.store.value import (
+    CHECKSUM_BYTES,
     BlockLayout,
+    check_value,
+    encode_header,
+    payload_checksum,
     store_key,
 )
-from radixkv.cache.store.writes import WriteItem, drain_kv_events, run_write
+from radixkv.cache.store.writes import WriteItem, stored_runs
 from radixkv.errors import StoreError
 from radixkv.log import get_logger
 
@@ -48,6 +53,8 @@ MAX_DEFERRED_BLOCKS = 1 << 14
 PRESENT_MEMO_SIZE = 1 << 16
 #: Seconds ``reset`` waits for the writes queued before it (host puts: memory copies).
 RESET_WRITES_TIMEOUT_S = 5.0
+#: The checksum field as ``encode_header`` expects it when only the header is compared.
+_ZERO_CHECKSUM = bytes(CHECKSUM_BYTES)
 
 
 class StoreTier:
@@ -244,7 +251,7 @@ class StoreTier:
             if job is None:
                 return
             if not job.abandoned:
-                run_load(self, job)
+                self._run_load(job)
             with self.lock:
                 job.done = True
                 abandoned = job.abandoned
@@ -253,6 +260,65 @@ class StoreTier:
                 self.read_arena.give(job.slots)
                 job.slots = []
             self._done.set()
+
+    def _run_load(self, job: LoadJob) -> None:
+        """Look ``job``'s keys up, fetch the present run into staging slots and keep the
+        verified leading blocks in ``job.slots`` (loader thread).
+
+        The run served is the longest prefix of the candidate blocks that is present, fetched
+        whole and verified; the first value that fails its check ends it (a chain past a bad
+        block is useless), and its reason is counted (``header``: stale, colliding or foreign
+        entry; ``size``; ``checksum``: corrupt payload).
+        """
+        layout, vb = self.layout, self.value_bytes
+        keys = [store_key(layout, job.root, h) for h in job.hashes]
+        started = time.perf_counter()
+        slots: list[int] = []
+        self.wait_written(keys, job.deadline_s)
+        try:
+            present = self.backend.exists(keys)
+            run = 0
+            while run < len(keys) and present[run]:
+                run += 1
+            job.num_present = run
+            self.count("lookup_blocks_total", len(keys))
+            self.count("miss_blocks_total", len(keys) - run)
+            slots = self.read_arena.take(run)
+            got = self.backend.get_into(keys[: len(slots)],
+                                        [self.read_arena.ptr(s) for s in slots],
+                                        [vb] * len(slots)) if slots else []
+        except StoreError as exc:
+            self.read_arena.give(slots)
+            job.error = True
+            self.mark_down("load", exc)
+            return
+        if self.on_fetch_latency is not None:
+            self.on_fetch_latency(time.perf_counter() - started)
+        bb = 4 * layout.block_size
+        verified = 0
+        parent = job.parent_hash
+        for i, slot in enumerate(slots):
+            if got[i] < 0:  # gone since exists(): a plain miss from here on
+                break
+            expected = encode_header(layout, job.root, job.hashes[i], parent,
+                                     job.token_bytes[i * bb : (i + 1) * bb], _ZERO_CHECKSUM)
+            reason = "size" if got[i] != vb else check_value(
+                expected, self.read_arena.slot_view(slot, vb))
+            if reason is not None:
+                with self.lock:
+                    self.counters["rejected_blocks_total"] += 1
+                    self.rejected_by_reason[reason] += 1
+                log.warning("kv_store_value_rejected", reason=reason,
+                            block_hash=job.hashes[i].hex(), request_id=job.request_id)
+                job.num_rejected = run - i
+                break
+            verified += 1
+            parent = job.hashes[i]
+        self.read_arena.give(slots[verified:])
+        job.slots = slots[:verified]
+        with self.lock:
+            self.counters["hit_blocks_total"] += verified
+            self.counters["read_bytes_total"] += verified * vb
 
     # ---- writes --------------------------------------------------------------------------
     def _remember(self, key: str) -> None:
@@ -321,7 +387,7 @@ class StoreTier:
         slots = self.write_arena.take(1)
         if not slots:
             return False
-        gather_block(self.write_arena.ptr(slots[0]) + self.header_bytes, self._bases,  # type: ignore[arg-type]
+        gather_block(self.write_arena.ptr(slots[0]) + self.header_bytes, self._bases,  # type: ignore[arg-type]  # set: write() queued it
                      block_id, self.layout.segment_bytes)
         items.append(item._replace(slot=slots[0]))
         return True
@@ -399,12 +465,49 @@ class StoreTier:
                 self._try_reconnect()
             if job:
                 try:
-                    run_write(self, job)
+                    self._run_write(job)
                 finally:
                     with self._idle:
                         self._pending_writes -= 1
                         self._inflight.difference_update(item.key for item in job)
                         self._idle.notify_all()
+
+    def _run_write(self, items: list[WriteItem]) -> None:
+        """Build the values of ``items`` in their slots (header and checksum) and put the ones
+        not stored yet (writer thread). The engine thread copied each block's K/V into its slot
+        already, so the pool block may have been reused since; the slots go back once the put
+        returns. A per-replica backend's newly stored runs are kept for KV events."""
+        layout, arena, hb, vb = self.layout, self.write_arena, self.header_bytes, self.value_bytes
+        entries = []
+        for item in items:
+            view = arena.slot_view(item.slot, vb)
+            view[:hb] = encode_header(layout, item.root, item.block_hash, item.parent_hash,
+                                      item.tokens, payload_checksum(view[hb:]))
+            parent_key = store_key(layout, item.root, item.parent_hash) if item.depth_blocks else None
+            entries.append(PutEntry(item.key, parent_key, item.depth_blocks * layout.block_size,
+                                    arena.ptr(item.slot), vb))
+        try:
+            if self.down:
+                self.forget(entries, dropped=True)
+                return
+            present = self.backend.exists([e.key for e in entries])
+            todo = [e for e, p in zip(entries, present) if not p]
+            stored = self.backend.put(todo) if todo else []
+            with self.lock:
+                n = sum(stored)
+                self.counters["skipped_existing_blocks_total"] += len(entries) - len(todo)
+                self.counters["written_blocks_total"] += n
+                self.counters["refused_write_blocks_total"] += len(todo) - n
+                self.counters["written_bytes_total"] += n * vb
+            self.forget([e for e, ok in zip(todo, stored) if not ok], dropped=False)
+            if self.backend.kv_event_medium is not None:
+                self.stored_runs.extend(stored_runs(items, {e.key for e, ok in zip(todo, stored)
+                                                            if ok}))
+        except StoreError as exc:
+            self.mark_down("write", exc)
+            self.forget(entries, dropped=True)
+        finally:
+            arena.give([item.slot for item in items])
 
     def _try_reconnect(self) -> None:
         try:
@@ -451,10 +554,20 @@ class StoreTier:
         log.info("kv_store_reset", backend=self.backend.name, dropped_blocks=dropped)
         return dropped
 
-    def drain_kv_events(self, log: object) -> None:
-        """Hand what the tier stored and evicted to the engine's ``KVEventLog`` (engine
-        thread; ``writes.drain_kv_events``)."""
-        drain_kv_events(self, log)
+    def drain_kv_events(self, event_log: KVEventLog) -> None:
+        """Hand what the tier stored (``stored_runs``) and its backend evicted since the last
+        call to the engine's ``KVEventLog`` with the backend's medium (engine thread); nothing
+        for a backend whose blocks are not published (Mooncake: a shared pool)."""
+        medium = self.backend.kv_event_medium
+        if medium is None:
+            return
+        while self.stored_runs:
+            root, parent, hashes, tb = self.stored_runs.popleft()
+            event_log.tier_stored(root, parent, hashes, tb, medium)
+        drain = getattr(self.backend, "drain_evicted", None)
+        evicted = drain() if drain is not None else []
+        if evicted:  # keys end in the block's chained hash (value.store_key)
+            event_log.tier_removed([bytes.fromhex(k.rsplit(":", 1)[1]) for k in evicted], medium)
 
     def forget(self, entries: list[PutEntry], *, dropped: bool) -> None:
         """These keys are not stored after all (``dropped``: counted as dropped writes)."""
@@ -468,7 +581,7 @@ class StoreTier:
     def snapshot(self) -> dict:
         """The ``store`` object of ``/stats`` (counters in blocks and bytes)."""
         with self.lock:
-            out = dict(self.counters)
+            out: dict[str, object] = dict(self.counters)
             out["rejected_blocks_by_reason"] = dict(self.rejected_by_reason)
         out.update(backend=self.backend.name, write_mode=self.write_mode, down=self.down,
                    value_bytes=self.value_bytes, timeout_s=self.timeout_s)

@@ -6,7 +6,7 @@ one hash per block when ``hash_fn`` is given) and changes nothing.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from radixkv.cache.tree.leaves import LeafIndex
 from radixkv.cache.tree.node import Node, child_key
@@ -15,14 +15,20 @@ from radixkv.cache.tree.node import Node, child_key
 class CheckedTree(Protocol):
     """What the check reads of a ``RadixTree`` (which imports this module, not the reverse)."""
 
-    block_bytes: int
-    roots: dict[bytes, Node]
-    root_child_keys: dict[object, dict[Node, None]]
-    leaves: LeafIndex
-    policy: Any
-    num_nodes: int
-    num_cached_blocks: int
-    num_locked_blocks: int
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def roots(self) -> dict[bytes, Node]: ...
+    @property
+    def root_child_keys(self) -> dict[object, dict[Node, None]]: ...
+    @property
+    def leaves(self) -> LeafIndex[Node]: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def num_cached_blocks(self) -> int: ...
+    @property
+    def num_locked_blocks(self) -> int: ...
 
 
 def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
@@ -103,7 +109,7 @@ def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
         if is_leaf:
             leaves.add(node.uid)
             if tree.leaves.by_priority:
-                assert node.leaf_entry == (tree.policy.priority(node), node.uid), (
+                assert node.leaf_entry == (tree.leaves.ranking.priority(node), node.uid), (
                     f"{node!r}: leaf key is stale")
     for c in cursors or ():
         n2: Node | None = c

@@ -121,7 +121,7 @@ def walk(start: Node, pb: bytes, px: Sequence[bytes] | None, max_blocks: int,
     node, pos = start, 0
     path: list[tuple[Node, int]] = []
     while pos < end:
-        key = pb[pos : pos + bb]
+        key: object = pb[pos : pos + bb]
         if px is not None and px[pos // bb]:
             key = (key, px[pos // bb])
         child = node.children.get(key)

@@ -8,7 +8,7 @@ caller's (``RadixTree``) business. Block ids are ``array('q')`` runs; tokens pac
 from __future__ import annotations
 
 from array import array
-from typing import Sequence
+from typing import MutableSequence, Sequence
 
 from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, Node, child_key
 
@@ -42,7 +42,7 @@ def split_node(node: Node, j: int, uid: int) -> Node:
     head.access_gaps = node.access_gaps
     head.last_hit_s = node.last_hit_s
     head.max_children = max(node.max_children, 1)
-    node.parent.children[head.key] = head  # type: ignore[union-attr]
+    node.parent.children[head.key] = head  # type: ignore[union-attr]  # a split node is no root
     del node.tokens[: j * bb], node.hash_bytes[: j * w], node.block_ids[:j]
     node.key = child_key(bytes(node.tokens[:bb]), node.block_extras(0))
     node.parent = head
@@ -81,7 +81,7 @@ def add_child(parent: Node, uid: int, tb: bytes, ids: array, hash_bytes: bytes, 
     return new
 
 
-def trim_tail(node: Node, take: int, freed: list[int], record: bool) -> tuple | None:
+def trim_tail(node: Node, take: int, freed: MutableSequence[int], record: bool) -> tuple | None:
     """Remove the last ``take`` blocks of ``node``, appending their ids to ``freed`` (last first).
 
     Args:
@@ -102,7 +102,8 @@ def trim_tail(node: Node, take: int, freed: list[int], record: bool) -> tuple | 
     run = None
     if record:
         first, w, x = len(ids) - take, node.hash_size, node.extras
-        parent_hash = node.block_hash(first - 1) if first else node.parent.end_hash  # type: ignore[union-attr]
+        parent_hash = (node.block_hash(first - 1) if first
+                       else node.parent.end_hash)  # type: ignore[union-attr]  # a leaf is no root
         run_tokens = bytes(node.tokens[first * bb :])
         run_x = x[first:] if x is not None else None
         run = (parent_hash + run_tokens[:bb] + (run_x[0] if run_x else b""), run_tokens,
@@ -116,6 +117,6 @@ def trim_tail(node: Node, take: int, freed: list[int], record: bool) -> tuple | 
 def as_block_ids(block_ids: Sequence[int]) -> array:
     """``block_ids`` as an ``array('q')`` (itself if it is one); a bad id raises TypeError or
     OverflowError before anything changes."""
-    if type(block_ids) is array and block_ids.typecode == BLOCK_ID_TYPECODE:  # type: ignore[attr-defined]
-        return block_ids  # type: ignore[return-value]
+    if type(block_ids) is array and block_ids.typecode == BLOCK_ID_TYPECODE:
+        return block_ids
     return array(BLOCK_ID_TYPECODE, block_ids)

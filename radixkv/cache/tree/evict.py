@@ -34,52 +34,46 @@ policy (``remove_leaf`` / ``add_leaf``) and the policy names the next victim.
 
 from __future__ import annotations
 
-from array import array
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable, MutableSequence, Protocol
 
 from radixkv.cache.tree.edit import trim_tail
+from radixkv.cache.tree.leaves import LeafIndex, key_on_trim
 from radixkv.cache.tree.node import ghost_run_from_tuple as _ghost_run
 from radixkv.eviction import EvictionPolicy
-from radixkv.eviction.cost_aware import CostAwarePolicy
-from radixkv.eviction.fifo import FIFOPolicy
-from radixkv.eviction.gdsf import GDSFPolicy
-from radixkv.eviction.lfu import LFUPolicy
-from radixkv.eviction.lru import LRUPolicy
 
 if TYPE_CHECKING:
     from radixkv.cache.tree.node import Node
 
-#: The tree these functions edit (``radix_tree.RadixTree``, which imports this module: typed
-#: loosely so the two stay free of an import cycle, type-only imports included).
-RadixTree = Any
-
-#: Registered policies by how their key moves when a leaf loses its tail (module docstring).
-_KEY_ON_TRIM = {LRUPolicy: "same", LFUPolicy: "same", FIFOPolicy: "same",
-                GDSFPolicy: "falls", CostAwarePolicy: "falls"}
+__all__ = ["EvictionHost", "detach", "evict", "key_on_trim", "take_tail_block"]
 
 
-def key_on_trim(policy: EvictionPolicy) -> str:
-    """How ``policy``'s key of a leaf moves when the leaf loses its tail block and no other
-    event happens: ``"same"``, ``"falls"`` (never rises) or ``"any"``.
+class EvictionHost(Protocol):
+    """What eviction reads and updates of the tree (``radix_tree.RadixTree``, which binds
+    :func:`evict` and :func:`take_tail_block` as its methods). A structural type: this module
+    stays below ``radix_tree`` (no import cycle) and no check runs on the hot path."""
 
-    A policy says so with a ``key_on_trim`` attribute; else the exact classes of ``lru``,
-    ``lfu``, ``fifo`` (same) and ``gdsf``, ``cost`` (falls) are known (a subclass may key on
-    more), and every other policy is ``"any"`` (re-ranked after each block).
+    #: Blocks held by all nodes (eviction subtracts what it frees).
+    num_cached_blocks: int
+    #: Non-root nodes (eviction subtracts the leaves it detaches).
+    num_nodes: int
 
-    Raises:
-        ValueError: naming ``eviction_policy`` for a declared value not among the three.
-    """
-    declared = getattr(policy, "key_on_trim", None)
-    if declared is not None:
-        if declared not in ("same", "falls", "any"):
-            raise ValueError(f"eviction_policy: key_on_trim must be 'same', 'falls' or 'any', "
-                             f"got {declared!r}")
-        return declared
-    return _KEY_ON_TRIM.get(type(policy), "any")
+    @property
+    def leaves(self) -> LeafIndex[Node]: ...
+    @property
+    def policy(self) -> EvictionPolicy: ...
+    @property
+    def key_on_trim(self) -> str: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def trim_hook(self) -> Callable[[Node, int], None] | None: ...
+    @property
+    def root_child_keys(self) -> dict[object, dict[Node, None]]: ...
+    def drop_bare_root(self, root: Node) -> None: ...
 
 
-def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None,
-          freed: list[int] | array | None = None) -> list[int] | array:
+def evict(tree: EvictionHost, num_blocks: int, evicted: list | None = None,
+          freed: MutableSequence[int] | None = None) -> MutableSequence[int]:
     """Evict up to ``num_blocks`` blocks, block by block, each the tail block of the leaf that
     ranks first when it is taken (the rule and its fast paths: this module's docstring).
 
@@ -121,7 +115,7 @@ def evict(tree: RadixTree, num_blocks: int, evicted: list | None = None,
     return freed
 
 
-def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytearray] | None:
+def take_tail_block(tree: EvictionHost) -> tuple[int, bytes, bytearray, bytearray] | None:
     """The commonest eviction, one block (each decode step's once the pool is full), when it
     can skip the policy: the first leaf's tail block, taken if the policy's key of a leaf does
     not move on a trim and needs no ``on_evict`` (``LeafIndex.trim_keeps_order``), no
@@ -138,7 +132,7 @@ def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytearray] 
     leaves = tree.leaves
     if not leaves.trim_keeps_order or tree.trim_hook is not None:
         return None
-    sublists = leaves.sorted._lists  # see _evict_slices
+    sublists = leaves.sorted._lists  # type: ignore[attr-defined]  # see _evict_slices
     if not sublists:
         return None
     victim = leaves.nodes[sublists[0][0][1]]
@@ -157,8 +151,8 @@ def take_tail_block(tree: RadixTree) -> tuple[int, bytes, bytearray, bytearray] 
     return ids.pop(), b"" + hb[-w:], run_tokens, run_hash  # (b"" +: bytes, fast)
 
 
-def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None, same: bool,
-                  freed: list[int] | array) -> None:
+def _evict_slices(tree: EvictionHost, num_blocks: int, evicted: list | None, same: bool,
+                  freed: MutableSequence[int]) -> None:
     """Priority policies whose key of a leaf cannot rise when it loses its tail (``"same"``
     or ``"falls"``): the first leaf stays first, so its whole share goes in one slice.
 
@@ -171,9 +165,9 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None, same: 
     # ``_lists[0][0]`` is ``sorted_entries[0]`` without SortedList's Python-level index checks
     # (sortedcontainers keeps its entries in a list of sorted sublists, the first non-empty
     # while any entry is left).
-    sublists = sorted_entries._lists
+    sublists = sorted_entries._lists  # type: ignore[attr-defined]  # private: not in the stubs
     nodes = leaves.nodes
-    policy = tree.policy
+    policy = leaves.ranking
     report = leaves.report_evict
     bb = tree.block_bytes
     left = num_blocks
@@ -226,7 +220,7 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None, same: 
         note = policy.on_evict(victim, n) if report else None
         if evicted is not None:
             x = victim.extras
-            key = victim.parent.end_hash + tokens[:bb]  # type: ignore[union-attr]
+            key = victim.parent.end_hash + tokens[:bb]  # type: ignore[union-attr]  # a leaf has a parent
             if x is not None:
                 key += x[0]
                 x = x[:]
@@ -237,17 +231,17 @@ def _evict_slices(tree: RadixTree, num_blocks: int, evicted: list | None, same: 
         detach(tree, victim)
 
 
-def _evict_each(tree: RadixTree, num_blocks: int, evicted: list | None,
-                freed: list[int] | array) -> None:
+def _evict_each(tree: EvictionHost, num_blocks: int, evicted: list | None,
+                freed: MutableSequence[int]) -> None:
     """Priority policies whose key of a leaf may move any way on a trim: one block at a time,
     each its own ``on_evict(leaf, 1)``; the leaf keeps losing blocks while its new key still
     sorts before the index's second entry (which cannot change meanwhile)."""
     leaves = tree.leaves
-    policy = tree.policy
+    policy = leaves.ranking
     sorted_entries, nodes = leaves.sorted, leaves.nodes
     priority, on_evict = policy.priority, policy.on_evict
     left = num_blocks
-    sublists = sorted_entries._lists  # see _evict_slices
+    sublists = sorted_entries._lists  # type: ignore[attr-defined]  # see _evict_slices
     while left > 0 and sublists:
         entry = sublists[0][0]
         victim = nodes[entry[1]]
@@ -281,7 +275,8 @@ def _evict_each(tree: RadixTree, num_blocks: int, evicted: list | None,
             # detached node is never written again).
             run_tokens = tokens[cut * bb :] if cut else tokens
             run_x = x[cut:] if x is not None else None
-            parent_hash = victim.end_hash if cut else victim.parent.end_hash  # type: ignore[union-attr]
+            parent_hash = (victim.end_hash if cut
+                           else victim.parent.end_hash)  # type: ignore[union-attr]  # a leaf has a parent
             evicted.append((parent_hash + run_tokens[:bb] + (run_x[0] if run_x else b""),
                             _ghost_run((run_tokens, run_hashes, run_x, note, w))))
         if ids:  # still a leaf: trim the rest of it and re-key it (an unmoved key stays put)
@@ -299,8 +294,8 @@ def _evict_each(tree: RadixTree, num_blocks: int, evicted: list | None,
         detach(tree, victim)
 
 
-def _evict_named(tree: RadixTree, num_blocks: int, evicted: list | None,
-                 freed: list[int] | array) -> None:
+def _evict_named(tree: EvictionHost, num_blocks: int, evicted: list | None,
+                 freed: MutableSequence[int]) -> None:
     """Victim-naming policies, and any policy while a ``trim_hook`` (the store tier) must see
     each trimmed run before it goes: one ``trim_tail`` per run."""
     leaves = tree.leaves
@@ -326,7 +321,7 @@ def _evict_named(tree: RadixTree, num_blocks: int, evicted: list | None,
         tree.num_cached_blocks -= take
         note = tree.policy.on_evict(victim, take)
         if run is not None:
-            evicted.append((run[0], _ghost_run((run[1], run[2], run[3], note,  # type: ignore[union-attr]
+            evicted.append((run[0], _ghost_run((run[1], run[2], run[3], note,  # type: ignore[union-attr]  # run: only when evicted is a list
                                                 victim.hash_size))))
         if ids:
             if keep:
@@ -337,19 +332,19 @@ def _evict_named(tree: RadixTree, num_blocks: int, evicted: list | None,
         detach(tree, victim)
 
 
-def detach(tree: RadixTree, victim: Node) -> None:
+def detach(tree: EvictionHost, victim: Node) -> None:
     """Unlink a leaf left with no blocks (already out of the leaf index); its parent becomes
     an evictable leaf if it is left childless and unlocked, a root left bare is dropped."""
-    parent = victim.parent
-    del parent.children[victim.key]  # type: ignore[union-attr]
-    if parent.parent is None:  # type: ignore[union-attr]
+    parent: Node = victim.parent  # type: ignore[assignment]  # a leaf is never a root
+    del parent.children[victim.key]
+    if parent.parent is None:
         holders = tree.root_child_keys[victim.key]
         del holders[parent]
         if not holders:
             del tree.root_child_keys[victim.key]
-        if not parent.children and not parent.lock_ref:  # type: ignore[union-attr]
-            tree._drop_bare_root(parent)  # type: ignore[arg-type]
+        if not parent.children and not parent.lock_ref:
+            tree.drop_bare_root(parent)
     victim.parent = None
     tree.num_nodes -= 1
-    if parent.parent is not None and not parent.children and parent.lock_ref == 0:  # type: ignore[union-attr]
-        tree.leaves.add(parent)  # type: ignore[arg-type]
+    if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+        tree.leaves.add(parent)

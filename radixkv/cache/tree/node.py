@@ -55,7 +55,7 @@ class HashRun(Sequence[bytes]):
     def __len__(self) -> int:
         return len(self.buf) // self.hash_size
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         w = self.hash_size
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
@@ -71,7 +71,7 @@ class HashRun(Sequence[bytes]):
     def __eq__(self, other: object) -> bool:
         return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # equal by value, so unhashable (as a list)
 
     def __repr__(self) -> str:
         return f"HashRun({len(self)} hashes of {self.hash_size} bytes)"
@@ -79,7 +79,7 @@ class HashRun(Sequence[bytes]):
 
 def hash_buffer(hashes: Sequence[bytes]) -> bytes:
     """``hashes`` (a :class:`HashRun` or ``bytes`` items) concatenated."""
-    return hashes.buf if type(hashes) is HashRun else b"".join(hashes)  # type: ignore[attr-defined]
+    return hashes.buf if type(hashes) is HashRun else b"".join(hashes)
 
 
 def child_key(first_block: bytes, extras: bytes = b"") -> object:
@@ -231,7 +231,7 @@ class MatchResult(NamedTuple):
     """
 
     node: Node
-    block_ids: list[int]
+    block_ids: array
     last_hash: bytes
 
 
@@ -295,5 +295,5 @@ ghost_run_from_tuple = partial(tuple.__new__, GhostRun)
 class RunHasher(Protocol):
     """What ``RadixTree.insert`` needs to hash new blocks (``hashing.BlockHasher`` is one)."""
 
-    def hash_blocks(self, parent_hash: bytes, token_bytes: bytes, block_size: int,
+    def hash_blocks(self, parent_hash: bytes, token_bytes: bytes | bytearray, block_size: int,
                     extras: Sequence[bytes] | None = None) -> list[bytes]: ...

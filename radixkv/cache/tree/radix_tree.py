@@ -24,8 +24,8 @@ from radixkv.cache.tree.check import check_tree
 from radixkv.cache.tree.compare import walk
 from radixkv.cache.tree.edit import add_child, as_block_ids, grow_node, split_node
 from radixkv.cache.tree.evict import evict as evict_blocks
-from radixkv.cache.tree.evict import key_on_trim, take_tail_block
-from radixkv.cache.tree.leaves import LeafIndex
+from radixkv.cache.tree.evict import take_tail_block
+from radixkv.cache.tree.leaves import LeafIndex, key_on_trim
 from radixkv.cache.tree.node import (
     BLOCK_ID_TYPECODE,
     InsertResult,
@@ -62,7 +62,7 @@ class RadixTree:
         self.block_size = block_size
         self.block_bytes = 4 * block_size
         self.policy = policy
-        self.leaves = LeafIndex(policy)
+        self.leaves: LeafIndex[Node] = LeafIndex(policy)
         self._notify_policy = not self.leaves.by_priority
         #: How the policy's key moves when a leaf loses its tail (picks ``evict``'s path).
         self.key_on_trim = key_on_trim(policy)
@@ -118,8 +118,9 @@ class RadixTree:
             return []
         return list(itertools.islice((r for r in holders if r is not exclude), limit))
 
-    def _drop_bare_root(self, root: Node) -> None:
-        """Forget an identity root left with no children and no locks (it holds nothing)."""
+    def drop_bare_root(self, root: Node) -> None:
+        """Forget an identity root left with no children and no locks (it holds nothing; the
+        unlock or eviction that leaves it so calls this)."""
         if self.roots.get(root.root_hash) is root:
             del self.roots[root.root_hash]
 
@@ -199,7 +200,7 @@ class RadixTree:
         return head
 
     # ---- publishing ---------------------------------------------------------------------
-    def insert(self, cursor: Node, tokens: Sequence[int] | bytes, block_ids: list[int],
+    def insert(self, cursor: Node, tokens: Sequence[int] | bytes, block_ids: Sequence[int],
                hasher: RunHasher, *, extras: Sequence[bytes] | None = None,
                known_hashes: Sequence[bytes] = (),
                ghost_notes: Sequence[tuple[int, object]] = (),
@@ -233,15 +234,15 @@ class RadixTree:
         if cursor.lock_ref <= 0:
             raise RuntimeError(f"insert at {cursor!r} which the caller does not lock")
         tb = tokens if type(tokens) is bytes else as_token_bytes(tokens)
-        block_ids = as_block_ids(block_ids)  # a bad id raises before any change
-        count = len(block_ids)
+        ids = as_block_ids(block_ids)  # a bad id raises before any change
+        count = len(ids)
         if len(tb) != count * self.block_bytes or (extras is not None and len(extras) != count):
             raise ValueError(f"block_ids: {count} ids for {len(tb) // 4} tokens "
                              f"(block size {self.block_size})")
         if extras is None and not known_hashes:
-            last_hash = self.extend_leaf(cursor, tb, block_ids, hasher)
+            last_hash = self.extend_leaf(cursor, tb, ids, hasher)
             if last_hash is not None:
-                return InsertResult(cursor, last_hash, block_ids.tolist(), [])
+                return InsertResult(cursor, last_hash, ids.tolist(), [])
         now = self._clock()
         node = cursor
         k = 0
@@ -255,10 +256,10 @@ class RadixTree:
                 child.last_access_s = now
                 node = child
         if k == count:
-            return InsertResult(node, node.end_hash, [], block_ids.tolist())
+            return InsertResult(node, node.end_hash, [], ids.tolist())
         bb = self.block_bytes
         rest_tb = tb[k * bb :] if k else tb
-        rest_ids = block_ids[k:] if k else block_ids
+        rest_ids = ids[k:] if k else ids
         rest_x = extras[k:] if extras is not None and k else extras
         known = known_hashes[k:count]  # a HashRun from a lookup's ghost probe, or bytes items
         num_known = len(known)
@@ -268,7 +269,7 @@ class RadixTree:
         hash_size = len(new[0]) if new else len(known[-1])
         hb = hash_buffer(known) + b"".join(new) if num_known else b"".join(new)
         result = self._add_run(node, rest_tb, rest_ids, rest_x, hb, hash_size, now,
-                               block_ids[:k].tolist())
+                               ids[:k].tolist())
         if session_key is not None:
             result.node.session_key = session_key
         notes = [note for i, note in ghost_notes if i >= k]
@@ -276,7 +277,7 @@ class RadixTree:
             self.policy.on_ghost_hit(result.node, notes)
         return result
 
-    def extend_leaf(self, cursor: Node, tb: bytes, block_ids: Sequence[int],
+    def extend_leaf(self, cursor: Node, tb: bytes | bytearray, block_ids: Sequence[int],
                     hasher: RunHasher) -> bytes | None:
         """Fast path of :meth:`insert`: text blocks appended to the leaf only the caller holds.
 
@@ -398,7 +399,7 @@ class RadixTree:
                     if not n.children:
                         self.leaves.add(n)
             elif n.lock_ref == 0 and not n.children:
-                self._drop_bare_root(n)
+                self.drop_bare_root(n)
             n = n.parent
 
     # ---- inspection ---------------------------------------------------------------------
