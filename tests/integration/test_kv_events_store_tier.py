@@ -13,10 +13,11 @@ import msgspec
 import pytest
 import zmq
 
+from radixkv.cache.events import KVEventLog, decode_event
 from radixkv.engine.kv_events import KVEventsConfig
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model.loader import LoadedModel
-from tests.factories import make_async_engine
+from tests.factories import make_async_engine, make_engine
 
 B = 4
 PROMPT = [(37 * i) % 400 + 5 for i in range(41)]  # 10 full prompt blocks (+1 from the output)
@@ -145,3 +146,31 @@ def test_the_subscriber_holds_what_the_tiers_hold_through_writes_loads_and_reset
     assert (again.num_cached_tokens, store_tokens(engine) - before) == (0, 0)
     settle(engine, view)
     assert replica_holds(engine) == view_holds(view) == {"GPU": 11, "CPU": 11}
+
+
+def test_a_reset_in_evict_mode_writes_then_drops_what_the_device_evicts(tiny_model):
+    """``--kv-store-write evict``: the reset's device eviction hands every block to the host
+    tier; the reset waits for those writes and then empties the tier, so none of them is
+    announced (no BlockStored CPU) and the next request is cold."""
+    engine = make_engine(tiny_model, block_size=B, num_blocks=24, kv_store="host:0.01",
+                         kv_store_write="evict")
+    engine.cache.events = KVEventLog(B)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    try:
+        (first,) = engine.generate([PROMPT], params)
+        assert engine.store.flush()
+        assert engine.store.backend.stats()["num_blocks"] == 0  # still on the device only
+        assert engine.cache.reset_prefix_cache() == 11
+        assert engine.store.flush()  # nothing left to land after the reset
+        snapshot = engine.store.snapshot()
+        assert (snapshot["written_blocks_total"], snapshot["num_blocks"]) == (11, 0)
+        assert snapshot["reset_blocks_total"] == 11
+        engine.store.drain_kv_events(engine.cache.events)
+        events = [decode_event(e) for e in engine.cache.events.drain()]
+        assert [e[0] for e in events].count("cleared") == 1
+        assert [e for e in events if e[0] == "stored" and e[5] == "CPU"] == []
+        (again,) = engine.generate([PROMPT], params)
+        assert (again.num_cached_tokens, again.num_store_tokens) == (0, 0)
+        assert again.output_token_ids == first.output_token_ids
+    finally:
+        engine.store.close()

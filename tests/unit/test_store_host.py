@@ -333,3 +333,34 @@ def test_make_backend_builds_a_host_store():
     assert store.policy.name == "lfu"
     store = make_backend(parse_kv_store("host:1"), block_size=B, default_policy="s3fifo")
     assert store.policy.name == "s3fifo" and store.capacity_bytes == 1 << 30
+
+
+@pytest.mark.parametrize("policy", [p for p in available_policies()
+                                    if not p.startswith("belady")])
+def test_clear_drops_everything_and_the_store_works_on(policy):
+    store = HostStore(300, block_size=B, eviction_policy=policy,
+                      model_shape="llama3-8b" if policy in ("gdsf", "cost") else None,
+                      clock=Clock())
+    bufs = Buffers()
+    assert put(store, bufs, "a") and put(store, bufs, "b", parent="a", depth=B)
+    assert put(store, bufs, "c", parent="b", depth=2 * B)
+    assert put(store, bufs, "x")  # full: c, the only evictable leaf of a→b→c, goes
+    assert store.drain_evicted() == ["c"]
+    assert put(store, bufs, "y") and put(store, bufs, "z")  # two evictions, not drained...
+    held = store.stats()["num_blocks"]
+    assert held == 3
+    assert store.clear() == held
+    # ... and forgotten: the reset's AllBlocksCleared covers it.
+    assert store.drain_evicted() == []
+    stats = store.stats()
+    assert (stats["num_blocks"], stats["used_bytes"]) == (0, 0)
+    assert [get(store, k) for k in "abcxyz"] == [MISSING] * 6
+    assert store.exists(list("abcxyz")) == [False] * 6
+    # The policy forgot the cleared entries too: refilling evicts only what is stored now.
+    for key in ("p", "q", "r"):
+        assert put(store, bufs, key)
+    assert put(store, bufs, "s")
+    (victim,) = store.drain_evicted()
+    assert victim in ("p", "q", "r")
+    assert store.stats()["num_blocks"] == 3
+    assert get(store, "s") == value_of("s", 100)
