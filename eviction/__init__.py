@@ -32,7 +32,7 @@ from .base import (
 from .cost_model import PRESETS, CostShape, cost_shape_from_model_shape, prefill_flops
 
 
-def make_policy(name: str, *, model_shape: Any = None, **kwargs: Any) -> EvictionPolicy:
+def make_policy(name: str, *, model_shape: object = None, **kwargs: Any) -> EvictionPolicy:
     """Instantiate policy ``name``; ``model_shape`` goes only to policies that take one.
 
     Args:

@@ -22,10 +22,10 @@ registered for ``bench eviction`` and refuse to be built without the oracle.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
 from .base import NodeView, PriorityPolicy, register
-from .cost_model import CostShape, prefill_flops
+from .cost_model import prefill_flops
 from .gdsf import _TERA, GreedyDualPolicy
 
 NextUse = Callable[[NodeView], float]
@@ -51,7 +51,7 @@ class BeladyPolicy(PriorityPolicy):
     uses_model_shape = True
 
     def __init__(self, next_use: NextUse | None = None, now: Callable[[], float] | None = None,
-                 model_shape: str | CostShape | Any | None = None) -> None:
+                 model_shape: object = None) -> None:
         self.next_use = _require(next_use, "belady")
 
     def priority(self, node: NodeView) -> tuple[float, int]:
@@ -69,7 +69,7 @@ class BeladyCostPolicy(GreedyDualPolicy):
     """
 
     def __init__(self, next_use: NextUse | None = None, now: Callable[[], float] | None = None,
-                 model_shape: str | CostShape | Any | None = None) -> None:
+                 model_shape: object = None) -> None:
         super().__init__(model_shape)
         self.next_use = _require(next_use, "belady-cost")
         if now is None:

@@ -62,10 +62,8 @@ ghost list (a cache without one, or too small a one, simply gives no inherited h
 
 from __future__ import annotations
 
-from typing import Any
-
 from .base import NodeView, register
-from .cost_model import CostShape, prefill_flops
+from .cost_model import prefill_flops
 from .gdsf import _TERA, GreedyDualPolicy
 
 
@@ -90,7 +88,7 @@ class CostAwarePolicy(GreedyDualPolicy):
 
     drift = 3.0
 
-    def __init__(self, model_shape: str | CostShape | Any | None = None, *,
+    def __init__(self, model_shape: object = None, *,
                  prior_hits: float = 1.0, prior_misses: float = 3.0, gamma_max: float = 3.0,
                  drift: float = 3.0, drift_pressure: float = 0.0) -> None:
         super().__init__(model_shape)

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Any
 
 from .base import NodeView, PriorityPolicy, register
-from .cost_model import CostShape, get_shape, prefill_flops
+from .cost_model import get_shape, prefill_flops
 
 _TERA = 1e-12
 #: Entries of the ``L`` history kept (about 24 bytes each, times three lists).
@@ -61,7 +60,7 @@ class GreedyDualPolicy(PriorityPolicy):
     #: Weight of each new sample in the running means the drift uses.
     ewma = 0.01
 
-    def __init__(self, model_shape: str | CostShape | Any | None = None) -> None:
+    def __init__(self, model_shape: object = None) -> None:
         self.shape = get_shape(model_shape)
         self.inflation = 0.0
         # L history: from clock reading _times[i] on, L = _levels[i] + _rates[i] · (t - _times[i])

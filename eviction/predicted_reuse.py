@@ -71,7 +71,6 @@ from ._live_reuse import LiveReuseModel, features
 from ._return_gaps import ReturnGapModel
 from .base import NodeView, VictimPolicy, register
 from .cost_aware import CostAwarePolicy
-from .cost_model import CostShape
 
 _TRAIN_MODES = ("sync", "background")
 #: Sessions whose latest activity is remembered; past this the table is cleared (rare).
@@ -112,7 +111,7 @@ class PredictedReusePolicy(VictimPolicy):
 
     uses_model_shape = True
 
-    def __init__(self, model_shape: str | CostShape | Any | None = None, *, learn: bool = True,
+    def __init__(self, model_shape: object = None, *, learn: bool = True,
                  overdue_factor: float = 1.1, min_samples: int = 32, train_mode: str = "background",
                  seed: int = 0, prior_hits: float = 1.0, prior_misses: float = 3.0,
                  gamma_max: float = 3.0, drift: float = 3.0, drift_pressure: float = 4.0) -> None:
@@ -447,6 +446,6 @@ class PredictedReusePriorPolicy(PredictedReusePolicy):
     """``predicted-reuse`` with the return-gap model replaced by the no-information prior
     (every leaf's next use equally unpredictable): ``cost``'s ordering."""
 
-    def __init__(self, model_shape: str | CostShape | Any | None = None, **kwargs: Any) -> None:
+    def __init__(self, model_shape: object = None, **kwargs: Any) -> None:
         kwargs["learn"] = False
         super().__init__(model_shape, **kwargs)

@@ -38,7 +38,7 @@ import ctypes
 import itertools
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from radixkv.cache.store.backend import PutEntry, StoreBackend
 from radixkv.cache.tree.leaves import LeafIndex
@@ -97,7 +97,7 @@ class HostStore(StoreBackend):
     kv_event_medium = "CPU"
 
     def __init__(self, capacity_bytes: int, *, block_size: int, eviction_policy: str = "lru",
-                 model_shape: Any = None, clock: Callable[[], float] = time.monotonic,
+                 model_shape: object = None, clock: Callable[[], float] = time.monotonic,
                  max_pending_evicted: int = 65536) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"kv_store: host capacity must be a positive number of bytes, "
