@@ -199,4 +199,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from radixkv.tools.data import SharedDataMissing
+
+    try:
+        raise SystemExit(main())
+    except SharedDataMissing as exc:  # the CLI's contract: a missing --shared folder is exit 2
+        print(f"{Path(__file__).name}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
