@@ -8,7 +8,7 @@ PORT ?= 8000
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test venv clean
+.PHONY: serve test typecheck venv clean
 
 venv: $(STAMP)
 
@@ -37,15 +37,23 @@ serve: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/radixkv serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # Lint and type-check first (ruff and mypy, settings in pyproject.toml): an error fails the suite
-# like a test. mypy cannot see through the editable install's import hook, so it checks
-# build/typecheck/radixkv, links laid out as the package installs (its radixkv/eviction/ is
-# eviction/, its radixkv/kernels/ is kernels/), with its cache beside it.
+# like a test.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	rm -rf build/typecheck/radixkv && mkdir -p build/typecheck/radixkv && \
-	  ln -s $(CURDIR)/radixkv/* $(CURDIR)/eviction $(CURDIR)/kernels build/typecheck/radixkv/
-	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml
+	$(typecheck)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# mypy over radixkv/, eviction/ and kernels/. It cannot see through the editable install's
+# import hook, so it checks build/typecheck/radixkv, links laid out as the package installs (its
+# radixkv/eviction/ is eviction/, its radixkv/kernels/ is kernels/), with its cache beside it.
+define typecheck
+rm -rf build/typecheck/radixkv && mkdir -p build/typecheck/radixkv && \
+  ln -s $(CURDIR)/radixkv/* $(CURDIR)/eviction $(CURDIR)/kernels build/typecheck/radixkv/
+cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml
+endef
+
+typecheck: $(STAMP)
+	$(typecheck)
 
 clean:
 	rm -rf $(VENV)
