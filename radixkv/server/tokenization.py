@@ -10,7 +10,7 @@ tenant (``TOKENIZE_KEY``, set per request by ``tenant_queue_middleware``); a ful
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from radixkv.server.errors import bad_request, queue_full
 
 if TYPE_CHECKING:
     from radixkv.engine.async_engine import AsyncEngine
+    from radixkv.server.completions import PromptInput
 
 
 def check_fits(engine: AsyncEngine, min_tokens: int, param: str) -> None:
@@ -35,7 +36,7 @@ def check_fits(engine: AsyncEngine, min_tokens: int, param: str) -> None:
                           f"{verb} at least {min_tokens} tokens", param, "context_length_exceeded")
 
 
-def check_texts_fit(engine: AsyncEngine, prompts: Any) -> None:
+def check_texts_fit(engine: AsyncEngine, prompts: Iterable[PromptInput]) -> None:
     """``check_fits`` for each text prompt of a completion request (objects with ``text`` and
     ``param``; token-id prompts are checked by length later)."""
     for p in prompts:

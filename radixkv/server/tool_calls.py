@@ -29,9 +29,12 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from radixkv.model.tool_render import render_tools_fallback, template_handles_tools
+
+if TYPE_CHECKING:
+    from radixkv.server.protocol import ChatRequest
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -225,7 +228,7 @@ def forced_prefix(tool_choice: str, function: str | None, hermes_template: bool)
     return ""
 
 
-def options_for(req: Any, chat_template: str | None) -> ToolCallOptions | None:
+def options_for(req: ChatRequest, chat_template: str | None) -> ToolCallOptions | None:
     """The parsing options of a chat request (a ``ChatRequest``: ``tools``, ``tool_choice``,
     ``tool_choice_function``, ``parallel_tool_calls``) for a model with ``chat_template``, or
     None when its replies are plain text (no tools, or ``tool_choice: "none"``)."""
