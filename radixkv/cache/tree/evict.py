@@ -132,7 +132,7 @@ def take_tail_block(tree: EvictionHost) -> tuple[int, bytes, bytearray, bytearra
     leaves = tree.leaves
     if not leaves.trim_keeps_order or tree.trim_hook is not None:
         return None
-    sublists = leaves.sorted._lists  # type: ignore[attr-defined]  # see _evict_slices
+    sublists = leaves.sorted._lists  # type: ignore[attr-defined]  # private, not in the stubs (_evict_slices)
     if not sublists:
         return None
     victim = leaves.nodes[sublists[0][0][1]]
@@ -241,7 +241,7 @@ def _evict_each(tree: EvictionHost, num_blocks: int, evicted: list | None,
     sorted_entries, nodes = leaves.sorted, leaves.nodes
     priority, on_evict = policy.priority, policy.on_evict
     left = num_blocks
-    sublists = sorted_entries._lists  # type: ignore[attr-defined]  # see _evict_slices
+    sublists = sorted_entries._lists  # type: ignore[attr-defined]  # private, not in the stubs (_evict_slices)
     while left > 0 and sublists:
         entry = sublists[0][0]
         victim = nodes[entry[1]]
