@@ -209,3 +209,10 @@ def test_http_session_is_closed_on_every_exit(server, monkeypatch):
                              io.StringIO()))
     asyncio.run(run_chat(chat_args(server.url, salt), io.StringIO("/quit\n"), io.StringIO()))
     assert len(opened) == 3 and all(s.closed for s in opened)
+
+
+def test_a_session_used_outside_async_with_says_so():
+    # Before: AttributeError on None (the HTTP client is made on entry).
+    session = chat_cli.ChatSession("http://127.0.0.1:9")
+    with pytest.raises(RuntimeError, match="async with"):
+        asyncio.run(session.stats())
