@@ -23,7 +23,7 @@ from radixkv.model.runner import ModelRunner
 GIB = 1 << 30
 
 #: The tiny random Llama of ``--tiny``: tests/conftest.py's ``TINY_CONFIG`` (kept equal there
-#: by tests/unit/test_bench_step.py), SmolLM2's vocabulary so the tokenizer loads.
+#: by tests/bench/test_bench_step.py), SmolLM2's vocabulary so the tokenizer loads.
 TINY_CONFIG: dict[str, Any] = {
     "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

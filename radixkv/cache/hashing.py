@@ -10,7 +10,7 @@ a root hash and every full block of B tokens a chained hash::
 ``enc`` is typed and length-prefixed: every value is ``tag (1 byte) || length (uint32-LE) ||
 payload``, so ``None`` and ``""`` differ and no two field lists encode alike. Nothing uses
 Python's ``hash()``, so hashes are identical across processes and runs (golden vectors in
-``tests/unit/test_hashing.py`` pin the derivation).
+``tests/cache/test_hashing.py`` pin the derivation).
 
 Extras of a block are the multimodal items overlapping it: ``enc(((digest, offset), ...))``
 with ``offset`` the item's first token relative to the block start (negative when the item began

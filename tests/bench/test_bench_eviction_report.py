@@ -26,7 +26,7 @@ import _eviction_trace as trace_mod  # noqa: E402
 from radixkv.cache.manager import CacheManager  # noqa: E402
 from radixkv.eviction.cost_model import PRESETS, prefill_flops  # noqa: E402
 
-OPENHANDS = Path(__file__).resolve().parent / "data" / "openhands"
+OPENHANDS = Path(__file__).resolve().parents[1] / "data" / "openhands"
 SHAPE = PRESETS["smollm2-135m"]
 SEQ = "ABACBDEFDE"
 

@@ -12,7 +12,7 @@ from radixkv.tools.openhands import load_openhands
 from radixkv.tools.transcripts import SOURCES, default_path, load_source
 from tests.shared_data import shared_path
 
-FIXTURE = Path(__file__).resolve().parent / "data" / "openhands"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "openhands"
 
 
 def test_fixture_sessions_roles_and_replies() -> None:

@@ -20,7 +20,7 @@ from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.stats import EngineStats
 from tests.factories import make_engine
-from tests.integration.test_engine_lifecycle import assert_idle_and_clean
+from tests.engine.test_engine_lifecycle import assert_idle_and_clean
 
 TOP_SEED = 2**64 - 1
 PROMPT_A = [11, 12, 13, 14, 15]
