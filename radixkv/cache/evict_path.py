@@ -23,11 +23,11 @@ from radixkv.eviction import EvictionPolicy
 def make_ghost_list(policy: EvictionPolicy, capacity: int) -> GhostList:
     """The cache's one ghost list (``capacity`` blocks), wired to the policy's
     ``on_ghost_drop(notes)`` when it defines one that does something."""
-    hook = getattr(policy, "on_ghost_drop", None)
-    base = getattr(EvictionPolicy, "on_ghost_drop", None)
-    if hook is not None and base is not None and type(policy).on_ghost_drop is base:
-        hook = None  # the base class's no-op: skip collecting notes for it
-    return GhostList(capacity, on_drop=hook)
+    # Every policy subclasses EvictionPolicy, so the hook always exists: a renamed hook fails
+    # here instead of silently dropping a learned policy's negative labels.
+    if type(policy).on_ghost_drop is EvictionPolicy.on_ghost_drop:
+        return GhostList(capacity, on_drop=None)  # the base class's no-op: collect no notes
+    return GhostList(capacity, on_drop=policy.on_ghost_drop)
 
 
 def evict(tree: RadixTree, pool: BlockPool, ghost: GhostList, events: KVEventLog | None,
