@@ -18,7 +18,7 @@ TOOL_TOKENS = (200, 1500)
 #: Most ``ratio_to_floor`` each operation may reach (the targets).
 TARGETS = {"match": 0.25, "insert": 1.2, "evict": 1.0}
 #: Tree-size scaling: the largest tree's time per operation ÷ the smallest's must stay below this.
-C18_MAX_RATIO = 3.0
+SCALING_MAX_RATIO = 3.0
 #: The workload the targets were set on (flags that shape the replay; not --repeat or the
 #: scaling check's).
 DEFAULT_WORKLOAD = {"sessions": 48, "turns": 10, "block_size": 16, "system_tokens": 2048,
@@ -79,12 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replays of the workload (>= 1); each operation keeps its fastest "
                              "replay (the machine may be shared); as many more, alternating, "
                              "time the tree's eviction alone (evict_tree)")
-    parser.add_argument("--c18-sizes", type=_sizes, default="5000,50000",
+    parser.add_argument("--scaling-sizes", type=_sizes, default="5000,50000",
                         help="leaf counts of the tree-size scaling check (comma list), each "
-                             ">= 3 x --c18-ops")
-    parser.add_argument("--c18-ops", type=positive_int, default=1000,
+                             ">= 3 x --scaling-ops")
+    parser.add_argument("--scaling-ops", type=positive_int, default=1000,
                         help="evictions and hits of the tree-size scaling check (>= 1)")
-    parser.add_argument("--skip-c18", action="store_true")
+    parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write the results here (missing parent folders are created "
                              "before the run)")
@@ -101,13 +101,14 @@ def check_args(args: argparse.Namespace) -> str | None:
         return (f"--block-size {args.block_size} is longer than the shortest prompt "
                 f"({shortest} tokens: --system-tokens {args.system_tokens} + "
                 f"{HISTORY_TOKENS[0]}); every prompt must hold a full block")
-    if not args.skip_c18:
-        # The scaling check evicts --c18-ops leaves (the oldest third of the LRU order must cover them) and
-        # then hits as many distinct leaves of the middle third, which must still be cached.
-        small = [n for n in args.c18_sizes if n // 3 < args.c18_ops]
+    if not args.skip_scaling:
+        # The scaling check evicts --scaling-ops leaves (the oldest third of the LRU order must
+        # cover them), then hits as many distinct leaves of the middle third, which must still
+        # be cached.
+        small = [n for n in args.scaling_sizes if n // 3 < args.scaling_ops]
         if small:
-            return (f"--c18-sizes {small[0]} is too small for --c18-ops {args.c18_ops}: each "
-                    f"size must be >= 3 x --c18-ops ({3 * args.c18_ops})")
+            return (f"--scaling-sizes {small[0]} is too small for --scaling-ops {args.scaling_ops}: each "
+                    f"size must be >= 3 x --scaling-ops ({3 * args.scaling_ops})")
     if args.json:
         path = Path(args.json)
         if path.is_dir():

@@ -34,7 +34,7 @@ floor). ``from_token_ids`` gives the match ratio when both sides start from the 
 (each packs first): packing touches every Python int, which no index can avoid, and it bounds
 that ratio from below.
 
-Also the tree-size scaling check (the ``--c18-*`` flags, ``c18`` in the JSON): evicting 1,000
+Also the tree-size scaling check (the ``--scaling-*`` flags, ``scaling`` in the JSON): evicting 1,000
 single blocks and 1,000 hits on leaves in the middle of the LRU order, in trees of 5k and 50k
 one-block leaves; per-operation times and the ratio.
 
@@ -77,10 +77,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Flags, their checks and the targets (re-exported: the CLI calls add_arguments and run).
 from _tree_args import (  # noqa: E402,F401
-    C18_MAX_RATIO,
     DEFAULT_WORKLOAD,
     HISTORY_TOKENS,
     REPLY_TOKENS,
+    SCALING_MAX_RATIO,
     TARGETS,
     TOOL_TOKENS,
     add_arguments,
@@ -251,12 +251,12 @@ def replay(workload: list, block_size: int, num_blocks: int, policy: str,
             "evicted_blocks_total": cm.evicted_blocks_total, "miss_tokens": cm.miss_tokens}
 
 
-def c18(num_leaves: int, num_ops: int, seed: int = 0) -> dict:
+def scaling_check(num_leaves: int, num_ops: int, seed: int = 0) -> dict:
     """Evict ``num_ops`` single blocks, then hit ``num_ops`` mid-order leaves, in an LRU tree."""
     ticks = iter(range(10**12))
     tree = RadixTree(4, get_policy("lru"), clock=lambda: float(next(ticks)))
     hasher = BlockHasher()
-    root = tree.root(b"c18")
+    root = tree.root(b"scaling")
     for i in range(num_leaves):
         tree.lock(root)
         r = tree.insert(root, [i + 1, 0, 0, 0], [i], hasher)
@@ -355,20 +355,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "evicted_blocks_total": res["evicted_blocks_total"],
         "miss_tokens": res["miss_tokens"],
     }
-    if not args.skip_c18:
-        c18_runs = []
-        for n in args.c18_sizes:  # fastest of ``repeat`` trials per size
-            trials = [c18(n, args.c18_ops, args.seed) for _ in range(args.repeat)]
-            c18_runs.append({"num_leaves": n,
+    if not args.skip_scaling:
+        scaling_runs = []
+        for n in args.scaling_sizes:  # fastest of ``repeat`` trials per size
+            trials = [scaling_check(n, args.scaling_ops, args.seed) for _ in range(args.repeat)]
+            scaling_runs.append({"num_leaves": n,
                              "evict_us_per_op": min(t["evict_us_per_op"] for t in trials),
                              "hit_us_per_op": min(t["hit_us_per_op"] for t in trials)})
-        runs = c18_runs
+        runs = scaling_runs
         evict_ratio = runs[-1]["evict_us_per_op"] / runs[0]["evict_us_per_op"]
         hit_ratio = runs[-1]["hit_us_per_op"] / runs[0]["hit_us_per_op"]
-        out["c18"] = {"runs": runs, "evict_ratio": evict_ratio, "hit_ratio": hit_ratio,
-                      "max_ratio": C18_MAX_RATIO,
-                      "met": {"evict": evict_ratio < C18_MAX_RATIO,
-                              "hit": hit_ratio < C18_MAX_RATIO}}
+        out["scaling"] = {"runs": runs, "evict_ratio": evict_ratio, "hit_ratio": hit_ratio,
+                      "max_ratio": SCALING_MAX_RATIO,
+                      "met": {"evict": evict_ratio < SCALING_MAX_RATIO,
+                              "hit": hit_ratio < SCALING_MAX_RATIO}}
     _print(out)
     if args.json:
         from _provenance import provenance
@@ -400,11 +400,11 @@ def _print(out: dict) -> None:
     print(f"from token-id lists (both pack first): match {f['match_blocks_per_s']:.0f} blocks/s, "
           f"floor {f['floor_blocks_per_s']:.0f} blocks/s, ratio {f['match_ratio_to_floor']:.3f}")
     print(f"miss tokens: {out['miss_tokens']}")
-    if "c18" in out:
-        for r in out["c18"]["runs"]:
+    if "scaling" in out:
+        for r in out["scaling"]["runs"]:
             print(f"tree size {r['num_leaves']:>6d} leaves: evict {r['evict_us_per_op']:.2f} us/op, "
                   f"hit {r['hit_us_per_op']:.2f} us/op")
-        c = out["c18"]
+        c = out["scaling"]
         print(f"tree-size scaling, largest/smallest: evict {c['evict_ratio']:.2f} "
               f"({_met(c['met']['evict'])}), hit {c['hit_ratio']:.2f} ({_met(c['met']['hit'])}); "
               f"target < {c['max_ratio']:g}")

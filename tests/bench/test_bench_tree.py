@@ -15,7 +15,7 @@ from radixkv.cli import load_bench, main
 
 bt = load_bench("tree")
 USABLE = "cost, fifo, gdsf, lfu, lru, predicted-reuse, predicted-reuse-prior, s3fifo"
-SMALL = ["--sessions", "4", "--turns", "2", "--repeat", "1", "--skip-c18"]
+SMALL = ["--sessions", "4", "--turns", "2", "--repeat", "1", "--skip-scaling"]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def cli_error(capsys, *argv: str) -> str:
     (["--block-size", "0"], "argument --block-size: must be an int >= 1, got 0"),
     (["--block-size", "-4"], "argument --block-size: must be an int >= 1, got -4"),
     (["--repeat", "0"], "argument --repeat: must be an int >= 1, got 0"),
-    (["--c18-ops", "0"], "argument --c18-ops: must be an int >= 1, got 0"),
+    (["--scaling-ops", "0"], "argument --scaling-ops: must be an int >= 1, got 0"),
     (["--publish-interval-blocks", "0"], "argument --publish-interval-blocks: must be an int >= 1, got 0"),
     (["--publish-interval-blocks", "-2"],
      "argument --publish-interval-blocks: must be an int >= 1, got -2"),
@@ -61,19 +61,19 @@ def cli_error(capsys, *argv: str) -> str:
     (["--policy", "belady"],
      "argument --policy: 'belady' is an offline oracle that needs the trace's future "
      f"(bench eviction only); usable: {USABLE}"),
-    (["--c18-sizes", "abc"],
-     "argument --c18-sizes: expected a comma list of ints, e.g. 5000,50000, got 'abc'"),
-    (["--c18-sizes", "5000,0"], "argument --c18-sizes: every size must be >= 1, got '5000,0'"),
+    (["--scaling-sizes", "abc"],
+     "argument --scaling-sizes: expected a comma list of ints, e.g. 5000,50000, got 'abc'"),
+    (["--scaling-sizes", "5000,0"], "argument --scaling-sizes: every size must be >= 1, got '5000,0'"),
 ])
 def test_flag_errors_are_one_line_exit_2(capsys, argv: list, message: str) -> None:
     assert cli_error(capsys, *argv) == f"radixkv bench tree: error: {message}"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--c18-sizes", "10,20", "--c18-ops", "5"],
-     "--c18-sizes 10 is too small for --c18-ops 5: each size must be >= 3 x --c18-ops (15)"),
-    (["--c18-sizes", "5000", "--c18-ops", "6000"],
-     "--c18-sizes 5000 is too small for --c18-ops 6000: each size must be >= 3 x --c18-ops "
+    (["--scaling-sizes", "10,20", "--scaling-ops", "5"],
+     "--scaling-sizes 10 is too small for --scaling-ops 5: each size must be >= 3 x --scaling-ops (15)"),
+    (["--scaling-sizes", "5000", "--scaling-ops", "6000"],
+     "--scaling-sizes 5000 is too small for --scaling-ops 6000: each size must be >= 3 x --scaling-ops "
      "(18000)"),
     (["--block-size", "117", "--system-tokens", "16"],
      "--block-size 117 is longer than the shortest prompt (116 tokens: --system-tokens 16 + "
@@ -88,12 +88,12 @@ def test_cross_flag_errors_before_any_work(capsys, monkeypatch, argv: list, mess
     assert cli_error(capsys, "--sessions", "8", *argv) == f"radixkv bench tree: error: {message}"
 
 
-def test_c18_size_of_three_times_the_ops_is_accepted() -> None:
-    args = parse("--c18-sizes", "15,30", "--c18-ops", "5")
-    assert args.c18_sizes == [15, 30] and bt.check_args(args) is None
-    assert parse().c18_sizes == [5000, 50000]  # the default string goes through the type too
-    assert bt.check_args(parse("--c18-sizes", "14", "--c18-ops", "5", "--skip-c18")) is None
-    run = bt.c18(15, 5)
+def test_scaling_size_of_three_times_the_ops_is_accepted() -> None:
+    args = parse("--scaling-sizes", "15,30", "--scaling-ops", "5")
+    assert args.scaling_sizes == [15, 30] and bt.check_args(args) is None
+    assert parse().scaling_sizes == [5000, 50000]  # the default string goes through the type too
+    assert bt.check_args(parse("--scaling-sizes", "14", "--scaling-ops", "5", "--skip-scaling")) is None
+    run = bt.scaling_check(15, 5)
     assert run["num_leaves"] == 15
 
 

@@ -108,7 +108,7 @@ def test_lru_evicts_least_recent_leaf_tail_first() -> None:
 
 
 @pytest.mark.parametrize("policy_name", ["lru", "lfu", "fifo"])
-def test_c18_evict_order_matches_naive_reference(policy_name: str) -> None:
+def test_evict_order_matches_naive_reference(policy_name: str) -> None:
     """The sorted leaf index (eviction cost that does not grow with the cache) evicts exactly
     what a full scan would pick."""
     rng = random.Random(7)

@@ -19,8 +19,8 @@ from radixkv.engine.llm_engine import LLMEngine, RequestOutput
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.stats import EngineStats
-from tests.factories import make_engine
 from tests.engine.test_engine_lifecycle import assert_idle_and_clean
+from tests.factories import make_engine
 
 TOP_SEED = 2**64 - 1
 PROMPT_A = [11, 12, 13, 14, 15]
