@@ -15,6 +15,7 @@ from radixkv.eviction import (
     get_policy,
     register,
 )
+from radixkv.eviction import base as eviction_base
 from radixkv.eviction.fifo import FIFOPolicy
 from radixkv.eviction.lfu import LFUPolicy
 from radixkv.eviction.lru import LRUPolicy
@@ -65,12 +66,19 @@ def test_lru_order_older_then_deeper_then_older_created() -> None:
 
 
 def test_custom_priority_policy_registers() -> None:
-    @register("test-mru")
-    class MRU(PriorityPolicy):
-        def priority(self, node: NodeView) -> float:
-            return -node.last_access_s
+    try:
+        @register("test-mru")
+        class MRU(PriorityPolicy):
+            def priority(self, node: NodeView) -> float:
+                return -node.last_access_s
 
-    assert isinstance(get_policy("test-mru"), MRU)
+        assert isinstance(get_policy("test-mru"), MRU)
+        assert "test-mru" in available_policies()
+    finally:
+        # The registry is process-wide: a test policy left in it shows up in the CLI's list of
+        # choices that later tests assert.
+        eviction_base._REGISTRY.pop("test-mru", None)
+    assert "test-mru" not in available_policies()
 
 
 def test_eviction_imports_neither_torch_nor_radixkv_modules() -> None:
