@@ -108,10 +108,16 @@ def opt_int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
     if raw is None:
         return None
     v = as_int(raw)
+    bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
     if v is None:
+        if isinstance(raw, float) and raw.is_integer() and abs(raw) > _EXACT_FLOAT_INT:
+            # The JSON decoder read an integer past 64 bits as this float: the client did send
+            # an integer, only out of range.
+            within = f"in {bound}" if hi is not None else bound
+            raise bad_request(f"'{key}' must be an integer {within}, got one of about "
+                              f"{raw:.3g}", key)
         raise bad_request(f"'{key}' must be an integer, got {raw!r}", key)
     if v < lo or (hi is not None and v > hi):
-        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise bad_request(f"'{key}' must be {bound}, got {v}", key)
     return v
 

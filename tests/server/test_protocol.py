@@ -184,3 +184,16 @@ def test_n_is_passed_to_sampling():
     req = parse_chat_request({"messages": MSG, "n": 3, "seed": 9}, MODEL)
     params = req.sampling_params(5)
     assert (params.n, params.seed, params.max_tokens) == (3, 9, 5)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    # A JSON integer past 64 bits reaches the parser as a float (orjson); the client sent an
+    # integer, so the error says its range, not "must be an integer".
+    ({"messages": MSG, "seed": 18446744073709551616.0},
+     "'seed' must be an integer in [-9223372036854775808, 18446744073709551615], got one of "
+     "about 1.84e+19"),
+    ({"messages": MSG, "max_tokens": 1e23}, "'max_tokens' must be an integer >= 1, got one of about 1e+23"),
+    ({"messages": MSG, "seed": 1.5}, "'seed' must be an integer, got 1.5"),
+])
+def test_integers_past_64_bits_are_refused_by_range(body, message):
+    assert refused(body).message.startswith(message)
