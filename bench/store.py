@@ -37,6 +37,7 @@ Usage::
 # No ``from __future__ import annotations``: the CLI loads this file by path (see bench/serve.py).
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -284,6 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              c["forward_compute_s"], c["forward_base_s"], k, statistics.median),
                          "fetch_ms_p50": snap.get("fetch_ms_p50"),
                          "fetch_ms_p90": snap.get("fetch_ms_p90")})
+    # The master's logs matter only when a backend failed (the exception leaves them).
+    shutil.rmtree(log_dir, ignore_errors=True)
     table = format_table(rows)
     print(table)
     results = {"provenance": provenance(), "model": model.name, "depth_tokens": args.depth,
