@@ -40,7 +40,14 @@ def test_every_package_folder_is_listed_in_pyproject():
             "radixkv.eviction"} <= set(dirs)
     missing = sorted(set(dirs) - set(SETUPTOOLS["packages"]))
     assert not missing, f"packages missing from pyproject.toml [tool.setuptools] packages: {missing}"
-    gone = sorted(set(SETUPTOOLS["packages"]) - set(dirs))
+    # A data-only package (no __init__.py: the C sources in radixkv/kernels/csrc/) is listed so
+    # setuptools does not warn that it would be left out; it must exist and declare its files.
+    data_only = {"radixkv.kernels.csrc": REPO / "kernels" / "csrc"}
+    for name, folder in data_only.items():
+        assert name in SETUPTOOLS["packages"], name
+        patterns = SETUPTOOLS["package-data"][name]
+        assert [p.name for pattern in patterns for p in folder.glob(pattern)] == ["cpu_decode.c"]
+    gone = sorted(set(SETUPTOOLS["packages"]) - set(dirs) - set(data_only))
     assert not gone, f"pyproject.toml lists packages with no folder: {gone}"
 
 
