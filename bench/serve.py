@@ -108,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the driver's flags on ``parser`` (used by ``radixkv bench serve``)."""
     parser.add_argument("--url", action=_UrlAction, default=DEFAULT_URL,
                         help=f"server base URL (default {DEFAULT_URL}); give it again for more "
-                             "replicas (args.more_urls), each turn going to one of them per "
+                             "replicas, each turn going to one of them per "
                              "--dispatch")
     parser.add_argument("--dispatch", default="session", choices=_serve_replay.DISPATCH_MODES,
                         help="with several --url: 'session' keeps each session on one server "

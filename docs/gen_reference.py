@@ -2,6 +2,8 @@
 
 - ``serve-flags.md``: every ``radixkv serve`` flag from the argparse parser (``radixkv.cli``):
   flag, default, help text.
+- ``commands.md``: the flags of every other subcommand (``chat``, ``export-hf``, each
+  ``bench`` driver in ``bench/``).
 - ``parameters.md``: every request field of chat completions, completions and ``/tokenize``
   from the parameter-policy table (``radixkv.server.param_table``).
 
@@ -54,12 +56,12 @@ def _default(action: argparse.Action) -> str:
         return "none"
     if isinstance(action.default, list):
         return "none" if not action.default else ", ".join(map(str, action.default))
-    return _code(str(action.default))
+    # A path default under the checkout reads the same in every clone.
+    return _code(str(action.default).replace(str(REPO), "<repo>"))
 
 
-def serve_flags_page() -> str:
-    """The ``radixkv serve`` flag reference, as markdown text."""
-    parser = _serve_parser()
+def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
+    """One markdown table row per option of ``parser``: flag, default, help."""
     formatter = parser._get_formatter()
     rows = []
     for action in parser._actions:
@@ -69,7 +71,7 @@ def serve_flags_page() -> str:
             continue
         flag = ", ".join(action.option_strings)
         if action.nargs != 0 and action.metavar:
-            flag += " " + action.metavar
+            flag += " " + str(action.metavar)
         help_text = formatter._expand_help(action) if action.help else ""
         if action.choices and not isinstance(action.choices, dict):
             help_text = (help_text + "; " if help_text else "") + "one of " + ", ".join(
@@ -77,6 +79,12 @@ def serve_flags_page() -> str:
         if action.required:
             help_text = "required; " + help_text
         rows.append(f"| {_code(flag)} | {_cell(_default(action))} | {_cell(help_text)} |")
+    return rows
+
+
+def serve_flags_page() -> str:
+    """The ``radixkv serve`` flag reference, as markdown text."""
+    rows = _flag_rows(_serve_parser())
     return (HEADER.format(source="radixkv/cli.py")
             + "# `radixkv serve` flags\n\n"
             + "Every flag of `radixkv serve` (also `make serve SERVE_ARGS=\"...\"`), from its "
@@ -85,6 +93,34 @@ def serve_flags_page() -> str:
               "[operations](../operations.md).\n\n"
             + "| flag | default | meaning |\n|---|---|---|\n"
             + "\n".join(rows) + "\n")
+
+
+def commands_page() -> str:
+    """The flags of every other ``radixkv`` subcommand (``chat``, ``export-hf``, each
+    ``bench`` driver), as markdown text."""
+    from radixkv.cli import BENCHES, build_parser, load_bench
+
+    subparsers = next(a for a in build_parser()._actions
+                      if isinstance(a, argparse._SubParsersAction))
+    sections = []
+    table_head = "| flag | default | meaning |\n|---|---|---|\n"
+    helps = {a.dest: a.help for a in subparsers._choices_actions}
+    for name in ("chat", "export-hf"):
+        help_text = str(helps[name])
+        sections.append(f"## `radixkv {name}`\n\n{help_text[0].upper()}{help_text[1:]}.\n\n"
+                        + table_head + "\n".join(_flag_rows(subparsers.choices[name])) + "\n")
+    for name, help_text in BENCHES.items():
+        # Each driver owns its flags (bench/<name>.py), as `radixkv bench NAME` builds them.
+        parser = argparse.ArgumentParser(prog=f"radixkv bench {name}")
+        load_bench(name).add_arguments(parser)
+        sections.append(f"## `radixkv bench {name}`\n\n{help_text[0].upper()}{help_text[1:]}."
+                        f"\n\n" + table_head + "\n".join(_flag_rows(parser)) + "\n")
+    return (HEADER.format(source="radixkv/cli.py and bench/*.py")
+            + "# `radixkv` commands\n\n"
+            + "The flags of every `radixkv` subcommand but `serve` ([serve-flags.md]"
+              "(serve-flags.md)), from their argparse parsers. What the benchmarks measure and "
+              "how to reproduce each table: [benchmarks](../benchmarks.md).\n\n"
+            + "\n".join(sections))
 
 
 def _type_of(schema: dict[str, Any]) -> str:
@@ -165,7 +201,8 @@ def parameters_page() -> str:
             + "\n".join(body))
 
 
-PAGES = {"serve-flags.md": serve_flags_page, "parameters.md": parameters_page}
+PAGES = {"serve-flags.md": serve_flags_page, "commands.md": commands_page,
+         "parameters.md": parameters_page}
 
 
 def stale_pages() -> list[str]:

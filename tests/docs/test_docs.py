@@ -101,6 +101,21 @@ def test_serve_flags_reference_lists_every_flag() -> None:
     assert "| `--port` | `8000` |" in text
 
 
+def test_commands_reference_has_every_subcommand_and_clone_independent_defaults() -> None:
+    from radixkv.cli import BENCHES
+
+    text = _load("gen_reference").commands_page()
+    headings = re.findall(r"^## `(radixkv [a-z -]+)`$", text, re.M)
+    assert headings == ["radixkv chat", "radixkv export-hf"] + [f"radixkv bench {b}"
+                                                                 for b in BENCHES]
+    assert "| `--temperature` | `0.0` |" in text  # chat's greedy default
+    assert "| `--out DIR` | none | required; output directory (new or empty) |" in text
+    # A default under the checkout is written relative to it, so every clone generates the
+    # same page.
+    assert str(REPO) not in text
+    assert "| `--json PATH` | `<repo>/bench/results/store-hit-cost.json` |" in text
+
+
 def test_parameters_reference_lists_every_field() -> None:
     from radixkv.server.param_table import CHAT_PARAMS, COMPLETION_PARAMS, TOKENIZE_PARAMS
 
