@@ -174,3 +174,66 @@ def test_a_reset_in_evict_mode_writes_then_drops_what_the_device_evicts(tiny_mod
         assert again.output_token_ids == first.output_token_ids
     finally:
         engine.store.close()
+
+
+def test_a_load_done_before_a_reset_does_not_mark_its_blocks_stored(tiny_model):
+    """A load the loader finished before a reset is copied into the pool after it: its keys
+    must not go back into the "already stored" memo (the host tier is empty now), else the
+    request's own writes are skipped and the blocks are in no tier but the device."""
+    engine = make_engine(tiny_model, block_size=B, num_blocks=24, kv_store="host:0.01")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    host = engine.store.backend
+    try:
+        engine.generate([PROMPT], params)
+        assert engine.store.flush()
+        engine.cache.evict(engine.num_blocks)
+        assert host.stats()["num_blocks"] == 11
+        skipped_before = engine.store.snapshot()["skipped_existing_blocks_total"]
+        req = engine.make_request(PROMPT, params)
+        engine.add_request(req)
+        for _ in range(5):  # until the lookup has queued its load
+            engine.step()
+            if engine.store._jobs:
+                break
+        (job,) = engine.store._jobs.values()
+        deadline = time.monotonic() + 10
+        while not job.done:  # the loader finished it; the engine has not consumed it yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.cache.reset_prefix_cache()
+        assert host.stats()["num_blocks"] == 0
+        while engine.has_work:
+            engine.step()
+        assert req.num_store_tokens == 40  # served from the load that finished before
+        assert engine.store.flush()
+        snapshot = engine.store.snapshot()
+        # The request's 10 prompt blocks and its output block are written again, none skipped.
+        assert snapshot["skipped_existing_blocks_total"] == skipped_before
+        assert host.stats()["num_blocks"] == 11
+    finally:
+        engine.store.close()
+
+
+def test_a_store_fault_during_a_reset_is_counted_not_fatal(tiny_model, monkeypatch):
+    """A StoreError from the backend's clear marks the tier down (as any store fault does);
+    the reset itself completes and the engine keeps serving from the device."""
+    from radixkv.errors import StoreError
+
+    engine = make_engine(tiny_model, block_size=B, num_blocks=24, kv_store="host:0.01")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def refuse() -> int:
+        raise StoreError("host store: refused")
+
+    try:
+        (first,) = engine.generate([PROMPT], params)
+        assert engine.store.flush()
+        monkeypatch.setattr(engine.store.backend, "clear", refuse)
+        assert engine.cache.reset_prefix_cache() == 11
+        snapshot = engine.store.snapshot()
+        assert (snapshot["errors_total"], snapshot["reset_blocks_total"]) == (1, 0)
+        assert engine.store.down
+        (again,) = engine.generate([PROMPT], params)
+        assert again.output_token_ids == first.output_token_ids
+    finally:
+        engine.store.close()

@@ -10,7 +10,7 @@ class LoadJob:
 
     __slots__ = ("request_id", "root", "parent_hash", "hashes", "token_bytes", "depth_blocks",
                  "deadline_s", "done", "abandoned", "slots", "num_present", "num_rejected",
-                 "error")
+                 "error", "reset_epoch")
 
     def __init__(self, request_id: str, root: bytes, parent_hash: bytes, hashes: list[bytes],
                  token_bytes: bytes, depth_blocks: int, deadline_s: float) -> None:
@@ -27,4 +27,5 @@ class LoadJob:
         self.num_present = -1  # blocks the store held (-1: not known yet)
         self.num_rejected = 0  # present blocks not served: a value failed its check
         self.error = False
+        self.reset_epoch = 0  # the tier's reset count when the job started (StoreTier.reset)
 

@@ -110,6 +110,9 @@ class StoreTier:
         self._pending_writes = 0
         self._inflight: set[str] = set()  # keys queued for writing, not yet put
         self._stuck = False  # the loader is still inside a load that was abandoned
+        # Resets so far: a load or write begun before a reset must not mark its keys as stored
+        # (or announce them) after the reset emptied the backend.
+        self._reset_epoch = 0
         self._down_since: float | None = None
         self.counters = dict.fromkeys((
             "lookup_blocks_total", "hit_blocks_total", "miss_blocks_total", "read_bytes_total",
@@ -186,6 +189,7 @@ class StoreTier:
             return False
         job = LoadJob(request_id, root, parent_hash, hashes[: self.max_blocks_per_load],
                       token_bytes, depth_blocks, self._clock() + self.timeout_s)
+        job.reset_epoch = self._reset_epoch
         self._jobs[request_id] = job
         self._loads.put(job)
         return True
@@ -240,8 +244,9 @@ class StoreTier:
             scatter_block(arena.ptr(slot) + self.header_bytes, bases, block_id, seg)
         arena.give(job.slots)
         with self.lock:
-            for h in job.hashes[: len(block_ids)]:
-                self._remember(store_key(self.layout, job.root, h))
+            if job.reset_epoch == self._reset_epoch:  # else a reset emptied the store since
+                for h in job.hashes[: len(block_ids)]:
+                    self._remember(store_key(self.layout, job.root, h))
         job.slots = []
 
     # ---- loads (loader thread) -----------------------------------------------------------
@@ -486,6 +491,8 @@ class StoreTier:
             parent_key = store_key(layout, item.root, item.parent_hash) if item.depth_blocks else None
             entries.append(PutEntry(item.key, parent_key, item.depth_blocks * layout.block_size,
                                     arena.ptr(item.slot), vb))
+        with self.lock:
+            epoch = self._reset_epoch
         try:
             if self.down:
                 self.forget(entries, dropped=True)
@@ -500,7 +507,12 @@ class StoreTier:
                 self.counters["refused_write_blocks_total"] += len(todo) - n
                 self.counters["written_bytes_total"] += n * vb
             self.forget([e for e, ok in zip(todo, stored) if not ok], dropped=False)
-            if self.backend.kv_event_medium is not None:
+            with self.lock:
+                # A reset since this write began may have dropped what it put: announcing
+                # it could name a block the store no longer holds (a missed announcement of
+                # one that landed after the reset is the safe side).
+                announce = self.backend.kv_event_medium is not None and epoch == self._reset_epoch
+            if announce:
                 self.stored_runs.extend(stored_runs(items, {e.key for e, ok in zip(todo, stored)
                                                             if ok}))
         except StoreError as exc:
@@ -536,8 +548,10 @@ class StoreTier:
         never announced as this replica's (``kv_event_medium`` None).
 
         Args:
-            timeout_s: Longest wait for the queued writes (a write still running past it may
-                land after the reset: it is then announced after it, still true).
+            timeout_s: Longest wait for the queued writes (logged when it passes). A write or
+                load begun before the reset neither announces its blocks nor marks them
+                stored after it (the reset count each one started under says so); a store
+                fault during the clear marks the tier down and is not raised.
 
         Returns:
             Values dropped (0 for a shared backend).
@@ -545,8 +559,17 @@ class StoreTier:
         if self.backend.kv_event_medium is None:
             return 0
         with self._idle:
-            self._idle.wait_for(lambda: self._pending_writes == 0, timeout_s)
-        dropped = self.backend.clear()
+            drained = self._idle.wait_for(lambda: self._pending_writes == 0, timeout_s)
+        if not drained:
+            log.warning("kv_store_reset_writes_pending", timeout_s=timeout_s,
+                        pending_writes=self._pending_writes)
+        with self.lock:
+            self._reset_epoch += 1
+        try:
+            dropped = self.backend.clear()
+        except StoreError as exc:  # a store fault is counted, never fatal to the engine
+            self.mark_down("reset", exc)
+            dropped = 0
         self.stored_runs.clear()
         with self.lock:
             self._present.clear()
