@@ -390,7 +390,10 @@ class AsyncEngine(AsyncLoRAMixin):
                 if aborted:
                     outputs += aborted
                     log.info("request_aborted", request_id=payload)
-                elif live is not None:  # not in the engine (finished meanwhile): end the stream
+                elif live is not None and not any(o.request_id == payload for o in outputs):
+                    # Not in the engine (finished meanwhile): end the stream. One whose final
+                    # output this batch produced (a failed admit, an earlier abort) keeps it
+                    # until that output is delivered, else its reader would wait forever.
                     del self._streams[payload]
         if outputs:
             self._snapshot()

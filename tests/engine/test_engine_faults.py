@@ -9,6 +9,8 @@ Faults are injected by monkeypatching our own functions (test hooks), on the tin
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -236,3 +238,34 @@ def test_request_and_sequence_counters_per_tenant_sum_into_the_totals():
     assert [a[k] for k in keys] == [1, 3, 1, 3, 0, 0, 1]
     assert [b[k] for k in keys] == [1, 1, 0, 0, 1, 2, 0]
     assert [stats.counts()[k] for k in keys] == [2, 4, 1, 3, 1, 2, 2]
+
+
+async def test_an_abort_in_the_same_batch_as_a_failed_admit_still_ends_the_stream(
+        tiny_model, monkeypatch):
+    """A request whose admit fails (a fault of its own) gets a final output in the same inbox
+    batch; an abort for it right behind (a client gone, a shutdown past its drain) must not
+    drop that output, or the stream's reader waits forever."""
+    import radixkv.engine.llm_engine as llm_engine_mod
+    from tests.factories import make_async_engine
+
+    def refuse(*args, **kwargs):
+        raise ValueError("generator refused")
+
+    monkeypatch.setattr(llm_engine_mod, "make_generator", refuse)
+    engine = make_async_engine(tiny_model)
+    engine.start()
+    params = SamplingParams(max_tokens=4, temperature=0.7, ignore_eos=True)
+    try:
+        for _ in range(5):
+            engine._wake.clear()  # both land in one drain of the inbox
+            stream = engine.generate([5, 6, 7, 8], params)
+            engine.abort(stream.request_id)
+            outputs = await asyncio.wait_for(_collect(stream), 5.0)
+            assert [(o.finished, o.finish_reason) for o in outputs] == [(True, "error")]
+        assert engine._streams == {}
+    finally:
+        await engine.shutdown()
+
+
+async def _collect(stream) -> list:
+    return [out async for out in stream]
