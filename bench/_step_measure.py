@@ -97,11 +97,12 @@ def _copy_ms(numel: int, repeats: int) -> float:
 
 
 def measure_roofs(dtype: torch.dtype, copy_bytes: int, gemm_n: int, repeats: int) -> dict:
-    """Copy bandwidth and GEMM throughput of this machine, now.
+    """Copy bandwidth and torch's square GEMM throughput of this machine, now.
 
     Copy: ``dst.copy_(src)`` of two contiguous ``copy_bytes`` buffers; ``gbps`` counts bytes
     read + bytes written (``2 · copy_bytes / t``), as ``bench kernels`` does. GEMM:
-    ``torch.matmul`` of two ``gemm_n``² matrices of ``dtype``, ``2 · n³ / t`` FLOP/s.
+    ``torch.matmul`` of two ``gemm_n``² matrices of ``dtype``, ``2 · n³ / t`` FLOP/s (torch's
+    own BLAS: MKL for fp32 in the x86 wheels; a comparison column, not the floor).
     """
     numel = copy_bytes // 4
     copy_ms = _copy_ms(numel, max(repeats, 3))
@@ -112,8 +113,208 @@ def measure_roofs(dtype: torch.dtype, copy_bytes: int, gemm_n: int, repeats: int
         "copy": {"bytes": numel * 4, "ms": copy_ms, "gbps": 2 * numel * 4 / copy_ms / 1e6,
                  "counts": "read + write"},
         "gemm": {"n": gemm_n, "dtype": str(dtype)[6:], "ms": gemm_ms,
-                 "gflops": 2 * gemm_n ** 3 / gemm_ms / 1e6},
+                 "gflops": 2 * gemm_n ** 3 / gemm_ms / 1e6, "library": "torch.matmul"},
     }
+
+
+def measure_fma_peak(num_threads: int, seconds: float) -> dict:
+    """The CPU's own peak (``radixkv.kernels.cpu_peak``) on ``num_threads`` threads.
+
+    Returns:
+        ``{"isa": the native build in use (``native.load()``) or None, "threads",
+        "seconds": budget per measurement, "gflops": fp32 FMA peak of that build (None where
+        no build runs here), "by_isa": {isa: fp32 FMA GFLOP/s} for every build this CPU runs,
+        "chains": FMA chains per thread of the build in use, "bf16_dot_gflops": VDPBF16PS peak
+        (None without AVX512_BF16, or from a compiler without its intrinsics), "amx_bf16":
+        whether /proc/cpuinfo lists ``amx_bf16`` (AMX tiles outrun VDPBF16PS, so the bf16 dot
+        peak is then no bound)}``.
+    """
+    from radixkv.kernels import cpu_peak, native
+
+    in_use = native.load()
+    isa = in_use.isa if in_use is not None else None
+    by_isa: dict[str, float] = {}
+    for name in native.cpu_isas():
+        value = cpu_peak.fma_peak_gflops(seconds, num_threads, isa=name)
+        if value is not None:
+            by_isa[name] = value
+    bf16 = cpu_peak.bf16_dot_peak_gflops(seconds, num_threads, isa=isa) if isa else None
+    return {"isa": isa, "threads": num_threads, "seconds": seconds,
+            "gflops": by_isa.get(isa) if isa else None, "by_isa": by_isa,
+            "chains": cpu_peak.peak_chains(isa) if isa else None, "bf16_dot_gflops": bf16,
+            "amx_bf16": "amx_bf16" in (native._cpu_flags() or set())}
+
+
+def prefill_gemm_shapes(model: LoadedModel, tokens: int) -> list[dict]:
+    """The four linear layers of one decoder layer in a ``tokens``-row prefill, as ``(m, k, n)``
+    of ``y[m, n] = x[m, k] · w[n, k]ᵀ``: fused q/k/v, output, fused gate/up, down."""
+    s = model.shape
+    q_dim, kv_dim = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    return [{"name": "qkv", "m": tokens, "k": s.hidden_size, "n": q_dim + 2 * kv_dim},
+            {"name": "o", "m": tokens, "k": q_dim, "n": s.hidden_size},
+            {"name": "gate_up", "m": tokens, "k": s.hidden_size, "n": 2 * s.intermediate_size},
+            {"name": "down", "m": tokens, "k": s.intermediate_size, "n": s.hidden_size}]
+
+
+def torch_linear_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> float:
+    """``torch.nn.functional.linear(x[m, k], w[n, k])`` throughput, ``2 · m · k · n / t`` GFLOP/s
+    with ``t`` the best of ``repeats`` calls after two warm-ups (as the engine GEMM's
+    ``gflops``): torch's own BLAS path, the comparison column."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype)
+    for _ in range(2):
+        torch.nn.functional.linear(x, w)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - started)
+    return 2 * m * k * n / best / 1e9
+
+
+def _engine_gemm() -> Any:
+    """``radixkv.kernels.gemm`` (the engine's prefill GEMM), or None where it does not exist."""
+    try:
+        from radixkv.kernels import gemm
+    except ImportError:
+        return None
+    return gemm if callable(getattr(gemm, "gflops", None)) else None
+
+
+def gemm_backend_name(gemm: Any, dtype: torch.dtype | None = None) -> str | None:
+    """What the engine GEMM module says it runs on for ``dtype`` (``gemm_backend(dtype)``:
+    bf16 without oneDNN bf16 support names ``F.linear`` and why), else its name."""
+    if gemm is None:
+        return None
+    for attr in ("gemm_backend", "backend", "BACKEND"):
+        value = getattr(gemm, attr, None)
+        if callable(value):
+            try:
+                value = value(dtype)
+            except TypeError:  # an engine whose gemm_backend() takes no dtype
+                value = value()
+        if value is not None:
+            return str(value)
+    return gemm.__name__
+
+
+def _aggregate(rows: list[dict], key: str) -> float | None:
+    """Total FLOPs ÷ total time over ``rows`` (each ``2 · m · k · n`` FLOPs at ``row[key]``)."""
+    if any(r.get(key) is None for r in rows):
+        return None
+    flops = [2 * r["m"] * r["k"] * r["n"] for r in rows]
+    return sum(flops) / sum(f / r[key] for f, r in zip(flops, rows))
+
+
+def measure_gemms(model: LoadedModel, dtype: torch.dtype, tokens: int, gemm_n: int,
+                  repeats: int, peak_gflops: float | None) -> dict:
+    """The engine's GEMM and torch's ``F.linear`` at the model's prefill shapes and a square.
+
+    Engine: ``radixkv.kernels.gemm.gflops(m, k, n, dtype, repeats)``; torch:
+    :func:`torch_linear_gflops`. ``model`` aggregates the four shapes of
+    :func:`prefill_gemm_shapes` as their total FLOPs ÷ total time (the rate a prefill's linear
+    layers run at); ``pct_of_peak`` = GFLOP/s ÷ ``peak_gflops`` · 100.
+
+    Returns:
+        ``{"backend", "tokens", "shapes": [{name, m, k, n, engine_gflops, torch_gflops}],
+        "square": {"n", "engine_gflops", "torch_gflops"}, "model": {"engine_gflops",
+        "torch_gflops", "engine_pct_of_peak", "torch_pct_of_peak"}}``; engine values are None
+        (and ``backend`` None) where the engine GEMM module is missing.
+    """
+    gemm = _engine_gemm()
+    reps = max(repeats, 3)
+
+    def engine(m: int, k: int, n: int) -> float | None:
+        return float(gemm.gflops(m, k, n, dtype, reps)) if gemm is not None else None
+
+    shapes = [{**shape, "engine_gflops": engine(shape["m"], shape["k"], shape["n"]),
+               "torch_gflops": torch_linear_gflops(shape["m"], shape["k"], shape["n"], dtype, reps)}
+              for shape in prefill_gemm_shapes(model, tokens)]
+    square = {"n": gemm_n, "engine_gflops": engine(gemm_n, gemm_n, gemm_n),
+              "torch_gflops": torch_linear_gflops(gemm_n, gemm_n, gemm_n, dtype, reps)}
+
+    return summarize_gemms({"backend": gemm_backend_name(gemm, dtype), "dtype": str(dtype)[6:],
+                            "tokens": tokens, "shapes": shapes, "square": square}, peak_gflops)
+
+
+def summarize_gemms(gemms: dict, peak_gflops: float | None) -> dict:
+    """``gemms`` with ``model`` (the four shapes' total FLOPs ÷ total time, per library) and
+    every ``*_pct_of_peak`` (GFLOP/s ÷ ``peak_gflops`` · 100; None without a peak) set anew."""
+    def pct(value: float | None) -> float | None:
+        return None if value is None or not peak_gflops else 100.0 * value / peak_gflops
+
+    shapes, square = gemms["shapes"], gemms["square"]
+    agg = {"engine_gflops": _aggregate(shapes, "engine_gflops"),
+           "torch_gflops": _aggregate(shapes, "torch_gflops")}
+    agg.update(engine_pct_of_peak=pct(agg["engine_gflops"]), torch_pct_of_peak=pct(agg["torch_gflops"]))
+    square.update(engine_pct_of_peak=pct(square["engine_gflops"]),
+                  torch_pct_of_peak=pct(square["torch_gflops"]))
+    return {**gemms, "model": agg}
+
+
+def _best(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def best_of_passes(passes: list[dict], peak_passes: list[dict]) -> tuple[dict, dict]:
+    """The roofs of several passes (before and after the points) merged value by value, the
+    higher kept: a pass that shared the cores with another process measures low, never high.
+
+    Args:
+        passes: :func:`measure_gemms` results of the same shapes.
+        peak_passes: :func:`measure_fma_peak` results.
+
+    Returns:
+        ``(fma_peak, gemms)``: the first pass's dicts with every rate the best over the passes,
+        ``gflops`` the in-use ISA's best, the percentages recomputed from it, and ``passes``
+        (each pass's ``by_isa`` / ``bf16_dot_gflops``, or its per-shape rates) kept.
+    """
+    peak = dict(peak_passes[0])
+    by_isa: dict[str, float] = {}
+    for one in peak_passes:
+        for isa, value in one["by_isa"].items():
+            by_isa[isa] = max(by_isa.get(isa, 0.0), value)
+    bf16 = None
+    for one in peak_passes:
+        bf16 = _best(bf16, one["bf16_dot_gflops"])
+    peak.update(by_isa=by_isa, bf16_dot_gflops=bf16,
+                gflops=by_isa.get(peak["isa"]) if peak["isa"] else None,
+                passes=[{"by_isa": one["by_isa"], "bf16_dot_gflops": one["bf16_dot_gflops"]}
+                        for one in peak_passes])
+    first = passes[0]
+    shapes = [dict(shape) for shape in first["shapes"]]
+    square = {k: v for k, v in first["square"].items() if not k.endswith("pct_of_peak")}
+    for one in passes[1:]:
+        for shape, other in zip(shapes, one["shapes"]):
+            for key in ("engine_gflops", "torch_gflops"):
+                shape[key] = _best(shape[key], other[key])
+        for key in ("engine_gflops", "torch_gflops"):
+            square[key] = _best(square[key], one["square"][key])
+    gemms = summarize_gemms({**first, "shapes": shapes, "square": square}, peak["gflops"])
+    gemms["passes"] = [{"shapes": [{k: g[k] for k in ("name", "engine_gflops", "torch_gflops")}
+                                   for g in one["shapes"]],
+                        "square": {k: one["square"][k] for k in ("engine_gflops", "torch_gflops")}}
+                       for one in passes]
+    return peak, gemms
+
+
+#: Why a bf16 floor over the VDPBF16PS peak is no bound on a CPU with AMX (JSON and report).
+AMX_NOT_A_BOUND = "not a bound: this CPU has AMX-BF16, faster than the VDPBF16PS peak"
+
+
+def peak_floor_gflops(roofs: dict, dtype: torch.dtype) -> tuple[float | None, str | None]:
+    """The CPU-peak rate a prefill floor divides by, and its name: the bf16 dot-product peak
+    for bf16 where the CPU has it, else the fp32 FMA peak, the highest over every ISA build the
+    CPU runs (``by_isa``: forcing ``RADIXKV_NATIVE_ISA=avx2`` cannot lower the floor);
+    (None, None) where no native build runs here."""
+    peak = roofs.get("fma_peak") or {}
+    if dtype == torch.bfloat16 and peak.get("bf16_dot_gflops"):
+        return peak["bf16_dot_gflops"], "bf16_dot_peak"
+    best = max([v for v in (peak.get("by_isa") or {}).values() if v] + [peak.get("gflops") or 0.0])
+    if best:
+        return best, "fma_peak"
+    return None, None
 
 
 # ----------------------------------------------------------------------------- points
@@ -131,12 +332,20 @@ def _skip(row: dict, pool_bytes: int, max_pool_bytes: int) -> bool:
     return False
 
 
-def prefill_point(model: LoadedModel, tokens: int, block_size: int, roofs: dict, repeats: int,
+def prefill_point(model: LoadedModel, tokens: int, block_size: int, repeats: int,
                   max_pool_bytes: int, seed: int) -> dict:
-    """One sequence of ``tokens`` new tokens, no prefix: tokens/s against the GEMM floor.
+    """One sequence of ``tokens`` new tokens, no prefix: tokens/s (floors are set afterwards by
+    :func:`apply_prefill_floors`, once the roofs' second pass is in).
 
-    Floor: ``radixkv.eviction.cost_model.prefill_flops(shape, 0, tokens)`` (linear ``2 · P`` per
-    token + attention ``4 · L · Hq · D`` per causal pair; no LM head) over the GEMM FLOP/s.
+    FLOPs: ``radixkv.eviction.cost_model.prefill_flops(shape, 0, tokens)`` (linear ``2 · P`` per
+    token + attention ``4 · L · Hq · D`` per causal pair; no LM head). Floors, each FLOPs ÷ a
+    rate: ``floor_ms`` (and ``ratio``) over :func:`peak_floor_gflops` (``floor_basis`` names
+    it; torch's square GEMM where no native build runs; ``floor_is_bound`` False, with
+    ``floor_note`` saying why, for the bf16 dot peak on a CPU with AMX-BF16); ``engine_gemm_floor_ms`` /
+    ``engine_gemm_ratio`` over the engine GEMM's rate at the model's prefill shapes
+    (``roofs["gemms"]["model"]["engine_gflops"]``); ``torch_gemm_floor_ms`` /
+    ``torch_gemm_ratio`` over torch's square GEMM (``roofs["gemm"]``), the floor this bench
+    used before.
     """
     shape = model.shape
     requested = tokens
@@ -152,10 +361,32 @@ def prefill_point(model: LoadedModel, tokens: int, block_size: int, roofs: dict,
     ids = torch.randint(0, shape.vocab_size, (tokens,), generator=gen).tolist()
     batch = runner.build_batch([(ids, 0, list(range(num_blocks)))])
     ms = median_ms(lambda: runner.forward(batch), 1, repeats)
-    flops = prefill_flops(cost_shape_from_model_shape(shape), 0, tokens)
-    floor_ms = flops / roofs["gemm"]["gflops"] / 1e6
-    row.update(ms=ms, tokens_per_s=tokens / ms * 1e3, flops=flops, floor_ms=floor_ms,
+    row.update(ms=ms, tokens_per_s=tokens / ms * 1e3,
+               flops=prefill_flops(cost_shape_from_model_shape(shape), 0, tokens))
+    return row
+
+
+def apply_prefill_floors(row: dict, roofs: dict, dtype: torch.dtype) -> dict:
+    """Set a measured prefill row's floors from the final ``roofs`` (see :func:`prefill_point`)."""
+    if "skipped" in row:
+        return row
+    flops, ms, tokens = row["flops"], row["ms"], row["tokens"]
+    peak, basis = peak_floor_gflops(roofs, dtype)
+    if peak is None:
+        peak, basis = roofs["gemm"]["gflops"], "torch_gemm"
+    floor_ms = flops / peak / 1e6
+    if basis == "bf16_dot_peak" and (roofs.get("fma_peak") or {}).get("amx_bf16"):
+        row.update(floor_is_bound=False, floor_note=AMX_NOT_A_BOUND)
+    else:
+        row.update(floor_is_bound=True)
+    row.update(floor_basis=basis, floor_gflops=peak, floor_ms=floor_ms,
                floor_tokens_per_s=tokens / floor_ms * 1e3, ratio=ms / floor_ms)
+    torch_floor = flops / roofs["gemm"]["gflops"] / 1e6
+    row.update(torch_gemm_floor_ms=torch_floor, torch_gemm_ratio=ms / torch_floor)
+    engine = ((roofs.get("gemms") or {}).get("model") or {}).get("engine_gflops")
+    if engine:
+        engine_floor = flops / engine / 1e6
+        row.update(engine_gemm_floor_ms=engine_floor, engine_gemm_ratio=ms / engine_floor)
     return row
 
 

@@ -18,21 +18,41 @@ A context longer than the model's (SmolLM2: 8,192) is cut to what fits (decode: 
 the new token needs a position); both requested and used sizes are recorded. A point whose pool
 exceeds ``--max-pool-gib`` is skipped and says so in its row.
 
-**Floors**, measured in the same run before the points (``roofs`` in the JSON):
+**Roofs**, measured in the same run (``roofs`` in the JSON), on the step's thread count; the
+CPU peak and the GEMMs twice, before and after the points, each value the higher of the two
+(``passes`` keeps both: a pass that shared the cores measures low, never high):
 
+* CPU peak (``roofs.fma_peak``): ``radixkv.kernels.cpu_peak`` — independent FMA chains on
+  every thread, no memory traffic, best of 5 runs — for the native build in use (``isa``) and
+  for every other ISA build the CPU runs (``by_isa``), plus the AVX512_BF16 dot-product peak
+  where the CPU has it (``bf16_dot_gflops``). ``--peak-seconds`` per measurement.
+* GEMMs (``roofs.gemms``): the engine's own GEMM (``radixkv.kernels.gemm.gflops``, its
+  ``backend``) and torch's ``F.linear`` (MKL in the x86 wheels; a comparison column) at the
+  model's four prefill shapes (fused q/k/v, output, fused gate/up, down; ``--gemm-tokens``
+  rows) and at the ``--gemm-n`` square, each with % of the FMA peak; ``model`` aggregates the
+  four shapes as total FLOPs ÷ total time.
 * copy bandwidth: ``dst.copy_(src)`` of a ``--copy-mib`` fp32 buffer, GB/s counting bytes read
   + bytes written (``2 · size / t``, as ``bench kernels``); decode floor ms = bytes read per step
   ÷ that bandwidth, where bytes read per step = ``(P + vocab · hidden) · itemsize`` (every
   non-embedding weight plus the LM head, once) ``+ batch · 2 · L · ctx · Hkv · D · itemsize``
   (each sequence's cached K and V). Counting copy bandwidth as read + write makes the floor
   the tighter one: a copy also moves its writes through memory.
-* GEMM: ``torch.matmul`` of two ``--gemm-n``² matrices of the model dtype, ``2 · n³ / t``;
-  prefill floor = ``radixkv.eviction.cost_model.prefill_flops(shape, 0, tokens)`` (linear
-  ``2 · P`` per token + attention ``4 · L · Hq · D`` per causal (query, key) pair; no LM head)
-  ÷ GEMM FLOP/s.
+* torch's square GEMM (``roofs.gemm``): ``torch.matmul`` of two ``--gemm-n``² matrices.
+
+Prefill FLOPs = ``radixkv.eviction.cost_model.prefill_flops(shape, 0, tokens)`` (linear
+``2 · P`` per token + attention ``4 · L · Hq · D`` per causal (query, key) pair; no LM head).
+Prefill floor = FLOPs ÷ the CPU's peak (``floor_basis``: ``fma_peak``, the highest fp32 FMA peak
+of the ISA builds the CPU runs; ``bf16_dot_peak`` for ``--dtype bfloat16`` on a CPU with
+AVX512_BF16, marked ``floor_is_bound: false`` where the CPU also has AMX-BF16; torch's
+square GEMM only where no native build runs), so a slow GEMM library cannot lower the floor it
+is judged against. Each prefill row also has ``engine_gemm_ratio`` (over the engine GEMM's
+model-shape rate) and ``torch_gemm_ratio`` (over torch's square GEMM, the floor of earlier
+versions).
 
 ``ratio`` = measured time ÷ floor time (1 = at the floor; the goals: decode batch 1 at
-2k ≤ 1.5, prefill ≤ 2). Timings share the machine with whatever else runs: use an idle one.
+2k ≤ 1.5, prefill 2k ≤ 1.3 against the peak floor, engine GEMM ≥ 70 % of the FMA peak).
+Timings share the machine with whatever else runs: use an idle one. The JSON records the CPU
+(model, ISA flags, cores: ``cpu``), the native ISA, the GEMM backend and the threads.
 
 Usage::
 
@@ -47,20 +67,30 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arg_types import sizes as _sizes  # noqa: E402
 
 DEFAULTS = {"prefill_tokens": "512,2048,8192", "decode_batch": "1,4,16",
             "decode_context": "512,2048,8192"}
 QUICK = {"prefill_tokens": "64,256", "decode_batch": "1,4", "decode_context": "64,256"}
+#: The prefill point the report's headline names (when measured).
+HEADLINE_TOKENS = 2048
 
 
-def _sizes(text: str) -> list[int]:
+def _positive_int(text: str) -> int:
+    (value,) = _sizes(text) if "," not in text else (0,)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,13 +115,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pool-gib", type=float, default=8.0,
                         help="skip points whose KV pool is larger (GiB)")
     parser.add_argument("--copy-mib", type=int, default=None, help="copy roof buffer (default 512)")
-    parser.add_argument("--gemm-n", type=int, default=None, help="GEMM roof size (default 2048)")
+    parser.add_argument("--gemm-n", type=_positive_int, default=None,
+                        help="square GEMM roof size (default 2048; --quick 512)")
+    parser.add_argument("--gemm-tokens", type=_positive_int, default=None,
+                        help="rows of the model-shape prefill GEMMs (default 2048; --quick 256)")
+    parser.add_argument("--peak-seconds", type=_positive_float, default=None,
+                        help="time budget of each FMA-peak measurement (default 1.0; --quick 0.2)")
     parser.add_argument("--no-check", action="store_true",
                         help="skip the decode logits check against the reference forward")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes (prefill {QUICK['prefill_tokens']}, decode "
                              f"{QUICK['decode_batch']} x {QUICK['decode_context']}, 64 MiB copy, "
-                             "512² GEMM) unless given")
+                             "512² GEMM, 256-row model GEMMs, 0.2 s peak) unless given")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the layers' dense math (as serve --compile); each "
@@ -110,6 +145,8 @@ def _resolve(args: argparse.Namespace) -> dict:
     out = {k: getattr(args, k) if getattr(args, k) is not None else _sizes(v) for k, v in sizes.items()}
     out["copy_bytes"] = (args.copy_mib or (64 if args.quick else 512)) << 20
     out["gemm_n"] = args.gemm_n or (512 if args.quick else 2048)
+    out["gemm_tokens"] = args.gemm_tokens or (256 if args.quick else 2048)
+    out["peak_seconds"] = args.peak_seconds or (0.2 if args.quick else 1.0)
     return out
 
 
@@ -121,17 +158,74 @@ def _row_name(row: dict) -> str:
     return f"decode b={row['batch']} ctx={row['context']}{cut}"
 
 
+def _gflops(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f} %"
+
+
+def headline(result: dict) -> list[str]:
+    """The two lines a reader looks for: the prefill point at :data:`HEADLINE_TOKENS` (else the
+    largest measured) against the peak floor, and the engine GEMM's share of the FMA peak."""
+    lines = []
+    measured = [p for p in result["points"] if p["kind"] == "prefill" and "skipped" not in p]
+    if measured:
+        exact = [p for p in measured if p["tokens"] == HEADLINE_TOKENS]
+        p = exact[0] if exact else max(measured, key=lambda row: row["tokens"])
+        basis = {"fma_peak": "the FMA-peak floor", "bf16_dot_peak": "the bf16-dot-peak floor",
+                 "torch_gemm": "the torch-GEMM floor (no native build here)"}[p["floor_basis"]]
+        if p.get("floor_is_bound") is False:
+            basis += f" ({p.get('floor_note', 'not a bound')})"
+        extra = (f", {p['engine_gemm_ratio']:.2f}× the engine-GEMM floor"
+                 if "engine_gemm_ratio" in p else "")
+        lines.append(f"prefill {p['tokens']:,} tokens: {p['tokens_per_s']:.0f} tok/s, "
+                     f"{p['ratio']:.2f}× {basis}{extra}")
+    gemms = result["roofs"]["gemms"]
+    model = gemms["model"]
+    if model["engine_gflops"] is not None:
+        lines.append(f"engine GEMM ({gemms['backend']}): {_pct(model['engine_pct_of_peak'])} of FMA "
+                     f"peak at the model's prefill shapes ({model['engine_gflops']:.1f} GFLOP/s; "
+                     f"torch F.linear {_pct(model['torch_pct_of_peak'])})")
+    else:
+        lines.append(f"engine GEMM: not available (radixkv.kernels.gemm missing); torch F.linear "
+                     f"{_pct(model['torch_pct_of_peak'])} of FMA peak at the model's prefill shapes")
+    return lines
+
+
 def format_report(result: dict) -> str:
-    """The result as a table: point, measured, floor, ratio (measured time ÷ floor time)."""
+    """The result as a table: headline, roofs, then point, measured, floor, ratio (measured time
+    ÷ floor time)."""
     roofs = result["roofs"]
-    lines = [f"model {result['model']}  dtype {result['dtype']}  block {result['block_size']}  "
-             f"threads {result['num_threads']}  torch {result['torch']}  "
+    peak, gemms, cpu = roofs["fma_peak"], roofs["gemms"], result["cpu"]
+    others = ", ".join(f"{isa} {v:.1f}" for isa, v in peak["by_isa"].items() if isa != peak["isa"])
+    lines = [*headline(result),
+             f"cpu {cpu['cpu']} ({cpu['cores']} cores; {' '.join(cpu['flags'])})",
+             f"model {result['model']}  dtype {result['dtype']}  block {result['block_size']}  "
+             f"threads {result['num_threads']}  torch {result['torch']}  native ISA "
+             f"{result['native_isa'] or 'none'}  "
              f"native kernels {'on' if result.get('native_kernels') else 'off'}",
-             f"roofs: copy {roofs['copy']['gbps']:.1f} GB/s (read + write, "
-             f"{roofs['copy']['bytes'] >> 20} MiB), GEMM {roofs['gemm']['gflops']:.1f} GFLOP/s "
-             f"({roofs['gemm']['dtype']} {roofs['gemm']['n']}²); weights read per step "
-             f"{result['weight_bytes'] / 1e6:.1f} MB",
-             f"{'point':<34}{'measured':>26}{'floor':>26}{'ratio':>8}  check"]
+             f"FMA peak ({peak['isa'] or 'no native build'}, {peak['threads']} threads): "
+             f"{_gflops(peak['gflops'])} GFLOP/s fp32"
+             + (f" (other builds: {others})" if others else "")
+             + (f"; bf16 dot {peak['bf16_dot_gflops']:.1f} GFLOP/s" if peak["bf16_dot_gflops"] else ""),
+             f"GEMM {gemms['dtype']} (m={gemms['tokens']} model shapes; {gemms['square']['n']}² square): "
+             f"{'shape':<10}{'engine GFLOP/s':>16}{'% peak':>8}{'torch GFLOP/s':>15}{'% peak':>8}"]
+    peak_gflops = peak["gflops"]
+    rows = [(f"{s['name']} {s['k']}→{s['n']}", s["engine_gflops"], s["torch_gflops"])
+            for s in gemms["shapes"]]
+    rows += [("all four", gemms["model"]["engine_gflops"], gemms["model"]["torch_gflops"]),
+             (f"{gemms['square']['n']}²", gemms["square"]["engine_gflops"], gemms["square"]["torch_gflops"])]
+    for name, engine, torch_rate in rows:
+        def pct(v: float | None) -> str:
+            return "n/a" if v is None or not peak_gflops else f"{100 * v / peak_gflops:.0f}"
+        lines.append(f"{'':<4}{name:<24}{_gflops(engine):>16}{pct(engine):>8}{_gflops(torch_rate):>15}"
+                     f"{pct(torch_rate):>8}")
+    lines += [f"copy {roofs['copy']['gbps']:.1f} GB/s (read + write, {roofs['copy']['bytes'] >> 20} MiB); "
+              f"torch.matmul {roofs['gemm']['gflops']:.1f} GFLOP/s ({roofs['gemm']['dtype']} "
+              f"{roofs['gemm']['n']}²); weights read per step {result['weight_bytes'] / 1e6:.1f} MB",
+              f"{'point':<34}{'measured':>26}{'floor':>26}{'ratio':>8}  check"]
     for row in result["points"]:
         name = _row_name(row)
         if "skipped" in row:
@@ -140,7 +234,8 @@ def format_report(result: dict) -> str:
         if row["kind"] == "prefill":
             measured = f"{row['tokens_per_s']:.0f} tok/s ({row['ms']:.0f} ms)"
             floor = f"{row['floor_tokens_per_s']:.0f} tok/s ({row['floor_ms']:.0f} ms)"
-            check = ""
+            check = (f"engine-GEMM ×{row['engine_gemm_ratio']:.2f}, " if "engine_gemm_ratio" in row
+                     else "") + f"torch-GEMM ×{row['torch_gemm_ratio']:.2f}"
         else:
             measured = f"{row['ms']:.2f} ms/tok ({row['tokens_per_s']:.1f} tok/s)"
             floor = f"{row['floor_ms']:.2f} ms ({row['bytes_per_step'] / 1e6:.0f} MB)"
@@ -155,7 +250,9 @@ def format_report(result: dict) -> str:
                      f"mean KL {acc['mean_kl']:.2e} nats, greedy tokens identical "
                      f"{acc['greedy_same_tokens']}/{acc['greedy_tokens']}")
     lines.append("ratio = measured time ÷ floor time; decode floor = bytes read per step ÷ copy "
-                 "GB/s; prefill floor = cost-model FLOPs ÷ GEMM FLOP/s")
+                 "GB/s; prefill floor = cost-model FLOPs ÷ the CPU's peak (FMA, or bf16 dot for "
+                 "bf16); the prefill rows' last column: the same FLOPs over the engine GEMM's and "
+                 "torch's GEMM rates")
     return "\n".join(lines)
 
 
@@ -177,7 +274,21 @@ def run(args: argparse.Namespace) -> dict:
                     "block_size": args.block_size, "num_threads": torch.get_num_threads(),
                     "torch": torch.__version__, "repeats": args.repeats,
                     "max_pool_gib": args.max_pool_gib, "weight_bytes": m.weight_bytes(model)}
+    from _provenance import machine
+
+    result["cpu"] = machine()
     result["roofs"] = m.measure_roofs(dtype, sizes["copy_bytes"], sizes["gemm_n"], args.repeats)
+    peak_passes: list[dict] = []
+    gemm_passes: list[dict] = []
+
+    def roof_pass() -> None:  # the CPU peak and the GEMMs, measured before and after the points
+        peak_passes.append(m.measure_fma_peak(result["num_threads"], sizes["peak_seconds"]))
+        gemm_passes.append(m.measure_gemms(model, dtype, sizes["gemm_tokens"], sizes["gemm_n"],
+                                           args.repeats, peak_passes[-1]["gflops"]))
+
+    roof_pass()
+    result["native_isa"] = peak_passes[0]["isa"]
+    result["gemm_backend"] = gemm_passes[0]["backend"]
     max_pool_bytes = int(args.max_pool_gib * m.GIB)
     points: list[dict] = []
 
@@ -187,16 +298,26 @@ def run(args: argparse.Namespace) -> dict:
         print(f"bench step: {_row_name(row)}: {state}", file=sys.stderr, flush=True)
 
     for tokens in sizes["prefill_tokens"]:
-        done(m.prefill_point(model, tokens, args.block_size, result["roofs"], args.repeats,
-                             max_pool_bytes, args.seed))
+        row = m.prefill_point(model, tokens, args.block_size, args.repeats,
+                              max_pool_bytes, args.seed)
+        points.append(row)
+        state = row.get("skipped") or f"{row['ms']:.1f} ms, {row['tokens_per_s']:.0f} tok/s"
+        print(f"bench step: {_row_name(row)}: {state}", file=sys.stderr, flush=True)
     check = None if args.no_check else m.reference_forward(model)
     for batch in sizes["decode_batch"]:
         for context in sizes["decode_context"]:
             done(m.decode_point(model, batch, context, args.block_size, result["roofs"],
                                 args.repeats, max_pool_bytes, args.seed, check))
+    roof_pass()
+    result["roofs"]["fma_peak"], result["roofs"]["gemms"] = m.best_of_passes(gemm_passes, peak_passes)
+    for row in points:
+        if row["kind"] == "prefill":
+            m.apply_prefill_floors(row, result["roofs"], dtype)
     result["points"] = points
     result["compile"] = args.compile
-    result["native_kernels"] = not args.no_native and not args.compile and dtype == torch.float32
+    # the C decode kernels take fp32 and bf16 weights / pools
+    result["native_kernels"] = not args.no_native and not args.compile and dtype in (torch.float32,
+                                                                                      torch.bfloat16)
     if args.accuracy and dtype != torch.float32:
         import _step_accuracy
 

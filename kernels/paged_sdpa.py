@@ -32,6 +32,11 @@ of one kind are cut, in order, into groups of at most ``chunk_kv_bytes`` of padd
 (:data:`DEFAULT_CHUNK_KV_BYTES`): one group for short contexts, about one sequence per
 group for long ones, and the Python loop runs over groups, never over short sequences.
 
+Native kernels. With ``native_kernels``, decode rows run the C decode kernel
+(``native.paged_decode``); with ``native_extend``, every extend row runs the C extend kernel
+(``native_attention.paged_extend``, FlashAttention-2 over the pool in place, fp32 or bf16
+pools): no gather, no padding, no mask, and no SDPA group is left for those rows.
+
 Every sequence's keys, its own suffix included, are read back from the pool after the write,
 so the pool is the only source of K/V and the result equals the reference's within SDPA's
 floating-point reordering (tests: ``tests/kernels/test_paged_sdpa.py``).
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, native_attention
 
 __all__ = ["AttentionPlan", "plan_attention", "DEFAULT_CHUNK_KV_BYTES"]
 
@@ -104,6 +109,29 @@ class _NativeDecode:
     window_left: int
 
 
+@dataclass(frozen=True)
+class _NativeExtend:
+    """Extend rows (L > 1) for the C kernel (:func:`kernels.native_attention.paged_extend`),
+    read in place from the pool: no gather, no padding, no mask.
+
+    Attributes:
+        kernels: the loaded library.
+        rows: ``[R]`` int64 packed query rows of the extend sequences, in their order; None
+            when they are all the step's rows (0 … T-1).
+        qo_indptr: ``[G+1]`` int64 offsets of each extend sequence within ``rows``.
+        prefix_lens: ``[G]`` int32 P of each.
+        block_tables: ``[G, blocks]`` int32 their block tables (checked by the plan).
+        window_left: as :func:`plan_attention`'s.
+    """
+
+    kernels: native.NativeKernels
+    rows: torch.Tensor | None
+    qo_indptr: torch.Tensor
+    prefix_lens: torch.Tensor
+    block_tables: torch.Tensor
+    window_left: int
+
+
 class AttentionPlan:
     """Pool writes and attention of one forward step, prepared once and run per layer.
 
@@ -113,10 +141,12 @@ class AttentionPlan:
     """
 
     def __init__(self, slot_mapping: torch.Tensor, groups: list[_Group], num_tokens: int,
-                 sm_scale: float, whole: bool, native: _NativeDecode | None = None) -> None:
+                 sm_scale: float, whole: bool, native: _NativeDecode | None = None,
+                 native_extend: _NativeExtend | None = None) -> None:
         self.slot_mapping = slot_mapping
         self.groups = groups
         self.native = native
+        self.native_extend = native_extend
         self.num_tokens = num_tokens
         self.sm_scale = sm_scale
         self._whole = whole
@@ -147,7 +177,20 @@ class AttentionPlan:
         self.write_kv(k, v, k_pool, v_pool)
         if self._whole:
             return self._run(self.groups[0], q, k, v, k_pool, v_pool)
+        ne = self.native_extend
+        if ne is not None and ne.rows is None and q.dtype == torch.float32:
+            # Every row is an extend row: the kernel writes the layer's output directly, reading
+            # q in place when it is a row-strided view (the fused qkv projection's output).
+            return self._run_native_extend(ne, q if native_attention.rows_packed(q) else q.contiguous(),
+                                           k_pool, v_pool)
         out = torch.empty_like(q)
+        if ne is not None:
+            queries = q if ne.rows is None else q.index_select(0, ne.rows)
+            result = self._run_native_extend(ne, queries.float().contiguous(), k_pool, v_pool)
+            if ne.rows is None:
+                out.copy_(result)
+            else:
+                out.index_copy_(0, ne.rows, result.to(out.dtype))
         nd = self.native
         if nd is not None:  # decode rows: read in place from the pool, written straight to out
             native.paged_decode(nd.kernels, q.contiguous(), nd.rows, k_pool, v_pool, nd.block_tables,
@@ -155,6 +198,16 @@ class AttentionPlan:
                                 out=out)
         for group, rows in zip(self.groups, self._out_rows):
             out.index_copy_(0, rows, self._run(group, q, k, v, k_pool, v_pool))
+        return out
+
+    def _run_native_extend(self, ne: _NativeExtend, q: torch.Tensor, k_pool: torch.Tensor,
+                           v_pool: torch.Tensor) -> torch.Tensor:
+        """``[R, Hq, D]`` fp32 outputs of the extend rows (``q``: those rows, fp32, each
+        token's ``[Hq, D]`` contiguous)."""
+        out = torch.empty(q.shape, dtype=torch.float32)
+        native_attention.launch(ne.kernels, q, ne.qo_indptr, ne.prefix_lens, k_pool, v_pool,
+                                ne.block_tables, sm_scale=self.sm_scale, window_left=ne.window_left,
+                                out=out)
         return out
 
     def _run(self, group: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -202,7 +255,8 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
                    head_dim: int, window_left: int = -1, sm_scale: float | None = None,
                    kv_bytes_per_token: int = 0,
                    chunk_kv_bytes: int = DEFAULT_CHUNK_KV_BYTES,
-                   native_kernels: native.NativeKernels | None = None) -> AttentionPlan:
+                   native_kernels: native.NativeKernels | None = None,
+                   native_extend: native.NativeKernels | None = None) -> AttentionPlan:
     """Build a step's :class:`AttentionPlan` from its metadata (host tensors, checked here).
 
     Args:
@@ -219,8 +273,13 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
             0 puts every sequence of a kind in one group.
         chunk_kv_bytes: most gathered K+V bytes per group (a lone longer sequence is a group
             of its own); see the module docstring.
-        native_kernels: when given (fp32 pools and queries only), decode rows run the C
-            kernel over the pool in place instead of a gather and SDPA.
+        native_kernels: when given (fp32 or bf16 pools and queries; heads as
+            :func:`kernels.native.decode_supported` allows), decode rows run the C kernel over
+            the pool in place instead of a gather and SDPA.
+        native_extend: when given (fp32 or bf16 pools; heads as
+            :func:`kernels.native_attention.extend_supported` allows, the caller's check),
+            every extend row (L > 1: prefills, suffixes after a prefix hit, prefill chunks)
+            runs the C extend kernel over the pool in place instead of a gather and SDPA.
 
     Returns:
         The plan, its tensors on ``block_tables``' device.
@@ -252,13 +311,18 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
         native_decode = _native_decode(native_kernels, decode, indptr, prefix, tables, block_size,
                                        num_pool_blocks, window_left)
         decode = []
+    native_ext = None
+    if native_extend is not None and extend:
+        native_ext = _native_extend(native_extend, extend, indptr, prefix, q_lens, tables, block_size,
+                                    num_pool_blocks, window_left, num_tokens)
+        extend = []
     for kind in (decode, extend):
         for members in _chunks(kind, prefix, q_lens, block_size, kv_bytes_per_token, chunk_kv_bytes):
             groups.append(_build_group(members, indptr, prefix, q_lens, tables, block_size,
                                        num_pool_blocks, window_left))
     # A single unpadded group lists every row in packed order: its output is the layer's.
-    whole = native_decode is None and len(groups) == 1 and groups[0].valid is None
-    return AttentionPlan(slots, groups, num_tokens, scale, whole, native_decode)
+    whole = native_decode is None and native_ext is None and len(groups) == 1 and groups[0].valid is None
+    return AttentionPlan(slots, groups, num_tokens, scale, whole, native_decode, native_ext)
 
 
 def _native_decode(kernels: native.NativeKernels, members: list[int], indptr: list[int],
@@ -279,6 +343,37 @@ def _native_decode(kernels: native.NativeKernels, members: list[int], indptr: li
     rows = torch.tensor([indptr[i] for i in members], dtype=torch.int64)
     return _NativeDecode(kernels, rows, sub.to(torch.int32).contiguous(),
                          lens_t.to(torch.int32), window_left)
+
+
+def _checked_tables(members: list[int], kv_lens: list[int], tables: torch.Tensor, block_size: int,
+                    num_pool_blocks: int) -> torch.Tensor:
+    """``[G, blocks]`` int32 contiguous tables of ``members``, cut to the blocks the longest
+    reads; every block a member reads checked to be a pool block (the C kernels trust them)."""
+    num_blocks = -(-max(kv_lens) // block_size)
+    if tables.shape[1] < num_blocks:
+        raise ValueError("block_tables: a sequence reads a block its table does not hold")
+    sub = tables.index_select(0, torch.tensor(members, dtype=torch.int64))[:, :num_blocks]
+    lens_t = torch.tensor(kv_lens, dtype=torch.int64)
+    read = sub[torch.arange(num_blocks)[None, :] * block_size < lens_t[:, None]]
+    if bool((read < 0).any()) or bool((read >= num_pool_blocks).any()):
+        raise ValueError("block_tables: a sequence reads a block its table does not hold")
+    return sub.to(torch.int32).contiguous()
+
+
+def _native_extend(kernels: native.NativeKernels, members: list[int], indptr: list[int],
+                   prefix: list[int], q_lens: list[int], tables: torch.Tensor, block_size: int,
+                   num_pool_blocks: int, window_left: int, num_tokens: int) -> _NativeExtend:
+    """The extend rows' metadata for the C kernel, block ids checked here once per step."""
+    sub = _checked_tables(members, [prefix[i] + q_lens[i] for i in members], tables, block_size,
+                          num_pool_blocks)
+    offsets = [0]
+    for i in members:
+        offsets.append(offsets[-1] + q_lens[i])
+    rows = None
+    if offsets[-1] != num_tokens:  # members' rows are in packed order; all rows: no index
+        rows = torch.cat([torch.arange(indptr[i], indptr[i + 1], dtype=torch.int64) for i in members])
+    return _NativeExtend(kernels, rows, torch.tensor(offsets, dtype=torch.int64),
+                         torch.tensor([prefix[i] for i in members], dtype=torch.int32), sub, window_left)
 
 
 def _chunks(members: list[int], prefix: list[int], q_lens: list[int], block_size: int,

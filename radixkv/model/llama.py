@@ -8,6 +8,16 @@ Weights use Hugging Face Llama names (``model.layers.{i}.self_attn.q_proj.weight
 gate/up projections are concatenated once at load time: one GEMM instead of three (or two) per
 layer is noticeably faster on CPU for the short decode batches. LoRA adapters add their delta
 to these fused projections per packed row (``radixkv.model.lora.LoRABatch``), never merged.
+
+Prefill and extend steps (more than ``native.MAX_LINEAR_ROWS`` rows) on a CPU run their
+projections through oneDNN (``radixkv.kernels.gemm.PackedLinear``, weights prepared once at
+load) and, with the native library loaded, the elementwise work through one-pass C kernels
+(fused residual add + RMSNorm, RoPE in place on the fused q/k/v output, SwiGLU): see
+:meth:`LlamaForward._layers_prefill`. bf16 takes that path only on CPUs with native bf16 dot
+products (``gemm.cpu_bf16_native``); elsewhere bf16 prefill GEMMs stay on ``F.linear`` and its
+elementwise work on torch, while the few-row projections of decode steps still take the C
+kernels (fp32 arithmetic on the bf16 weights). The torch code stays the fallback and the
+reference.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.kernels import native
+from radixkv.kernels import gemm, native
 
 from .config import ModelShape
 from .lora import LoRABatch
@@ -63,6 +73,11 @@ class _Layer:
     post_norm: torch.Tensor       # [hidden]
     gate_up_weight: torch.Tensor  # [2 I, hidden]
     down_weight: torch.Tensor     # [hidden, I]
+    # oneDNN projections for prefill/extend rows (None where oneDNN or the dtype rules it out)
+    qkv_lin: gemm.PackedLinear | None = None
+    o_lin: gemm.PackedLinear | None = None
+    gate_up_lin: gemm.PackedLinear | None = None
+    down_lin: gemm.PackedLinear | None = None
 
 
 class LlamaForward:
@@ -77,8 +92,12 @@ class LlamaForward:
             with dynamic shapes; attention and LoRA batches stay eager. The first steps of
             each new shape class compile (tens of seconds on a CPU).
         native_kernels: the C kernels (``radixkv.kernels.native.load()``) for projections of
-            at most ``MAX_LINEAR_ROWS`` rows (decode steps, the logits rows) on fp32 CPU
-            weights; None, or with ``compile``, keeps every projection on ``F.linear``.
+            at most ``MAX_LINEAR_ROWS`` rows (decode steps, the logits rows) on fp32 or bf16
+            CPU weights (bf16 widened to fp32 in registers, with or without native bf16 dot
+            products), and for the prefill elementwise kernels (fp32, or bf16 where the CPU
+            has native bf16 dot products); None, or with ``compile``, keeps every projection
+            of at most ``MAX_LINEAR_ROWS`` rows on ``F.linear`` and the elementwise work on
+            torch.
 
     Raises:
         ValueError: if a tensor is missing or has the wrong shape (names the tensor).
@@ -138,8 +157,45 @@ class LlamaForward:
         self.rope_cos = emb.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = emb.sin().to(device=self.device, dtype=dtype)
         self.compiled = compile
-        usable = dtype == torch.float32 and self.device.type == "cpu" and not compile
+        # fp32 or bf16 weights (bf16 widened to fp32 in the kernels' registers)
+        usable = dtype in native.DTYPES and self.device.type == "cpu" and not compile
         self.native = native_kernels if usable and hidden % 8 == 0 and q_dim % 8 == 0 else None
+        # decode_native's fp32 copies of the small per-layer vectors (norm weights, q/k/v bias),
+        # made at its first call: the C layer reads them as fp32 whatever the weights' dtype
+        self._native_vectors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
+        self._native_rope: tuple[torch.Tensor, torch.Tensor] = (self.rope_cos, self.rope_sin)
+        # Prefill/extend: oneDNN GEMMs for fp32, and for bf16 where the CPU has bf16 dot
+        # products (emulated bf16 would be slower than today's path); eager CPU only.
+        self.bf16_native = dtype == torch.bfloat16 and gemm.cpu_bf16_native()
+        fast = (self.device.type == "cpu" and not compile and gemm.onednn_available(self.device)
+                and (dtype == torch.float32 or self.bf16_native))
+        # _linear finds a projection's oneDNN form by the id of the weight it is handed.
+        self._packed: dict[int, gemm.PackedLinear] = {}
+        self._prefill: gemm.PrefillKernels | None = None
+        # Packed oneDNN beats F.linear at every bf16 row count (see radixkv.kernels.gemm): bf16
+        # projections of any size go through the packed copy, except few rows where the C
+        # kernels run (they read the plain weights). Without those, nothing reads the plain
+        # layer weights, and the packed copies replace them (no second copy).
+        self._packed_all_rows = fast and dtype == torch.bfloat16
+        drop_plain = self._packed_all_rows and self.native is None
+        if fast:
+            for layer in self.layers:
+                for name, bias in (("qkv", layer.qkv_bias), ("o", None), ("gate_up", None), ("down", None)):
+                    lin = gemm.PackedLinear(getattr(layer, name + "_weight"), bias, keep_plain=not drop_plain)
+                    if drop_plain and lin.packed is not None:
+                        setattr(layer, name + "_weight", lin.packed)
+                    setattr(layer, name + "_lin", lin)
+                    self._packed[id(getattr(layer, name + "_weight"))] = lin
+            # Logits: where few-row logits go through oneDNN (bf16 without the C kernels), a
+            # packed copy (the embedding lookup of a tied head needs the plain table); else
+            # oneDNN on the plain weight for many rows.
+            self._packed[id(self.lm_head)] = gemm.PackedLinear(self.lm_head, pack=drop_plain)
+            self._prefill = gemm.prefill_kernels(native_kernels)
+        self.prefill_gemm = gemm.gemm_backend(dtype) if fast else "torch F.linear"
+        self.packed_weight_bytes = sum(lin.packed_bytes for lin in self._packed.values())
+        # The C RoPE reads fp32 tables whatever the model dtype.
+        self._rope_cos32 = emb.cos().contiguous() if self._prefill is not None else None
+        self._rope_sin32 = emb.sin().contiguous() if self._prefill is not None else None
         self._attn_in_fn, self._attn_out_fn = self._attn_in, self._attn_out
         if compile:
             # dynamic=True: one graph for every packed length T (no recompile per batch shape).
@@ -148,9 +204,15 @@ class LlamaForward:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear``, or the C kernel for a few fp32 rows (memory-bound decode GEMMs)."""
-        if self.native is not None and x.shape[0] <= native.MAX_LINEAR_ROWS:
+        """``F.linear``, the C kernel for a few fp32 rows (memory-bound decode GEMMs), or
+        oneDNN (:class:`radixkv.kernels.gemm.PackedLinear`) for more rows, and for every bf16
+        row count (``weight`` is then the packed tensor, which only oneDNN reads)."""
+        few = x.shape[0] <= native.MAX_LINEAR_ROWS
+        if few and self.native is not None:
             return native.linear(self.native, x, weight, bias)
+        lin = self._packed.get(id(weight))
+        if lin is not None and (not few or self._packed_all_rows):
+            return lin(x)
         return F.linear(x, weight, bias)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -197,24 +259,64 @@ class LlamaForward:
     def _layers_with_lora(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           attention: AttentionFn, lora: LoRABatch) -> torch.Tensor:
         """The decoder layers with each adapter's delta added to the fused projections (eager:
-        the deltas need the projections' inputs)."""
+        the deltas need the projections' inputs); the base projections as :meth:`_linear`."""
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = self._linear(x, layer.qkv_weight, layer.qkv_bias)
             lora.add(qkv, x, i, "qkv")
             q, k, v = self._split_rope(qkv, cos, sin)
             attn = attention(i, q, k, v).reshape(hidden.shape[0], -1)
-            o = F.linear(attn, layer.o_weight)
+            o = self._linear(attn, layer.o_weight)
             lora.add(o, attn, i, "o")
             hidden = hidden + o
             x = self._rms_norm(hidden, layer.post_norm)
-            gate_up = F.linear(x, layer.gate_up_weight)
+            gate_up = self._linear(x, layer.gate_up_weight)
             lora.add(gate_up, x, i, "gate_up")
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            down = F.linear(act, layer.down_weight)
+            down = self._linear(act, layer.down_weight)
             lora.add(down, act, i, "down")
             hidden = hidden + down
+        return hidden
+
+    def _layers_prefill(self, hidden: torch.Tensor, positions: torch.Tensor,
+                        attention: AttentionFn, kernels: gemm.PrefillKernels) -> torch.Tensor:
+        """The decoder layers of a prefill/extend step: oneDNN projections and one-pass C
+        kernels for the elementwise work, the same maths as :meth:`_attn_in` /
+        :meth:`_attn_out` (residual adds fused into the next RMSNorm; RoPE in place on the
+        fused q/k/v output, so q/k/v reach ``attention`` as views of it).
+
+        Args:
+            hidden: ``[T, hidden]`` contiguous, a fresh tensor (updated in place).
+            positions: ``[T]`` int64.
+
+        Returns:
+            ``[T, hidden]`` (``hidden`` itself).
+        """
+        shape = self.shape
+        eps, head_dim, num_tokens = shape.rms_norm_eps, shape.head_dim, hidden.shape[0]
+        num_q, num_kv = shape.num_q_heads, shape.num_kv_heads
+        q_dim, kv_dim = num_q * head_dim, num_kv * head_dim
+        assert self._rope_cos32 is not None and self._rope_sin32 is not None
+        positions = positions.to(torch.int64).contiguous()
+        layers = self.layers
+        x = gemm.add_rms_norm(kernels, hidden, layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
+            assert (layer.qkv_lin is not None and layer.o_lin is not None
+                    and layer.gate_up_lin is not None and layer.down_lin is not None)
+            qkv = layer.qkv_lin(x).contiguous()
+            gemm.rope_inplace(kernels, qkv, num_q + num_kv, head_dim, positions,
+                              self._rope_cos32, self._rope_sin32)
+            q = qkv[:, :q_dim].view(num_tokens, num_q, head_dim)
+            k = qkv[:, q_dim:q_dim + kv_dim].view(num_tokens, num_kv, head_dim)
+            v = qkv[:, q_dim + kv_dim:].view(num_tokens, num_kv, head_dim)
+            attn = attention(i, q, k, v).reshape(num_tokens, q_dim)
+            x = gemm.add_rms_norm(kernels, hidden, layer.post_norm, eps, layer.o_lin(attn).contiguous())
+            down = layer.down_lin(gemm.silu_mul(kernels, layer.gate_up_lin(x).contiguous()))
+            if i + 1 < len(layers):
+                x = gemm.add_rms_norm(kernels, hidden, layers[i + 1].input_norm, eps, down.contiguous())
+            else:
+                hidden.add_(down)
         return hidden
 
     def decode_native(self, input_ids: torch.Tensor, positions: torch.Tensor, k_pools: list[torch.Tensor],
@@ -225,35 +327,57 @@ class LlamaForward:
 
         Args:
             input_ids / positions: ``[N]`` int64.
-            k_pools / v_pools: per layer ``[M, B, Hkv, D]`` fp32 (written at ``slot_mapping``).
+            k_pools / v_pools: per layer ``[M, B, Hkv, D]`` of the model dtype, fp32 or bf16
+                (written at ``slot_mapping``).
             slot_mapping: ``[N]`` int64; block_tables ``[N, max_blocks]`` int32 (checked by the
                 caller); kv_lens ``[N]`` int32 (P + 1).
             window_left: sliding window (-1: none).
 
         Returns:
-            ``[N, vocab]`` fp32 logits.
+            ``[N, vocab]`` fp32 logits. With bf16 weights the residual stream between layers
+            and all arithmetic are fp32 (the torch bf16 path rounds after every op), so the
+            logits differ from that path's by bf16 rounding noise.
 
         Raises:
             ValueError: when the native kernels are off for this model (``self.native`` None).
         """
         kernels = self.native
         if kernels is None:
-            raise ValueError("native_kernels: decode_native needs the native kernels (fp32 CPU, no compile)")
+            raise ValueError("native_kernels: decode_native needs the native kernels "
+                             "(fp32 or bf16 CPU weights, no compile)")
         shape = self.shape
+        if self._native_vectors is None:
+            self._native_vectors = [
+                (layer.input_norm.float(), layer.post_norm.float(),
+                 None if layer.qkv_bias is None else layer.qkv_bias.float()) for layer in self.layers]
+            # RoPE rows exact in fp32 whatever the model dtype: bf16-rounded tables (relative
+            # error 2^-9) moved SmolLM2's bf16 decode logits 10x further from the fp32 model's
+            # on the same weights than the bf16 K/V rounding did
+            if self.rope_cos.dtype == torch.float32:
+                self._native_rope = (self.rope_cos, self.rope_sin)
+            else:
+                positions_all = torch.arange(shape.max_position_embeddings, dtype=torch.int64).float()
+                freqs = positions_all[:, None] * rope_inv_freq(shape)[None, :]
+                emb = torch.cat([freqs, freqs], dim=-1)
+                self._native_rope = (emb.cos().contiguous(), emb.sin().contiguous())
+        rope_cos, rope_sin = self._native_rope
         step = native.DecodeStep(
             slots=slot_mapping.to(torch.int64).contiguous(), block_tables=block_tables, kv_lens=kv_lens,
             q_rows=torch.arange(input_ids.shape[0], dtype=torch.int64),
-            cos=self.rope_cos[positions].contiguous(), sin=self.rope_sin[positions].contiguous(),
+            cos=rope_cos[positions].contiguous(), sin=rope_sin[positions].contiguous(),
             sm_scale=shape.head_dim ** -0.5, window_left=window_left, chunk_tokens=256)
-        hidden = self.embed[input_ids].contiguous()
-        for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
-            native.decode_layer(kernels, hidden, step, input_norm=layer.input_norm,
-                                qkv_weight=layer.qkv_weight, qkv_bias=layer.qkv_bias,
-                                o_weight=layer.o_weight, post_norm=layer.post_norm,
+        hidden = self.embed[input_ids].float().contiguous()
+        for layer, (input_norm, post_norm, qkv_bias), k_pool, v_pool in zip(
+                self.layers, self._native_vectors, k_pools, v_pools):
+            native.decode_layer(kernels, hidden, step, input_norm=input_norm,
+                                qkv_weight=layer.qkv_weight, qkv_bias=qkv_bias,
+                                o_weight=layer.o_weight, post_norm=post_norm,
                                 gate_up_weight=layer.gate_up_weight, down_weight=layer.down_weight,
                                 rms_norm_eps=shape.rms_norm_eps, k_pool=k_pool, v_pool=v_pool,
                                 num_q_heads=shape.num_q_heads)
-        return self._linear(self._rms_norm(hidden, self.final_norm), self.lm_head)
+        # fp32 hidden against the model-dtype norm weight and LM head: fp32 logits (the C
+        # linear reads a bf16 LM head as bf16)
+        return self._linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                 logit_rows: torch.Tensor | None = None,
@@ -284,7 +408,10 @@ class LlamaForward:
         cos = self.rope_cos[positions][:, None, :]  # [T, 1, D], broadcast over heads
         sin = self.rope_sin[positions][:, None, :]
         hidden = self.embed[input_ids]
-        if lora is None:
+        prefill = self._prefill
+        if lora is None and prefill is not None and input_ids.shape[0] > native.MAX_LINEAR_ROWS:
+            hidden = self._layers_prefill(hidden.contiguous(), positions, attention, prefill)
+        elif lora is None:
             attn_in, attn_out = self._attn_in_fn, self._attn_out_fn
             for i, layer in enumerate(self.layers):
                 q, k, v = attn_in(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias, cos, sin)

@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from radixkv.config import check_block_size, check_int
-from radixkv.kernels import native, reference
+from radixkv.kernels import gemm, native, native_attention, reference
 from radixkv.kernels.paged_sdpa import plan_attention
 
 from .config import ModelShape
@@ -123,14 +123,24 @@ class ModelRunner:
         self.block_size = block_size
         kernels = None
         if (native_kernels is not False and self.attention_backend == "torch" and not compile
-                and self.device.type == "cpu" and self.dtype == torch.float32):
+                and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)):
             kernels = native.load()
         self.native = kernels
         shape = self.shape
-        self._native_decode = kernels if kernels is not None and native.decode_supported(
-            shape.num_q_heads, shape.num_kv_heads, shape.head_dim) else None
+        # The C decode kernels take fp32 and bf16 weights / pools (bf16 widened in registers).
+        decode_ok = self.dtype in native.DTYPES and native.decode_supported(
+            shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+        self._native_decode = kernels if kernels is not None and decode_ok else None
+        # Extend rows (prefills, prefix-hit suffixes) on the C extend kernel, fp32 or bf16 pools.
+        extend_ok = native_attention.extend_supported(shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+        self._native_extend = kernels if kernels is not None and extend_ok else None
         self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
                                           compile=compile, native_kernels=kernels)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not self.forward_model.bf16_native:
+            log.warning("bf16_emulated", missing_cpu_flags=list(gemm.BF16_DOT_FLAGS),
+                        detail="no native bf16 dot products: bf16 prefill GEMMs and elementwise ops "
+                               "stay on torch (F.linear); decode steps and extend attention still "
+                               "take the C kernels where they loaded (fp32 arithmetic on bf16 data)")
         pool_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
         self.k_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
         self.v_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
@@ -138,7 +148,10 @@ class ModelRunner:
         self._kv_bytes_per_token = self.bytes_per_block // (block_size * self.shape.num_layers)  # one layer
         log.info("model_runner_ready", model=model.name, num_blocks=num_blocks, block_size=block_size,
                  kv_pool_bytes=self.bytes_per_block * num_blocks, device=str(self.device),
-                 attention_backend=self.attention_backend, native_kernels=kernels is not None)
+                 attention_backend=self.attention_backend, native_kernels=kernels is not None,
+                 prefill_gemm=self.forward_model.prefill_gemm,
+                 packed_weight_bytes=self.forward_model.packed_weight_bytes,
+                 bf16_native=self.device.type == "cpu" and gemm.cpu_bf16_native())
 
     @staticmethod
     def bytes_per_block_for(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
@@ -275,10 +288,11 @@ class ModelRunner:
                                   num_pool_blocks=self.num_blocks, head_dim=self.shape.head_dim,
                                   window_left=window_left,
                                   kv_bytes_per_token=self._kv_bytes_per_token,
-                                  native_kernels=self._native_decode)
+                                  native_kernels=self._native_decode,
+                                  native_extend=self._native_extend)
 
             nd = plan.native
-            if (nd is not None and not plan.groups and batch.lora is None
+            if (nd is not None and not plan.groups and plan.native_extend is None and batch.lora is None
                     and self.forward_model.native is not None
                     and batch.num_tokens <= native.MAX_LINEAR_ROWS):
                 # A pure decode step: every layer is one C call (rows = sequences, in order).

@@ -1,6 +1,7 @@
 """``radixkv bench step`` on the tiny random Llama: result keys, finite ratios, the exact bytes a
-decode step reads, skipped / cut points, and the decode logits against a reference forward and
-against Hugging Face's own forward over the same synthetic K/V."""
+decode step reads, the peak / engine-GEMM / torch-GEMM prefill floors recomputed from the
+JSON, skipped / cut points, and the decode logits against a reference forward and against
+Hugging Face's own forward over the same synthetic K/V."""
 
 from __future__ import annotations
 
@@ -49,13 +50,15 @@ def test_tiny_run_keys_ratios_bytes_and_check(tmp_path: Path, capsys: pytest.Cap
     # 53,687 B pool limit: 6 blocks of 8,192 B fit, b=3 x ctx=40 (9 blocks) and 2,048 tokens do not.
     args = parse("--tiny", "--prefill-tokens", "8,40,3000", "--decode-batch", "1,3",
                  "--decode-context", "5,40", "--repeats", "1", "--copy-mib", "8", "--gemm-n", "64",
-                 "--max-pool-gib", "0.00005", "--json", str(out))
+                 "--gemm-tokens", "32", "--peak-seconds", "0.05", "--max-pool-gib", "0.00005",
+                 "--json", str(out))
     result = step.run(args)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     table = capsys.readouterr().out
     assert "skipped: pool" in table and "prefill 2048 tok (asked 3000)" in table
     assert {"model", "dtype", "block_size", "num_threads", "torch", "weight_bytes", "roofs",
-            "points"} <= set(result)
+            "points", "cpu", "native_isa", "gemm_backend", "provenance"} <= set(result)
+    check_roofs(result)
     assert result["weight_bytes"] == TINY_WEIGHT_BYTES
     assert result["roofs"]["copy"]["bytes"] == 8 << 20 and result["roofs"]["gemm"]["n"] == 64
     for roof, key in (("copy", "gbps"), ("gemm", "gflops")):
@@ -77,6 +80,7 @@ def test_tiny_run_keys_ratios_bytes_and_check(tmp_path: Path, capsys: pytest.Cap
             # cost model: 2·P per token + 4·L·Hq·D per causal pair, P = 74,048.
             t = p["tokens"]
             assert p["flops"] == 2 * 74_048 * t + 4 * 2 * 4 * 16 * t * (t + 1) // 2
+            check_prefill_floors(p, result)
             continue
         want_bytes = TINY_WEIGHT_BYTES + p["batch"] * p["context"] * TINY_KV_BYTES_PER_TOKEN
         assert p["bytes_per_step"] == want_bytes
@@ -84,6 +88,146 @@ def test_tiny_run_keys_ratios_bytes_and_check(tmp_path: Path, capsys: pytest.Cap
         assert p["num_blocks"] == p["batch"] * -(-(p["context"] + 1) // 16)
         assert p["logits_shape"] == [p["batch"], 49152] and p["logits_finite"]
         assert p["check_max_abs_diff"] <= LOGIT_TOL
+
+
+def check_roofs(result: dict) -> None:
+    """The peak and GEMM roofs exist, are positive, and their derived numbers are what the
+    docstrings say (recomputed from the JSON's own numbers)."""
+    from radixkv.kernels import native
+
+    roofs, cpu = result["roofs"], result["cpu"]
+    assert cpu["cpu"] and cpu["cores"] >= 1 and cpu == result["provenance"]["machine"]
+    peak = roofs["fma_peak"]
+    assert peak["threads"] == result["num_threads"] and peak["seconds"] == 0.05
+    usable = native.cpu_isas()
+    loaded = native.load()
+    assert result["native_isa"] == peak["isa"] == (loaded.isa if loaded is not None else None)
+    assert sorted(peak["by_isa"]) == sorted(usable)  # every build this CPU runs, measured
+    assert all(m.finite_positive(v) for v in peak["by_isa"].values())
+    if peak["isa"] is not None:
+        assert peak["gflops"] == peak["by_isa"][peak["isa"]]
+        assert peak["chains"] == {"avx512": 24, "avx2": 12}[peak["isa"]]
+    # Two passes (before and after the points); each rate is the higher of the two.
+    assert len(peak["passes"]) == 2
+    for isa, value in peak["by_isa"].items():
+        assert value == max(p["by_isa"][isa] for p in peak["passes"])
+    has_bf16 = "avx512_bf16" in cpu["flags"]
+    assert (peak["bf16_dot_gflops"] is not None) == (has_bf16 and peak["isa"] is not None)
+    assert peak["amx_bf16"] == ("amx_bf16" in cpu["flags"])
+    gemms = roofs["gemms"]
+    assert gemms["tokens"] == 32 and gemms["square"]["n"] == 64 and gemms["dtype"] == "float32"
+    # TINY_CONFIG: hidden 64, 4 q heads + 2 KV heads of 16, intermediate 128.
+    assert [(g["name"], g["m"], g["k"], g["n"]) for g in gemms["shapes"]] == [
+        ("qkv", 32, 64, 128), ("o", 32, 64, 64), ("gate_up", 32, 64, 256), ("down", 32, 128, 64)]
+    engine_present = m._engine_gemm() is not None
+    assert len(gemms["passes"]) == 2
+    for key in ("engine_gflops", "torch_gflops") if engine_present else ("torch_gflops",):
+        for i, shape in enumerate(gemms["shapes"]):
+            assert shape[key] == max(p["shapes"][i][key] for p in gemms["passes"])
+        assert gemms["square"][key] == max(p["square"][key] for p in gemms["passes"])
+    assert (gemms["backend"] is not None) == engine_present
+    assert result["gemm_backend"] == gemms["backend"]
+    for key in ("engine_gflops", "torch_gflops"):
+        if key == "engine_gflops" and not engine_present:
+            assert gemms["model"][key] is None
+            continue
+        assert all(m.finite_positive(g[key]) for g in gemms["shapes"] + [gemms["square"]])
+        flops = [2 * g["m"] * g["k"] * g["n"] for g in gemms["shapes"]]
+        want = sum(flops) / sum(f / g[key] for f, g in zip(flops, gemms["shapes"]))
+        assert gemms["model"][key] == pytest.approx(want)
+        pct_key = key.replace("gflops", "pct_of_peak")
+        if peak["gflops"]:
+            assert gemms["model"][pct_key] == pytest.approx(100 * want / peak["gflops"])
+            assert gemms["square"][pct_key] == pytest.approx(100 * gemms["square"][key] / peak["gflops"])
+
+
+def check_prefill_floors(p: dict, result: dict) -> None:
+    """A prefill row's three floors: FLOPs over the FMA peak (fp32), the engine GEMM's
+    model-shape rate and torch's square GEMM, each recomputed from the JSON."""
+    roofs = result["roofs"]
+    peak = max(roofs["fma_peak"]["by_isa"].values(), default=None)  # the best build, not the one in use
+    assert p["floor_is_bound"] is True and "floor_note" not in p  # fp32: the FMA peak bounds it
+    if peak:
+        assert p["floor_basis"] == "fma_peak" and p["floor_gflops"] == peak
+    else:
+        assert p["floor_basis"] == "torch_gemm" and p["floor_gflops"] == roofs["gemm"]["gflops"]
+    assert p["floor_ms"] == pytest.approx(p["flops"] / p["floor_gflops"] / 1e6)
+    assert p["floor_tokens_per_s"] == pytest.approx(p["tokens"] / p["floor_ms"] * 1e3)
+    assert p["torch_gemm_floor_ms"] == pytest.approx(p["flops"] / roofs["gemm"]["gflops"] / 1e6)
+    assert p["torch_gemm_ratio"] == pytest.approx(p["ms"] / p["torch_gemm_floor_ms"])
+    engine = roofs["gemms"]["model"]["engine_gflops"]
+    if engine:
+        assert p["engine_gemm_floor_ms"] == pytest.approx(p["flops"] / engine / 1e6)
+        assert p["engine_gemm_ratio"] == pytest.approx(p["ms"] / p["engine_gemm_floor_ms"])
+    else:
+        assert "engine_gemm_ratio" not in p
+
+
+def test_report_headline_names_the_peak_floor_and_the_gemm_share() -> None:
+    # Recomputed by hand: 2,048 tokens in 4,000 ms = 512 tok/s; floor 1,000 ms -> 4.00x;
+    # engine floor 2,000 ms -> 2.00x; engine 150 of a 200 GFLOP/s peak = 75 %.
+    row = {"kind": "prefill", "tokens": 2048, "requested_tokens": 2048, "ms": 4000.0,
+           "tokens_per_s": 512.0, "floor_basis": "fma_peak", "ratio": 4.0, "engine_gemm_ratio": 2.0}
+    other = {**row, "tokens": 512, "requested_tokens": 512, "tokens_per_s": 900.0, "ratio": 9.0}
+    gemms = {"backend": "onednn", "model": {"engine_gflops": 150.0, "engine_pct_of_peak": 75.0,
+                                            "torch_pct_of_peak": 60.0}}
+    lines = step.headline({"points": [other, row], "roofs": {"gemms": gemms}})
+    assert lines == ["prefill 2,048 tokens: 512 tok/s, 4.00× the FMA-peak floor, 2.00× the "
+                     "engine-GEMM floor",
+                     "engine GEMM (onednn): 75 % of FMA peak at the model's prefill shapes "
+                     "(150.0 GFLOP/s; torch F.linear 60 %)"]
+    # Without a 2,048-token point the largest measured one is named.
+    lines = step.headline({"points": [other], "roofs": {"gemms": gemms}})
+    assert lines[0].startswith("prefill 512 tokens: 900 tok/s, 9.00× the FMA-peak floor")
+
+
+def test_fp32_floor_takes_the_best_build_and_amx_marks_the_bf16_floor_no_bound() -> None:
+    # Forced onto the AVX2 build (RADIXKV_NATIVE_ISA=avx2): its 110 GFLOP/s must not lower the
+    # floor below the 220 the AVX-512 build reaches on the same CPU.
+    peak = {"isa": "avx2", "gflops": 110.0, "by_isa": {"avx512": 220.0, "avx2": 110.0},
+            "bf16_dot_gflops": 400.0, "amx_bf16": False}
+    roofs = {"fma_peak": peak, "gemm": {"gflops": 100.0}, "gemms": {"model": {"engine_gflops": None}}}
+    assert m.peak_floor_gflops(roofs, torch.float32) == (220.0, "fma_peak")
+    assert m.peak_floor_gflops(roofs, torch.bfloat16) == (400.0, "bf16_dot_peak")
+    row = {"kind": "prefill", "tokens": 2048, "ms": 4000.0, "tokens_per_s": 512.0, "flops": 4.4e11}
+    fp32 = m.apply_prefill_floors(dict(row), roofs, torch.float32)
+    assert fp32["floor_gflops"] == 220.0 and fp32["floor_ms"] == pytest.approx(2000.0)
+    assert fp32["ratio"] == pytest.approx(2.0) and fp32["floor_is_bound"] is True
+    bf16 = m.apply_prefill_floors(dict(row), roofs, torch.bfloat16)
+    assert bf16["floor_basis"] == "bf16_dot_peak" and bf16["floor_is_bound"] is True
+    # With AMX-BF16 the tiles outrun VDPBF16PS: the bf16 floor is then no bound, and says so.
+    amx = {**roofs, "fma_peak": {**peak, "amx_bf16": True}}
+    bf16 = m.apply_prefill_floors(dict(row), amx, torch.bfloat16)
+    assert bf16["floor_is_bound"] is False and bf16["floor_note"] == m.AMX_NOT_A_BOUND
+    assert m.apply_prefill_floors(dict(row), amx, torch.float32)["floor_is_bound"] is True
+    bf16.update(ratio=4.0, floor_basis="bf16_dot_peak")
+    gemms = {"backend": "onednn", "model": {"engine_gflops": None, "torch_pct_of_peak": 50.0}}
+    line = step.headline({"points": [bf16], "roofs": {"gemms": gemms}})[0]
+    assert line == ("prefill 2,048 tokens: 512 tok/s, 4.00× the bf16-dot-peak floor "
+                    f"({m.AMX_NOT_A_BOUND})")
+
+
+def test_engine_gemm_backend_names_the_bf16_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixkv.kernels import gemm
+
+    monkeypatch.setattr(gemm, "onednn_bf16_supported", lambda: False)
+    name = m.gemm_backend_name(gemm, torch.bfloat16)
+    if gemm.onednn_available():
+        assert name == f"torch F.linear ({gemm.BF16_UNSUPPORTED})"
+        assert m.gemm_backend_name(gemm, torch.float32) == "onednn (fp32 plain weight, bf16 packed weight)"
+    else:
+        assert name == "torch F.linear"
+    assert gemm.gflops(8, 16, 24, torch.bfloat16, repeats=1) > 0  # measured on F.linear, no crash
+
+
+@pytest.mark.parametrize("flag, value", [("--peak-seconds", "0"), ("--peak-seconds", "nan"),
+                                         ("--gemm-tokens", "0"), ("--gemm-n", "-3")])
+def test_bad_roof_flags_exit_2_naming_the_flag(flag: str, value: str,
+                                               capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(flag, value)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
 
 
 def test_decode_logits_match_hf_over_the_same_cache(tiny_model, tiny_model_dir: Path) -> None:

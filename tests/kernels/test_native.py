@@ -122,6 +122,34 @@ def test_paged_decode_refuses_what_it_cannot_run(kernels) -> None:
                             torch.tensor([5]), sm_scale=0.3)
 
 
+def test_paged_decode_names_mismatched_shapes_and_rows(kernels) -> None:
+    # Checked in Python: the C kernel indexes q by q_rows and reads N rows of lens and tables.
+    k_pool, v_pool, tables = _pools_and_tables([5, 9], 4, 1, 32, seed=2)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    rows = torch.tensor([0, 2], dtype=torch.int64)
+    q = torch.randn(3, 2, 32)
+    ref = native.paged_decode(kernels, q, rows, k_pool, v_pool, tables, lens, sm_scale=0.3)
+    assert bool(torch.isfinite(ref[rows]).all())
+
+    def call(**kw) -> None:
+        args = {"q": q, "q_rows": rows, "block_tables": tables, "kv_lens": lens, **kw}
+        native.paged_decode(kernels, args["q"], args["q_rows"], k_pool, v_pool, args["block_tables"],
+                            args["kv_lens"], sm_scale=0.3)
+
+    with pytest.raises(ValueError, match="^q: head dim 64 must equal the pool's 32"):
+        call(q=torch.randn(3, 2, 64))
+    with pytest.raises(ValueError, match=r"^q_rows: .*\[0, 3\).* values 0\.\.3"):
+        call(q_rows=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"^q_rows: .* values -1\.\.2"):
+        call(q_rows=torch.tensor([-1, 2]))
+    with pytest.raises(ValueError, match="^q_rows: need a \\[N\\] tensor"):
+        call(q_rows=torch.zeros(2, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^kv_lens: need \[2\]"):
+        call(kv_lens=torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^block_tables: need \[2, max_blocks\]"):
+        call(block_tables=tables[:1].contiguous())
+
+
 def test_plan_checks_native_decode_tables(kernels) -> None:
     with pytest.raises(ValueError, match="block_tables"):
         plan_attention(torch.tensor([[0, -1]]), torch.tensor([4]), torch.tensor([0, 1]),
@@ -155,9 +183,13 @@ def test_runner_with_native_kernels_matches_torch_on_a_mixed_step(tiny_d32: Load
     torch.testing.assert_close(results[True], results[False], rtol=1e-4, atol=1e-4)
 
 
-def test_runner_native_off_for_bfloat16_and_by_env(tiny_model: LoadedModel, monkeypatch) -> None:
-    bf16 = dataclasses.replace(tiny_model, dtype=torch.bfloat16)
-    assert ModelRunner(bf16, num_blocks=4, block_size=4).native is None
+def test_runner_native_for_bfloat16_off_by_backend_compile_and_env(tiny_model: LoadedModel,
+                                                                    tiny_d32: LoadedModel,
+                                                                    monkeypatch) -> None:
+    # bf16 runs on the C kernels too: decode (bf16 weights and pools) and prefill elementwise.
+    bf16 = ModelRunner(dataclasses.replace(tiny_d32, dtype=torch.bfloat16), num_blocks=4, block_size=4)
+    assert bf16.native is native.load() and bf16._native_decode is bf16.native
+    assert bf16.forward_model.native is bf16.native
     assert ModelRunner(tiny_model, num_blocks=4, block_size=4, attention_backend="reference").native is None
     # --compile keeps every projection on torch (the compiled graph takes no ctypes call), and
     # the decode path with it: nothing may route a decode step to decode_native then.

@@ -46,7 +46,11 @@ def test_every_package_folder_is_listed_in_pyproject():
     for name, folder in data_only.items():
         assert name in SETUPTOOLS["packages"], name
         patterns = SETUPTOOLS["package-data"][name]
-        assert [p.name for pattern in patterns for p in folder.glob(pattern)] == ["cpu_decode.c"]
+        # Every C source and header the native build compiles (kernels/native.py builds all
+        # csrc/*.c with -I csrc): a wheel missing rk_vec.h would fail to build at first use.
+        declared = sorted(p.name for pattern in patterns for p in folder.glob(pattern))
+        assert declared == sorted(p.name for p in folder.iterdir() if p.suffix in (".c", ".h"))
+        assert {"cpu_decode.c", "cpu_extend.c", "cpu_prefill.c", "cpu_peak.c", "rk_vec.h"} <= set(declared)
     gone = sorted(set(SETUPTOOLS["packages"]) - set(dirs) - set(data_only))
     assert not gone, f"pyproject.toml lists packages with no folder: {gone}"
 

@@ -1,0 +1,251 @@
+"""radixkv.kernels.gemm: the oneDNN prefill GEMM and the C elementwise kernels of a prefill,
+against torch references (fp32 tight, bf16 within one-to-two bf16 ulps of the values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixkv.kernels import gemm, native
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("pack", [None, True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, pack: bool | None) -> None:
+    g = _gen(0)
+    w = (torch.randn(96, 64, generator=g) * 0.1).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    lin = gemm.PackedLinear(w, b, pack=pack)
+    packs = pack if pack is not None else dtype == torch.bfloat16
+    onednn = gemm.onednn_available() and (dtype == torch.float32 or gemm.onednn_bf16_supported())
+    assert (lin.packed is not None) == (packs and onednn) and lin.onednn == onednn
+    assert lin.packed_bytes == (96 * 64 * w.element_size() if lin.packed is not None else 0)
+    assert lin.weight is not None
+    for m in (1, 33, 200):  # the pack hint is 2048 rows: any M must still be right
+        x = torch.randn(m, 64, generator=g).to(dtype)
+        y = lin(x)
+        assert y.shape == (m, 96) and y.dtype == dtype
+        ref = x.double() @ w.double().T + b.double()
+        # fp32: K=64 products summed in fp32; bf16: the output rounded to 8 bits of mantissa.
+        tol = 1e-4 if dtype == torch.float32 else 2 ** -7 * float(ref.abs().max()) + 1e-2
+        assert float((y.double() - ref).abs().max()) <= tol
+
+
+def _require_onednn_bf16() -> None:
+    if not gemm.onednn_available():
+        pytest.skip("oneDNN linear unavailable here (torch without mkldnn, or RADIXKV_ONEDNN_GEMM=0)")
+    if not gemm.onednn_bf16_supported():
+        pytest.skip(gemm.BF16_UNSUPPORTED)
+
+
+def test_packed_linear_can_drop_the_plain_weight() -> None:
+    _require_onednn_bf16()
+    g = _gen(5)
+    w = torch.randn(40, 32, generator=g).bfloat16()
+    x = torch.randn(3, 32, generator=g).bfloat16()
+    kept = gemm.PackedLinear(w, pack=True)
+    dropped = gemm.PackedLinear(w, pack=True, keep_plain=False)
+    assert torch.equal(kept(x), dropped(x))
+    assert dropped.weight is None and dropped.packed is not None and dropped.fallback_reason is None
+
+
+def test_bf16_falls_back_to_f_linear_without_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU without AVX-512 BW/VL/DQ (or AVX-NE-CONVERT): torch's bf16 reorder and linear
+    # raise there, so a bf16 PackedLinear must take F.linear and say why.
+    monkeypatch.setattr(gemm, "onednn_bf16_supported", lambda: False)
+    g = _gen(8)
+    w = torch.randn(24, 16, generator=g).bfloat16()
+    b = torch.randn(24, generator=g).bfloat16()
+    x = torch.randn(5, 16, generator=g).bfloat16()
+    lin = gemm.PackedLinear(w, b, keep_plain=False)
+    assert not lin.onednn and lin.packed is None and lin.weight is not None
+    assert lin.packed_bytes == 0
+    assert torch.equal(lin(x), F.linear(x, w, b))
+    if gemm.onednn_available():
+        assert lin.fallback_reason == gemm.BF16_UNSUPPORTED
+        assert gemm.gemm_backend(torch.bfloat16) == f"torch F.linear ({gemm.BF16_UNSUPPORTED})"
+        assert gemm.gemm_backend(torch.float32) == "onednn (fp32 plain weight, bf16 packed weight)"
+        assert gemm.PackedLinear(w.float()).onednn  # fp32 keeps oneDNN
+    assert gemm.gflops(16, 32, 48, torch.bfloat16, repeats=1) > 0
+
+
+def test_bf16_falls_back_when_the_reorder_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not gemm.onednn_available():
+        pytest.skip("oneDNN linear unavailable here")
+    monkeypatch.setattr(gemm, "onednn_bf16_supported", lambda: True)  # the check passed, yet:
+
+    def refuse(weight: torch.Tensor, rows: int) -> torch.Tensor:
+        raise RuntimeError("bf16 path needs the cpu support avx512bw, avx512vl and avx512dq")
+
+    monkeypatch.setattr(gemm, "_reorder", refuse)
+    w = torch.randn(8, 16, generator=_gen(9)).bfloat16()
+    x = torch.randn(3, 16, generator=_gen(10)).bfloat16()
+    lin = gemm.PackedLinear(w, keep_plain=False)
+    assert not lin.onednn and lin.packed is None and lin.weight is not None
+    assert lin.fallback_reason is not None and "bf16 path needs the cpu support" in lin.fallback_reason
+    assert torch.equal(lin(x), F.linear(x, w))
+    with pytest.raises(RuntimeError, match="cpu support"):  # fp32 has no fallback to hide it
+        gemm.PackedLinear(w.float(), pack=True)
+
+
+def test_packed_linear_rejects_bad_weights() -> None:
+    with pytest.raises(ValueError, match="weight"):
+        gemm.PackedLinear(torch.zeros(4))
+    with pytest.raises(ValueError, match="weight"):
+        gemm.PackedLinear(torch.zeros(4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bias"):
+        gemm.PackedLinear(torch.zeros(4, 8), torch.zeros(8))
+    with pytest.raises(ValueError, match="bias"):
+        gemm.PackedLinear(torch.zeros(4, 8), torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_gflops_and_backend() -> None:
+    assert gemm.gflops(16, 32, 48, torch.float32, repeats=2) > 0
+    assert gemm.gflops(16, 32, 48, torch.bfloat16, repeats=1) > 0
+    assert gemm.gemm_backend() == ("onednn (fp32 plain weight, bf16 packed weight)"
+                                   if gemm.onednn_available() else "torch F.linear")
+    with pytest.raises(ValueError, match="repeats"):
+        gemm.gflops(16, 32, 48, repeats=0)
+    with pytest.raises(ValueError, match="k"):
+        gemm.gflops(16, -1, 48)
+    with pytest.raises(ValueError, match="dtype"):
+        gemm.gflops(16, 32, 48, torch.float16)
+    assert not gemm.onednn_available("meta")
+
+
+def test_env_turns_onednn_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gemm.DISABLE_ENV, "0")
+    assert not gemm.onednn_available() and gemm.gemm_backend() == "torch F.linear"
+    w = torch.randn(8, 16, generator=_gen(6)).bfloat16()
+    lin = gemm.PackedLinear(w, keep_plain=False)
+    x = torch.randn(3, 16, generator=_gen(7)).bfloat16()
+    assert lin.packed is None and lin.weight is not None and torch.equal(lin(x), F.linear(x, w))
+
+
+def test_bf16_dot_flags_from_cpuinfo_text() -> None:
+    zen4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\n"
+            "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\nbugs\t\t: sysret_ss_attrs\n"
+            "processor\t: 1\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n")
+    assert gemm.bf16_dot_flags(zen4) == ("avx512_bf16",)
+    spr = "flags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    assert gemm.bf16_dot_flags(spr) == ("avx512_bf16", "amx_bf16")
+    # Zen 3 / Skylake: AVX-512 or AVX2 but no bf16 dot products; a flag in another line
+    # (or a longer flag name containing it) does not count.
+    assert gemm.bf16_dot_flags("flags\t\t: avx2 fma avx512f avx512_bf16x\n") == ()
+    assert gemm.bf16_dot_flags("model name\t: avx512_bf16 marketing\nflags\t: avx2\n") == ()
+    assert gemm.bf16_dot_flags("") == ()
+
+
+def _kernels(isa: str) -> gemm.PrefillKernels:
+    if isa not in native.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    loaded = native.load(isa)
+    kernels = gemm.prefill_kernels(loaded)
+    if kernels is None:
+        pytest.skip(f"native kernels ({isa}) unavailable here")
+    return kernels
+
+
+ISAS = ["avx512", "avx2"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _ref_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # The torch path of LlamaForward._rms_norm.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [64, 72, 5])  # whole vectors, a tail, a row shorter than a vector
+def test_add_rms_norm(isa: str, dtype: torch.dtype, size: int) -> None:
+    kernels = _kernels(isa)
+    g = _gen(1)
+    h = torch.randn(37, size, generator=g).to(dtype)
+    d = torch.randn(37, size, generator=g).to(dtype)
+    w = (1 + 0.2 * torch.randn(size, generator=g)).to(dtype)
+    out = gemm.add_rms_norm(kernels, h.clone(), w, 1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7 * 4
+    assert float((out.float() - _ref_norm(h, w, 1e-5).float()).abs().max()) <= tol
+    h2 = h.clone()
+    out = gemm.add_rms_norm(kernels, h2, w, 1e-5, d)
+    assert torch.equal(h2, h + d)  # the residual add rounds to the dtype exactly as torch's
+    assert float((out.float() - _ref_norm(h + d, w, 1e-5).float()).abs().max()) <= tol
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 16, 40])
+def test_rope_inplace(isa: str, dtype: torch.dtype, head_dim: int) -> None:
+    kernels = _kernels(isa)
+    g = _gen(2)
+    hq, hkv, rows = 4, 2, 29
+    qkv = torch.randn(rows, (hq + 2 * hkv) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 500, (rows,), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    freqs = torch.arange(512).double()[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().float(), emb.sin().float()
+    out = qkv.clone()
+    gemm.rope_inplace(kernels, out, hq + hkv, head_dim, positions, cos, sin)
+    heads = qkv[:, :(hq + hkv) * head_dim].double().view(rows, hq + hkv, head_dim)
+    ref = _rotate(heads, emb.cos()[positions][:, None], emb.sin()[positions][:, None])
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8 * float(ref.abs().max())
+    got = out[:, :(hq + hkv) * head_dim].double().view(rows, hq + hkv, head_dim)
+    assert float((got - ref).abs().max()) <= tol
+    assert torch.equal(out[:, (hq + hkv) * head_dim:], qkv[:, (hq + hkv) * head_dim:])  # v untouched
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [128, 21])
+def test_silu_mul(isa: str, dtype: torch.dtype, inter: int) -> None:
+    kernels = _kernels(isa)
+    g = _gen(3)
+    gate_up = (4 * torch.randn(13, 2 * inter, generator=g)).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -90.0])  # saturating exp(-g), silu(0) = 0
+    out = gemm.silu_mul(kernels, gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    assert out.shape == (13, inter) and out.dtype == dtype
+    tol = 1e-5 * float(ref.abs().max()) if dtype == torch.float32 else 2 ** -7 * float(ref.abs().max())
+    assert float((out.double() - ref).abs().max()) <= tol
+    assert float(out[0, 2]) == 0.0
+
+
+def test_elementwise_validation() -> None:
+    kernels = _kernels(native.cpu_isas()[0] if native.cpu_isas() else "avx2")
+    h = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="hidden"):
+        gemm.add_rms_norm(kernels, h.T, torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        gemm.add_rms_norm(kernels, h, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        gemm.add_rms_norm(kernels, h, torch.ones(8), 1e-5, torch.ones(4, 9))
+    with pytest.raises(ValueError, match="x"):
+        gemm.add_rms_norm(kernels, h.half(), torch.ones(8).half(), 1e-5)
+    cos = torch.ones(16, 8)
+    with pytest.raises(ValueError, match="positions"):
+        gemm.rope_inplace(kernels, h, 1, 8, torch.zeros(3, dtype=torch.int64), cos, cos)
+    with pytest.raises(ValueError, match="positions"):
+        gemm.rope_inplace(kernels, h, 1, 8, torch.zeros(4, dtype=torch.int32), cos, cos)
+    with pytest.raises(ValueError, match="cos"):
+        gemm.rope_inplace(kernels, h, 1, 8, torch.zeros(4, dtype=torch.int64), cos.double(), cos)
+    with pytest.raises(ValueError, match="heads"):
+        gemm.rope_inplace(kernels, h, 2, 8, torch.zeros(4, dtype=torch.int64), cos, cos)
+    with pytest.raises(ValueError, match="gate_up"):
+        gemm.silu_mul(kernels, torch.randn(4, 7))
+    with pytest.raises(ValueError, match="gate_up"):
+        gemm.silu_mul(kernels, torch.randn(8, 4).T)
