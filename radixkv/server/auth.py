@@ -1,8 +1,11 @@
 """API keys, tenants, and the cache salt derived from them (docs/design.md §3, §6).
 
-``--api-keys FILE`` holds a JSON object ``{"<key>": {"tenant": "<name>", "admin": false}}``.
+``--api-keys FILE`` holds a JSON object ``{"<key>": {"tenant": "<name>", "admin": false,
+"max_retained_tokens": N}}`` (``admin`` and ``max_retained_tokens`` optional: the tenant's
+budget of prompt tokens under client-requested retention, None = only the server-wide bound).
 With keys configured every route but ``/health`` and ``/openapi.json`` needs
-``Authorization: Bearer <key>``; a missing or unknown key is 401. Keys are compared with
+``Authorization: Bearer <key>`` or, as Anthropic's clients send it, ``x-api-key: <key>``; a
+missing or unknown key is 401. Keys are compared with
 ``hmac.compare_digest`` against *every* configured key (no early exit), so the time taken does
 not depend on which key, or how much of one, matched.
 
@@ -41,10 +44,19 @@ ADMIN_PATHS = frozenset({"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_a
 
 @dataclass(frozen=True)
 class Tenant:
-    """An authenticated caller. ``name`` None: the single tenant of a server without keys."""
+    """An authenticated caller. ``name`` None: the single tenant of a server without keys.
+
+    Attributes:
+        name: The tenant's name (``TENANT_NAME``), or None without keys.
+        admin: May call the admin routes and see every tenant.
+        max_retained_tokens: Most prompt tokens this tenant may keep under retention
+            (``cache_control`` / ``prompt_cache_retention``) at once; None: no per-tenant
+            bound (the server-wide ``--max-retained-fraction`` still applies).
+    """
 
     name: str | None
     admin: bool
+    max_retained_tokens: int | None = None
 
 
 SINGLE_TENANT = Tenant(name=None, admin=True)
@@ -57,8 +69,9 @@ def load_api_keys(path: str | Path) -> dict[str, Tenant]:
     """Read an API-key file.
 
     Raises:
-        ValueError: unreadable file, not a JSON object, an empty key, a bad tenant name or a
-            non-boolean ``admin`` (the message names the entry, never the key itself).
+        ValueError: unreadable file, not a JSON object, an empty key, a bad tenant name, a
+            non-boolean ``admin`` or a ``max_retained_tokens`` that is not a non-negative
+            integer (the message names the entry and the field, never the key itself).
     """
     try:
         raw = Path(path).read_bytes()
@@ -81,15 +94,22 @@ def parse_api_keys(data: object, source: str = "api keys") -> dict[str, Tenant]:
         where = f"api keys: entry {i + 1} of {source}"
         if not key or len(key) < 8 or not key.isprintable() or not key.isascii():
             raise ValueError(f"{where}: a key must be at least 8 printable ASCII characters")
-        if not isinstance(entry, dict) or set(entry) - {"tenant", "admin"}:
-            raise ValueError(f'{where}: must be {{"tenant": "<name>", "admin": false}}')
+        if not isinstance(entry, dict) or set(entry) - {"tenant", "admin", "max_retained_tokens"}:
+            raise ValueError(f'{where}: must be {{"tenant": "<name>", "admin": false, '
+                             '"max_retained_tokens": <int>}} (admin and max_retained_tokens '
+                             'optional)')
         name = entry.get("tenant")
         if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
             raise ValueError(f"{where}: 'tenant' must match {TENANT_NAME.pattern}")
         admin = entry.get("admin", False)
         if not isinstance(admin, bool):
             raise ValueError(f"{where}: 'admin' must be true or false")
-        keys[key] = Tenant(name=name, admin=admin)
+        budget = entry.get("max_retained_tokens")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                                   or budget < 0):
+            raise ValueError(f"{where}: 'max_retained_tokens' must be a non-negative integer "
+                             f"(tokens), got {budget!r}")
+        keys[key] = Tenant(name=name, admin=admin, max_retained_tokens=budget)
     return keys
 
 
@@ -117,14 +137,21 @@ def _unauthorized(message: str) -> APIError:
                     headers={"WWW-Authenticate": 'Bearer realm="radixkv"'})
 
 
-def authenticate(store: KeyStore, header: str | None) -> Tenant:
-    """The tenant of an ``Authorization`` header value.
+def authenticate(store: KeyStore, header: str | None, api_key: str | None = None) -> Tenant:
+    """The tenant of an ``Authorization`` header value, else of an ``x-api-key`` header value
+    (Anthropic's clients send the key there).
 
     Raises:
         APIError: 401 for a missing, malformed or unknown key.
     """
+    if not header and api_key is not None:
+        tenant = store.lookup(api_key.strip()) if api_key.strip() else None
+        if tenant is None:
+            raise _unauthorized("Incorrect API key provided")
+        return tenant
     if not header:
-        raise _unauthorized("You didn't provide an API key: send 'Authorization: Bearer <key>'")
+        raise _unauthorized("You didn't provide an API key: send 'Authorization: Bearer <key>' "
+                            "or 'x-api-key: <key>'")
     scheme, _, key = header.strip().partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise _unauthorized("The Authorization header must be 'Bearer <key>'")
@@ -146,7 +173,8 @@ def auth_middleware(store: KeyStore | None):
         elif request.path in PUBLIC_PATHS:
             request[REQUEST_TENANT] = None
         else:
-            tenant = authenticate(store, request.headers.get("Authorization"))
+            tenant = authenticate(store, request.headers.get("Authorization"),
+                                  request.headers.get("x-api-key"))
             if request.path in ADMIN_PATHS and not tenant.admin:
                 raise APIError(403, f"{request.path} needs an admin key",
                                code="insufficient_permissions")
