@@ -28,6 +28,7 @@ from radixkv.cache.miss_causes import classify_miss, empty_breakdown
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.publish import publish
 from radixkv.cache.request_state import RequestState
+from radixkv.cache.retention import RetentionInfo
 from radixkv.cache.store import bridge
 from radixkv.cache.store.tier import StoreTier
 from radixkv.cache.tree.node import BLOCK_ID_TYPECODE
@@ -428,6 +429,19 @@ class CacheManager(CacheGauges):
         """State of every block ("free", "private", "cached_evictable", "cached_locked");
         O(num_blocks + tree size), for tests and debugging."""
         return block_states(self.pool, self.tree)
+
+    # ---- retention (radixkv.cache.retention) ------------------------------------------
+    def list_retentions(self, tenant: str | None, *, all_tenants: bool = False
+                        ) -> list[RetentionInfo]:
+        """Live retentions of ``tenant`` (all tenants' when ``all_tenants``), soonest expiry
+        first."""
+        return []
+
+    def release_retentions(self, tenant: str | None, retention_id: str | None = None, *,
+                           all_tenants: bool = False) -> int:
+        """Release ``tenant``'s retentions (only ``retention_id`` when given; any tenant's
+        when ``all_tenants``); returns how many were released."""
+        return 0
 
     def check_integrity(self, *, verify_hashes: bool = False) -> None:
         """Verify pool, tree, and their agreement with every active request.

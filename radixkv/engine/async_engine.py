@@ -32,9 +32,10 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Hashable, Sequence, cast
+from typing import Any, Callable, Hashable, Sequence, cast
 
 from radixkv.cache.events import KVEventLog
+from radixkv.cache.retention import RetentionBreakpoint, RetentionInfo
 from radixkv.cache.store.backend import StoreBackend
 from radixkv.config import EngineConfig, check_int
 from radixkv.engine.async_lora import AsyncLoRAMixin
@@ -217,7 +218,8 @@ class AsyncEngine(AsyncLoRAMixin):
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  cache_salt: str | None = None, request_id: str | None = None,
                  tenant: str | None = None, lora_name: str | None = None,
-                 capacity_checked: bool = False, session_key: str | None = None) -> RequestStream:
+                 capacity_checked: bool = False, session_key: str | None = None,
+                 retention: Sequence[RetentionBreakpoint] = ()) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (call from the loop).
 
         Validation happens here, before anything is queued; the engine thread builds the
@@ -229,6 +231,8 @@ class AsyncEngine(AsyncLoRAMixin):
             lora_name: a loaded LoRA adapter to run with (None: the base model).
             capacity_checked: the caller ran ``check_capacity`` for a group of requests.
             session_key: session hint for the eviction policy (``prompt_cache_key`` / ``user``).
+            retention: retention breakpoints (``radixkv.cache.retention``); the outputs report
+                ``cache_creation_tokens_by_ttl`` and ``num_retained_tokens``.
 
         Raises:
             LoRANotFoundError: no adapter named ``lora_name`` is loaded (a ValueError).
@@ -242,7 +246,8 @@ class AsyncEngine(AsyncLoRAMixin):
             self.check_capacity(params.n)
         spec = self._engine.prepare_request(prompt_token_ids, params, cache_salt=cache_salt,
                                             request_id=request_id, tenant=tenant,
-                                            lora_name=lora_name, session_key=session_key)
+                                            lora_name=lora_name, session_key=session_key,
+                                            retention=retention)
         out_queue: asyncio.Queue = asyncio.Queue()
         live = _Live(asyncio.get_running_loop(), out_queue, params.n, tenant, spec.arrival_s)
         with self._streams_lock:
@@ -283,11 +288,37 @@ class AsyncEngine(AsyncLoRAMixin):
         Raises:
             EngineDeadError: the engine thread has stopped.
         """
+        return await self._call(self._engine.reset_prefix_cache)
+
+    async def list_retentions(self, tenant: str | None, *, all_tenants: bool = False
+                              ) -> list[RetentionInfo]:
+        """Live retentions of ``tenant`` (every tenant's when ``all_tenants``: admin only),
+        soonest expiry first, read on the engine thread.
+
+        Raises:
+            EngineDeadError: the engine thread has stopped.
+        """
+        return await self._call(functools.partial(self._engine.list_retentions, tenant,
+                                                  all_tenants=all_tenants))
+
+    async def release_retentions(self, tenant: str | None, retention_id: str | None = None, *,
+                                 all_tenants: bool = False) -> int:
+        """Release ``tenant``'s retentions (only ``retention_id`` when given; another
+        tenant's never, unless ``all_tenants``: admin). Returns how many were released.
+
+        Raises:
+            EngineDeadError: the engine thread has stopped.
+        """
+        return await self._call(functools.partial(self._engine.release_retentions, tenant,
+                                                  retention_id, all_tenants=all_tenants))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread and return its result (or raise its exception)."""
         if not self.is_healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._inbox.put(("call", (self._engine.reset_prefix_cache, loop, done)))
+        self._inbox.put(("call", (fn, loop, done)))
         self._wake.set()
         while True:  # a thread that dies first never answers
             try:

@@ -11,7 +11,7 @@ thread stops and the server answers 503 ``engine_dead`` from then on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -66,6 +66,12 @@ class RequestOutput:
     ``"error"`` (``faults.FAILED``: a fault of this request's own ended it, see
     ``fail_request``; the server answers 500 ``internal_error``). After an ``"abort"`` or
     ``"error"`` output no other choice of the request produces anything.
+
+    Retention (``radixkv.cache.retention``): ``cache_creation_tokens_by_ttl`` holds the prompt
+    tokens this request newly retained at its breakpoints, per TTL class (never tokens served
+    from the cache: ``num_cached_tokens + sum(values) <= num_prompt_tokens``); set on every
+    output from the first one on. ``num_retained_tokens``: tokens of the request's prefix under
+    any live retention after its breakpoints were applied (0: none).
     """
 
     request_id: str                # the client-visible (group) id
@@ -77,16 +83,21 @@ class RequestOutput:
     num_cached_tokens: int
     num_generated_tokens: int      # of this choice
     index: int = 0                 # choice index (n > 1)
+    cache_creation_tokens_by_ttl: dict[str, int] = field(default_factory=dict)
+    num_retained_tokens: int = 0
 
 
 def make_output(req: Request, new_ids: list[int], text: str, *, finished: bool) -> RequestOutput:
     """The output of ``req`` for its ``new_ids`` (their ``text``); final when ``finished``."""
+    # cache_creation_tokens_by_ttl: shared, not copied (the request replaces it, never changes it)
     return RequestOutput(request_id=req.group_id, index=req.index, new_token_ids=new_ids,
                          new_text=text,
                          finished=finished, finish_reason=req.finish_reason if finished else None,
                          num_prompt_tokens=req.num_prompt_tokens,
                          num_cached_tokens=req.num_cached_tokens,
-                         num_generated_tokens=req.num_output_tokens)
+                         num_generated_tokens=req.num_output_tokens,
+                         cache_creation_tokens_by_ttl=req.cache_creation_tokens_by_ttl,
+                         num_retained_tokens=req.num_retained_tokens)
 
 
 def num_unfinished(group: list[Request], culprit: Request | None = None) -> int:

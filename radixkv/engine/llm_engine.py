@@ -18,6 +18,7 @@ import torch
 
 from radixkv.cache.hashing import CacheIdentity
 from radixkv.cache.manager import CacheManager
+from radixkv.cache.retention import RetentionBreakpoint, RetentionInfo, check_breakpoints
 from radixkv.cache.store.backend import StoreBackend
 from radixkv.config import GIB, EngineConfig, check_token_ids
 from radixkv.engine.adapters import LoRAAdapters
@@ -179,11 +180,14 @@ class LLMEngine:
     def prepare_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                         cache_salt: str | None = None, request_id: str | None = None,
                         tenant: str | None = None, lora_name: str | None = None,
-                        session_key: str | None = None) -> RequestSpec:
+                        session_key: str | None = None,
+                        retention: Sequence[RetentionBreakpoint] = ()) -> RequestSpec:
         """Validate a prompt and describe its request (any thread: no cache state is touched).
 
         ``tenant`` only labels the request for per-tenant stats; isolation is ``cache_salt``;
         ``session_key`` (``prompt_cache_key`` / ``user``) is a hint for the eviction policy.
+        ``retention``: breakpoints to retain (``radixkv.cache.retention``; at most 4 prompt
+        breakpoints and one ``-1``, the whole sequence at finish).
         ``lora_name`` selects a loaded LoRA adapter (None: the base model); the request holds
         it from now until it finishes or is aborted, so pass the description on to ``admit``
         or ``build_request`` (or to ``discard_request`` if it will not run).
@@ -192,11 +196,12 @@ class LLMEngine:
             LoRANotFoundError: no adapter named ``lora_name`` is loaded.
             ValueError: empty prompt, a token id outside the vocabulary (naming it,
                 ``prompt[i]: ...``), a ``cache_salt`` that is not a string, prompt +
-                max_tokens beyond the model's context, or a request that could never fit the
-                KV pool.
+                max_tokens beyond the model's context, a request that could never fit the
+                KV pool, or bad ``retention`` breakpoints (naming ``retention``).
         """
-        adapter = self.adapters.resolve(lora_name) if lora_name is not None else None
         prompt = check_token_ids("prompt", prompt_token_ids, self.model.shape.vocab_size)
+        breakpoints = check_breakpoints(retention, len(prompt))
+        adapter = self.adapters.resolve(lora_name) if lora_name is not None else None
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -215,7 +220,7 @@ class LLMEngine:
         return RequestSpec(request_id=request_id or uuid.uuid4().hex,
                            prompt_token_ids=tuple(prompt), params=params,
                            arrival_s=time.monotonic(), cache_salt=cache_salt, tenant=tenant,
-                           adapter=adapter, session_key=session_key)
+                           adapter=adapter, session_key=session_key, retention=breakpoints)
 
     def build_request(self, spec: RequestSpec) -> Request:
         """The ``Request`` of ``spec``, its cache identity root resolved (the cache's thread).
@@ -234,7 +239,7 @@ class LLMEngine:
                        params=spec.params, cache_root=b"",
                        detokenizer=IncrementalDetokenizer(self.tokenizer, spec.params.stop),
                        arrival_s=spec.arrival_s, tenant=spec.tenant, adapter=spec.adapter,
-                       session_key=spec.session_key)
+                       session_key=spec.session_key, retention=spec.retention)
 
     def _bind(self, req: Request, spec: RequestSpec) -> None:
         req.cache_root = self.cache_root(spec.cache_salt, spec.adapter)
@@ -243,7 +248,8 @@ class LLMEngine:
     def make_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                      cache_salt: str | None = None, request_id: str | None = None,
                      tenant: str | None = None, lora_name: str | None = None,
-                     session_key: str | None = None) -> Request:
+                     session_key: str | None = None,
+                     retention: Sequence[RetentionBreakpoint] = ()) -> Request:
         """Validate a prompt and build its ``Request`` (not yet queued), in the calling thread:
         ``prepare_request`` then ``build_request``, for offline use and tests that step the
         engine themselves. Pass it to ``add_request`` (or ``discard_request``).
@@ -253,7 +259,7 @@ class LLMEngine:
         """
         spec = self.prepare_request(prompt_token_ids, params, cache_salt=cache_salt,
                                     request_id=request_id, tenant=tenant, lora_name=lora_name,
-                                    session_key=session_key)
+                                    session_key=session_key, retention=retention)
         try:
             return self.build_request(spec)
         except BaseException:
@@ -477,6 +483,20 @@ class LLMEngine:
                 self.end_group(group)
         return make_output(req, [token], text, finished=reason is not None)
 
+    # ------------------------------------------------------------------ retention
+    def list_retentions(self, tenant: str | None, *, all_tenants: bool = False
+                        ) -> list[RetentionInfo]:
+        """Live retentions of ``tenant`` (every tenant's when ``all_tenants``), soonest expiry
+        first (engine thread)."""
+        return self.cache.list_retentions(tenant, all_tenants=all_tenants)
+
+    def release_retentions(self, tenant: str | None, retention_id: str | None = None, *,
+                           all_tenants: bool = False) -> int:
+        """Release ``tenant``'s retentions (only ``retention_id`` when given; any tenant's
+        when ``all_tenants``): their blocks become ordinary cached blocks. Returns how many
+        were released (engine thread)."""
+        return self.cache.release_retentions(tenant, retention_id, all_tenants=all_tenants)
+
     def reset_prefix_cache(self) -> int:
         """Evict every cached block no running request holds; returns how many.
 
@@ -499,10 +519,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ offline helper
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  cache_salt: str | None = None, lora_name: str | None = None,
-                 max_steps: int = 100_000, session_key: str | None = None) -> list[Request]:
+                 max_steps: int = 100_000, session_key: str | None = None,
+                 retention: Sequence[RetentionBreakpoint] = ()) -> list[Request]:
         """Run prompts to completion in this thread (tests, offline use).
 
-        ``lora_name`` / ``session_key``: as ``make_request``, for every prompt.
+        ``lora_name`` / ``session_key`` / ``retention``: as ``make_request``, for every prompt.
 
         Returns:
             The requests, in prompt order; with ``params.n > 1``, each prompt's n choices in
@@ -513,7 +534,8 @@ class LLMEngine:
         try:
             for p in prompts:
                 parents.append(self.make_request(p, params, cache_salt=cache_salt,
-                                                 lora_name=lora_name, session_key=session_key))
+                                                 lora_name=lora_name, session_key=session_key,
+                                                 retention=retention))
         except Exception:
             for req in parents:  # made, never added: give their adapter holds back
                 self.discard_request(req)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixkv.cache.hashing import pack_tokens
+from radixkv.cache.retention import RetentionBreakpoint
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.sampling import SamplingParams
 
@@ -57,6 +58,9 @@ class RequestSpec:
         tenant: per-tenant stats label.
         adapter: the LoRA adapter it holds (None: the base model).
         session_key: the client's session hint for the eviction policy.
+        retention: retention breakpoints (``radixkv.cache.retention``): prompt prefixes (and
+            optionally the whole sequence, ``num_tokens == -1``) to retain with a TTL class;
+            validated by ``prepare_request``.
     """
 
     request_id: str
@@ -67,6 +71,7 @@ class RequestSpec:
     tenant: str | None = None
     adapter: LoRAAdapter | None = None
     session_key: str | None = None
+    retention: tuple[RetentionBreakpoint, ...] = ()
 
 
 @dataclass
@@ -95,6 +100,12 @@ class Request:
         num_store_tokens: cached prompt tokens the store tier loaded for it (part of m).
         session_key: the client's session hint (``prompt_cache_key`` / ``user``), handed to
             ``CacheManager.begin`` for the eviction policy; None when none was given.
+        retention: its retention breakpoints (``RequestSpec.retention``).
+        retention_applied: the prompt breakpoints were applied (once, when the prompt's
+            blocks were first all cached).
+        cache_creation_tokens_by_ttl: prompt tokens this request newly retained, per TTL class.
+        num_retained_tokens: tokens of its prefix under a live retention (after its own
+            breakpoints were applied; at admission before that).
     """
 
     request_id: str
@@ -121,6 +132,10 @@ class Request:
     store_checked: bool = False
     num_store_tokens: int = 0
     session_key: str | None = None
+    retention: tuple[RetentionBreakpoint, ...] = ()
+    retention_applied: bool = False
+    cache_creation_tokens_by_ttl: dict[str, int] = field(default_factory=dict)
+    num_retained_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
