@@ -1,6 +1,9 @@
 """OpenAI-shaped errors and the middleware that turns every failure into one.
 
-Every error body is ``{"error": {"message", "type", "param", "code"}}``. Client mistakes are
+Every error body is ``{"error": {"message", "type", "param", "code"}}``, except under the
+Anthropic routes (``/v1/messages`` and below), where it is Anthropic's
+``{"type": "error", "error": {"type", "message"}, "request_id"}`` with Anthropic's statuses
+and types (``anthropic_error``: a 503 becomes 529 ``overloaded_error``). Client mistakes are
 4xx with ``type = "invalid_request_error"``; an unexpected exception is logged with its traceback
 and the request id, counted (``server_errors_total``, through the application's
 ``SERVER_FAULT_HOOK``) and answered 500 ``server_error`` / ``internal_error`` without leaking
@@ -63,8 +66,43 @@ def json_response(body: object, status: int = 200, headers: dict | None = None) 
                         content_type="application/json")
 
 
-def error_response(err: APIError) -> web.Response:
+def error_response(err: APIError, request: web.Request | None = None) -> web.Response:
+    """``err`` as a response: OpenAI's shape, or Anthropic's for a request to an Anthropic
+    route (``is_anthropic_path``)."""
+    if request is not None and is_anthropic_path(request.path):
+        status, body = anthropic_error(err, request_ids.request_id_of(request))
+        return json_response(body, status=status, headers=err.headers)
     return json_response(err.to_dict(), status=err.status, headers=err.headers)
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                         529: "overloaded_error"}
+ANTHROPIC_OVERLOADED = 529
+
+
+def is_anthropic_path(path: str) -> bool:
+    """True for ``/v1/messages`` and every path below it (their errors are Anthropic's)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_error(err: APIError, request_id: str | None = None) -> tuple[int, dict]:
+    """``(status, body)`` of ``err`` in Anthropic's shape.
+
+    A 503 (queue full, draining, engine dead or unhealthy, aborted) becomes 529
+    ``overloaded_error``, which Anthropic's clients retry; any other status keeps its number,
+    typed by ``ANTHROPIC_ERROR_TYPES`` (other 4xx: ``invalid_request_error``, other 5xx:
+    ``api_error``). The message names the field at fault, as OpenAI's ``param`` does.
+    """
+    status = ANTHROPIC_OVERLOADED if err.status == 503 else err.status
+    type_ = ANTHROPIC_ERROR_TYPES.get(status, INVALID_REQUEST if status < 500 else "api_error")
+    body: dict[str, Any] = {"type": "error", "error": {"type": type_, "message": err.message}}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return status, body
 
 
 RETRY_AFTER_S = 1
@@ -140,7 +178,8 @@ def _from_http_exception(exc: web.HTTPException) -> APIError:
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Answer every failure in OpenAI's error shape; 500 only for real server faults."""
+    """Answer every failure in OpenAI's error shape (Anthropic's under ``/v1/messages``); 500
+    only for real server faults."""
     try:
         return await handler(request)
     except APIError as err:
@@ -148,14 +187,14 @@ async def error_middleware(
         report = log.warning if err.status >= 500 else log.info
         report("request_rejected", path=request.path, status=err.status, param=err.param,
                code=err.code, message=err.message)
-        return error_response(err)
+        return error_response(err, request)
     except web.HTTPException as exc:
         if exc.status < 400:  # redirects and the like pass through untouched
             raise
         api_err = _from_http_exception(exc)
         log.info("request_rejected", path=request.path, status=api_err.status,
                  message=api_err.message)
-        return error_response(api_err)
+        return error_response(api_err, request)
     except Exception:
         # CancelledError (client gone) is a BaseException and is deliberately not caught here.
-        return error_response(server_fault(request, "unhandled_server_error"))
+        return error_response(server_fault(request, "unhandled_server_error"), request)

@@ -1,5 +1,6 @@
-"""The parameter-policy table: every request field of chat completions, completions and
-tokenize, as supported, ignored, or neutral-only (``radixkv.server.param_policy``).
+"""The parameter-policy table: every request field of chat completions, completions,
+tokenize and Anthropic's messages / count_tokens, as supported, ignored, or neutral-only
+(``radixkv.server.param_policy``).
 
 Covers OpenAI's request fields, every extra of vLLM 0.33's ChatCompletionRequest /
 CompletionRequest / Tokenize*Request (sampling parameters included), the fields vllm-router
@@ -128,6 +129,11 @@ _COMMON = [
     ignored("store", "boolean", "completions are not stored"),
     ignored("metadata", "object", "completions are not stored"),
     ignored("service_tier", "string", "there is one tier"),
+    supported("prompt_cache_retention", {
+        "enum": ["in_memory", "24h", None],
+        "description": "in_memory (or null): what the cache holds is up to its eviction policy; "
+                       "24h: the prompt and the reply are retained for 24 hours (within the "
+                       "server's and the tenant's retention budgets)."}),
     supported("prompt_cache_key", {"type": "string",
                                    "description": "Session hint: requests of one conversation or "
                                                   "agent run share it; the eviction policy "
@@ -211,7 +217,6 @@ _CHAT = [
     ignored("include_reasoning", "boolean", "no reasoning parser runs"),
     only("return_token_ids", False, why="token ids are returned by /v1/completions only"),
     only("return_prompt_text", False, why="the rendered prompt is not returned"),
-    ignored("prompt_cache_retention", "string", "retention follows the cache's own eviction"),
     ignored("prompt_cache_options", "object", "the prefix cache needs no breakpoints"),
     only("moderation", why="moderation is not implemented"),
     only("modalities", ["text"], why="output is text only"),
@@ -275,3 +280,128 @@ def _table(*groups: list[Param]) -> dict[str, Param]:
 CHAT_PARAMS = _table(_COMMON, _CHAT)
 COMPLETION_PARAMS = _table(_COMMON, _COMPLETIONS)
 TOKENIZE_PARAMS = _table(_TOKENIZE)
+
+
+# ---------------------------------------------------------------- Anthropic Messages API
+# POST /v1/messages and /v1/messages/count_tokens (radixkv.server.anthropic_protocol). The same
+# three policies: an Anthropic field radixkv cannot honour is refused with a 400 naming it
+# unless it cannot change the result.
+
+TTL_VALUES = ("5m", "1h")
+CACHE_CONTROL_SCHEMA = obj_schema(
+    {"type": {"const": "ephemeral"}, "ttl": {"enum": list(TTL_VALUES)}}, ["type"],
+    description="A retention breakpoint: the rendered prompt up to the end of this block is "
+                "retained for ttl (default 5m); at most 4 per request.")
+_A_TEXT_BLOCK = obj_schema({"type": {"const": "text"}, "text": {"type": "string"},
+                            "cache_control": CACHE_CONTROL_SCHEMA,
+                            "citations": {"enum": [None, []]}}, ["type", "text"])
+_A_TOOL_USE = obj_schema({"type": {"const": "tool_use"}, "id": {"type": "string"},
+                          "name": {"type": "string", "minLength": 1},
+                          "input": {"type": "object"}, "cache_control": CACHE_CONTROL_SCHEMA},
+                         ["type", "id", "name", "input"])
+_A_TOOL_RESULT = obj_schema({
+    "type": {"const": "tool_result"}, "tool_use_id": {"type": "string"},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_TEXT_BLOCK}]},
+    "is_error": {"type": "boolean", "description": "Ignored: the chat template has no error "
+                                                   "flag; the result's text is rendered as is."},
+    "cache_control": CACHE_CONTROL_SCHEMA}, ["type", "tool_use_id"])
+_A_IGNORED_BLOCK = {"type": "object", "properties": {"type": {"enum": ["thinking",
+                                                                    "redacted_thinking"]}},
+                    "required": ["type"],
+                    "description": "Assistant messages only; dropped: earlier reasoning is not "
+                                   "sent back to the template."}
+_A_MESSAGE = obj_schema({
+    "role": {"enum": ["user", "assistant"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
+        _A_TEXT_BLOCK, _A_TOOL_USE, _A_TOOL_RESULT, _A_IGNORED_BLOCK]}}]}},
+    ["role", "content"],
+    description="tool_use blocks in assistant messages, tool_result blocks in user messages.")
+_A_TOOL = obj_schema({
+    "type": {"enum": ["custom", None]}, "name": {"type": "string", "minLength": 1},
+    "description": {"type": "string"},
+    "input_schema": {"type": "object", "description": "At most 32 levels deep."},
+    "cache_control": CACHE_CONTROL_SCHEMA}, ["name", "input_schema"], extra=True,
+    description="Client tools only (server tools are refused).")
+_A_TOOL_CHOICE = {"anyOf": [
+    obj_schema({"type": {"enum": ["auto", "any"]},
+                "disable_parallel_tool_use": {"type": "boolean"}}, ["type"]),
+    obj_schema({"type": {"const": "tool"}, "name": {"type": "string"},
+                "disable_parallel_tool_use": {"type": "boolean"}}, ["type", "name"]),
+    obj_schema({"type": {"const": "none"}}, ["type"])],
+    "description": "any / tool need tools (tool: one of them by name); the call's start is "
+                   "put at the end of the prompt."}
+
+# Content block types radixkv does not implement, refused with a 400 naming the block's type.
+MESSAGES_REFUSED_BLOCKS = {
+    "image": "images are not supported (text only)",
+    "document": "documents are not supported (text only)",
+    "search_result": "search results are not supported",
+    "server_tool_use": "server tools are not implemented",
+    "web_search_tool_result": "server tools are not implemented",
+    "web_fetch_tool_result": "server tools are not implemented",
+    "code_execution_tool_result": "server tools are not implemented",
+    "container_upload": "containers are not implemented",
+    "mcp_tool_use": "MCP connectors are not implemented",
+    "mcp_tool_result": "MCP connectors are not implemented",
+}
+# Content block types accepted and dropped (assistant messages only) and why.
+MESSAGES_IGNORED_BLOCKS = {
+    "thinking": "earlier reasoning is not sent back to the template",
+    "redacted_thinking": "earlier reasoning is not sent back to the template",
+}
+# Non-supported keys inside blocks: block type -> {key: entry}.
+MESSAGES_BLOCK_FIELDS = {
+    "text": {"citations": only("messages[].content[].citations", [],
+                               why="citations are not implemented")},
+    "tool_result": {"is_error": ignored("messages[].content[].is_error", "boolean",
+                                        "the chat template has no error flag; the result's "
+                                        "text is rendered as is")},
+}
+
+_MESSAGES_COMMON = [
+    supported("model", {"type": "string", "description": "The served model id or a loaded LoRA "
+                                                         "adapter's name; may be omitted."}),
+    supported("messages", {"type": "array", "minItems": 1, "maxItems": 8192, "items": _A_MESSAGE}),
+    supported("system", {"anyOf": [{"type": "string"},
+                                   {"type": "array", "items": _A_TEXT_BLOCK}],
+                         "description": "Rendered as the chat's system message (text blocks "
+                                        "joined by newlines)."}),
+    supported("tools", {"type": "array", "maxItems": 128, "items": _A_TOOL}),
+    supported("tool_choice", _A_TOOL_CHOICE),
+    supported("cache_control", {**CACHE_CONTROL_SCHEMA,
+                                "description": "A breakpoint on the last block of the last "
+                                               "message (counts toward the 4)."}),
+    supported("cache_salt", {"type": "string", "minLength": 1, "maxLength": 1024,
+                             "description": "radixkv extension: narrows the prefix-cache "
+                                            "namespace, as on the OpenAI routes."}),
+    only("thinking", {"type": "disabled"}, why="extended thinking is not implemented"),
+    only("mcp_servers", [], why="MCP connectors are not implemented"),
+    only("output_config", {}, why="output formats and effort control are not implemented"),
+    only("output_format", why="structured outputs are not implemented"),
+    only("context_management", why="context editing is not implemented"),
+    ignored("container", ["string", "object"], "containers only serve server tools, which "
+                                               "are refused"),
+]
+_MESSAGES = [
+    supported("max_tokens", int_schema(1, description="Output cap in tokens (required).")),
+    supported("stop_sequences", {"type": "array", "maxItems": 64, "items": {
+        "type": "string", "minLength": 1, "maxLength": 1024}}),
+    supported("temperature", {"type": "number", "minimum": 0, "maximum": 1,
+                              "description": "0 = greedy."}),
+    supported("top_p", {"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    supported("top_k", int_schema(0, description="0 disables.")),
+    supported("stream", {"type": "boolean"}),
+    supported("metadata", obj_schema({"user_id": {"type": ["string", "null"], "maxLength": 256}},
+                                     description="user_id is the session hint for "
+                                                 "prefix-cache eviction (as prompt_cache_key)."
+                                     )),
+    ignored("service_tier", "string", "there is one tier"),
+    ignored("inference_geo", "string", "there is one place"),
+    ignored("speed", "string", "there is one speed"),
+    ignored("diagnostics", "object", "cache-miss diagnostics are not returned"),
+    ignored("user_profile_id", "string", "requests are not attributed"),
+    ignored("workspace_id", "string", "there are no workspaces"),
+]
+
+MESSAGES_PARAMS = _table(_MESSAGES_COMMON, _MESSAGES)
+COUNT_TOKENS_PARAMS = _table(_MESSAGES_COMMON)
