@@ -8,7 +8,8 @@ starts ``tool_latency`` after its previous turn ended (the agent runs its tool);
 sessions are live at once, the first ones start at 0 and a finished session's slot goes to the
 next session in file order when its last turn ends. Requests are replayed in start-time order
 (ties: the session that became ready first). Tool latency is fixed, or drawn from an
-exponential distribution of that mean with a fixed seed (``tool_latency_dist="exp"``).
+exponential distribution of that mean with a fixed seed (``tool_latency_dist="exp"``); a think
+time (``ThinkTime``: fixed or exponential, drawn per session and turn) can be added to each gap.
 
 Tokenizing every request's whole history costs O(turns²) per session (tau-bench: ~50 s; the
 100 mini-swe-agent-gemini3 sessions: over 10 minutes), so :class:`PieceTokenizer` renders each
@@ -30,8 +31,9 @@ import random
 import re
 from array import array
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
+from _arg_types import ThinkTime  # bench/ is on sys.path (see bench/eviction.py)
 from _eviction_trace import Trace, trace_from_prompts
 
 CACHE_VERSION = 1
@@ -51,8 +53,9 @@ class ChatTurn(NamedTuple):
 
 
 def schedule(outputs: list[list[int]], concurrency: int, itl_s: float,
-             tool_latency_s: float, *, dist: str = "fixed",
-             seed: int = 0) -> list[tuple[float, float, int, int]]:
+             tool_latency_s: float, *, dist: str = "fixed", seed: int = 0,
+             think_s: Callable[[int, int], float] | None = None
+             ) -> list[tuple[float, float, int, int]]:
     """Start times of every turn under the clock model (module docstring).
 
     Args:
@@ -63,6 +66,8 @@ def schedule(outputs: list[list[int]], concurrency: int, itl_s: float,
             mean when ``dist="exp"``).
         dist: ``fixed`` or ``exp`` (exponential, ``random.Random(seed)``).
         seed: Seed of the tool-latency draws.
+        think_s: ``(session index, turn index) -> seconds`` of think time added to the gap
+            before that turn (>= 1), on top of the tool latency (None: none).
 
     Returns:
         ``(start_s, duration_s, session index, turn index)`` in replay order.
@@ -95,6 +100,8 @@ def schedule(outputs: list[list[int]], concurrency: int, itl_s: float,
         if k + 1 < len(outputs[s]):
             gap = rng.expovariate(1.0 / tool_latency_s) if dist == "exp" and tool_latency_s \
                 else tool_latency_s
+            if think_s is not None:
+                gap += think_s(s, k + 1)
             heapq.heappush(ready, (end + gap, seq, s, k + 1))
         elif pending:
             heapq.heappush(ready, (end, seq, pending.pop(), 0))
@@ -229,16 +236,26 @@ def subsample(sessions: list, max_sessions: int | None) -> list:
 def chat_trace(name: str, sessions: list[tuple[str, list[ChatTurn]]], block_size: int, *,
                concurrency: int, itl_ms: float, tool_latency_ms: float,
                tool_latency_dist: str = "fixed", default_output_tokens: int = 128,
-               with_sessions: bool = True) -> Trace:
+               with_sessions: bool = True, think_time: ThinkTime | None = None,
+               think_seed: int = 0) -> Trace:
     """A :class:`Trace` of tokenized sessions on the modeled clock (module docstring).
 
     A turn whose reply is unknown (a crewAI response recorded gzip'ed or as SSE) decodes
     ``default_output_tokens``. ``with_sessions=False`` drops the session keys (an ablation).
+    ``think_time`` adds its draws (``ThinkTime.draw_s(think_seed, session id, turn)``) to the
+    gap before every turn after a session's first, on top of the tool latency.
     """
     outputs = [[default_output_tokens if t.output_tokens is None else t.output_tokens
                 for t in turns] for _, turns in sessions]
+    think: Callable[[int, int], float] | None = None
+    if think_time is not None and think_time.mean_s > 0:
+        gaps = think_time
+
+        def draw(s: int, k: int) -> float:
+            return gaps.draw_s(think_seed, sessions[s][0], k)
+        think = draw
     order = schedule(outputs, concurrency, itl_ms / 1e3, tool_latency_ms / 1e3,
-                     dist=tool_latency_dist)
+                     dist=tool_latency_dist, think_s=think)
     prompts = ((start, None, sessions[s][1][k].prompt,
                 sessions[s][0] if with_sessions else None, duration)
                for start, duration, s, k in order)
@@ -246,6 +263,7 @@ def chat_trace(name: str, sessions: list[tuple[str, list[ChatTurn]]], block_size
     trace.notes.update(
         sessions=len(sessions), concurrency=concurrency, itl_ms=itl_ms,
         tool_latency_ms=tool_latency_ms, tool_latency_dist=tool_latency_dist,
+        think_time_s=None if think_time is None else str(think_time),
         unknown_replies=sum(t.output_tokens is None for _, turns in sessions for t in turns),
         default_output_tokens=default_output_tokens, session_keys=with_sessions,
         modeled_span_s=round(max((s + d for s, d, _, _ in order), default=0.0), 3))

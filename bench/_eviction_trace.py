@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
+from _arg_types import ThinkTime  # bench/ is on sys.path (see bench/eviction.py)
+
 from radixkv.config import check_block_size
 
 DEFAULT_ITL_MS = 20.0
@@ -225,11 +227,13 @@ def load_chat(source: str, path: str | None, block_size: int, concurrency: int,
               tokenizer=None, *, itl_ms: float = DEFAULT_ITL_MS, tool_latency_ms: float = 1000.0,
               tool_latency_dist: str = "fixed", default_output_tokens: int = 128,
               sessions: bool = True, max_sessions: int | None = None,
-              cache_dir: str | None = None) -> Trace:
+              cache_dir: str | None = None, think_time: ThinkTime | None = None,
+              think_seed: int = 0) -> Trace:
     """Agent transcripts (``radixkv.tools.transcripts`` source), tokenized with the embedded model's
     chat template, on the modeled clock of ``_eviction_chat`` (turn duration = reply tokens ×
-    ``itl_ms``; next turn ``tool_latency_ms`` after; ``concurrency`` sessions live); session key
-    = the transcript's session id. ``max_sessions`` keeps that many sessions, evenly spread.
+    ``itl_ms``; next turn ``tool_latency_ms`` plus a ``think_time`` draw after; ``concurrency``
+    sessions live); session key = the transcript's session id. ``max_sessions`` keeps that many
+    sessions, evenly spread.
     """
     import _eviction_chat as chat
 
@@ -238,25 +242,58 @@ def load_chat(source: str, path: str | None, block_size: int, concurrency: int,
     trace = chat.chat_trace(source, tokenized, block_size, concurrency=concurrency,
                             itl_ms=itl_ms, tool_latency_ms=tool_latency_ms,
                             tool_latency_dist=tool_latency_dist,
-                            default_output_tokens=default_output_tokens, with_sessions=sessions)
+                            default_output_tokens=default_output_tokens, with_sessions=sessions,
+                            think_time=think_time, think_seed=think_seed)
     if max_sessions:
         trace.notes["max_sessions"] = max_sessions
     return trace
 
 
+def add_think_time(trace: Trace, think_time: ThinkTime, seed: int = 0) -> Trace:
+    """``trace`` with think time added between each session's requests: request ``k`` (>= 1,
+    in trace order) of a session starts later by the sum of the draws
+    ``think_time.draw_s(seed, session, j)`` for ``j = 1..k``, so every gap of the session grows
+    by one draw; requests without a session keep their time. Requests are re-sorted by time
+    (stable: ties keep trace order). ``notes["think_time_s"]`` records the spec.
+    """
+    shift: dict[str, float] = {}
+    turns: dict[str, int] = {}
+    moved = []
+    for req in trace.requests:
+        if req.session is None:
+            moved.append(req)
+            continue
+        k = turns.get(req.session, 0)
+        turns[req.session] = k + 1
+        if k:
+            shift[req.session] = shift.get(req.session, 0.0) + think_time.draw_s(seed, req.session, k)
+        moved.append(req._replace(time_s=req.time_s + shift.get(req.session, 0.0)))
+    moved.sort(key=lambda r: r.time_s)
+    trace.requests = moved
+    trace.notes["think_time_s"] = str(think_time)
+    return trace
+
+
 def load_trace(fmt: str, path: str | None, block_size: int, *, source: str = "tau-bench",
                concurrency: int = 8, itl_ms: float = DEFAULT_ITL_MS, sessions: bool = True,
-               max_requests: int | None = None, **chat_options) -> Trace:
+               max_requests: int | None = None, think_time: ThinkTime | None = None,
+               think_seed: int = 0, **chat_options) -> Trace:
     """Load a trace in ``fmt`` (``mooncake`` / ``tokens`` / ``chat``); ``chat_options`` go to
     :func:`load_chat` (``tool_latency_ms``, ``tool_latency_dist``, ``default_output_tokens``,
-    ``max_sessions``, ``cache_dir``); ``max_requests`` cuts a Mooncake trace to its head."""
+    ``max_sessions``, ``cache_dir``); ``max_requests`` cuts a Mooncake trace to its head.
+    ``think_time`` (seeded by ``think_seed``) lengthens the gaps between a session's turns: on
+    the modeled clock of a chat trace, or on the timestamps (:func:`add_think_time`)."""
     check_block_size(block_size)
-    if fmt == "mooncake":
-        return load_mooncake(path, block_size, itl_ms=itl_ms, sessions=sessions,
-                             max_requests=max_requests)
-    if fmt == "tokens":
-        return load_tokens(path, block_size, itl_ms=itl_ms, sessions=sessions)
+    think = think_time if think_time is not None and think_time.mean_s > 0 else None
     if fmt == "chat":
         return load_chat(source, path, block_size, concurrency, itl_ms=itl_ms,
-                         sessions=sessions, **chat_options)
-    raise ValueError(f"format: unknown trace format {fmt!r} (mooncake, tokens, chat)")
+                         sessions=sessions, think_time=think, think_seed=think_seed,
+                         **chat_options)
+    if fmt == "mooncake":
+        trace = load_mooncake(path, block_size, itl_ms=itl_ms, sessions=sessions,
+                              max_requests=max_requests)
+    elif fmt == "tokens":
+        trace = load_tokens(path, block_size, itl_ms=itl_ms, sessions=sessions)
+    else:
+        raise ValueError(f"format: unknown trace format {fmt!r} (mooncake, tokens, chat)")
+    return add_think_time(trace, think, think_seed) if think is not None else trace
