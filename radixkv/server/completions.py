@@ -6,6 +6,9 @@ front of each choice; ``return_token_ids`` (vLLM's field) adds the ids. Log prob
 (``logprobs``, including prompt logprobs via ``echo`` + ``logprobs``), ``suffix`` and
 ``best_of`` > ``n`` are not implemented and are refused with a 400 naming them, never ignored;
 the rest of the policy is ``radixkv.server.param_table.COMPLETION_PARAMS``.
+``prompt_cache_retention`` (``"in_memory"`` or ``"24h"``, as on chat) is parsed with the
+sampling fields (``radixkv.server.params.parse_prompt_cache_retention``) into
+``CompletionRequest.retention``; with several prompts each prompt's sequence is retained.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import structlog
 from aiohttp import web
 
@@ -39,11 +40,12 @@ from radixkv.server.multi_prompt import PromptAdmissionError, admit_prompts
 from radixkv.server.output_memory import OutputMemory, ids_for_text, off_engine_thread
 from radixkv.server.params import Sampling
 from radixkv.server.prefix_memory import PrefixMemory
-from radixkv.server.responses import SSE_DONE, ChatCompletion, TextCompletion, usage
+from radixkv.server.responses import SSE_DONE, ChatCompletion, TextCompletion, sse_event, usage
 from radixkv.server.tokenization import tokenize_errors
 from radixkv.server.tool_calls import ToolCallOptions, memory_key
 
 if TYPE_CHECKING:
+    from radixkv.cache.retention import RetentionBreakpoint
     from radixkv.engine.async_engine import AsyncEngine, RequestOutput, RequestStream
 
 log = structlog.get_logger(__name__)
@@ -236,7 +238,9 @@ async def generate_response(request: web.Request, state: ServerState, shape: Res
                             lora_name: str | None = None,
                             batch: Sequence[tuple[list[int], str]] = (),
                             echo_prompts: Sequence[int] = (),
-                            session_key: str | None = None) -> web.StreamResponse:
+                            session_key: str | None = None,
+                            retention: Sequence[RetentionBreakpoint] | None = None
+                            ) -> web.StreamResponse:
     """Run and answer one admitted completion request (JSON or SSE per ``sampling.stream``).
 
     ``shape`` is a ``ChatCompletion`` or ``TextCompletion`` (ids, chunk and body builders);
@@ -249,9 +253,14 @@ async def generate_response(request: web.Request, state: ServerState, shape: Res
     ``echo_prompts``: indexes of prompts (into ``batch``, else 0) whose ids' text goes into
     ``shape.echoes[p]`` once the engine accepted them;
     ``session_key``: the request's session hint for the eviction policy (``prompt_cache_key``
-    / ``user``), handed to every engine request it makes.
+    / ``user``), handed to every engine request it makes;
+    ``retention``: the engine's retention breakpoints for every engine request it makes (None:
+    ``sampling.retention``, i.e. ``prompt_cache_retention``). When there are any, the body
+    (streamed: the ``include_usage`` chunk) carries the top-level extension
+    ``"radixkv": {"num_retained_tokens", "cache_creation_tokens"}`` (``retention_report``).
     """
     engine = state.engine
+    retain = tuple(sampling.retention if retention is None else retention)
     try:
         params = sampling.sampling_params(max_tokens)
     except ValueError as exc:  # SamplingParams names the field first ("top_k: ...")
@@ -261,7 +270,7 @@ async def generate_response(request: web.Request, state: ServerState, shape: Res
         gen = admit_prompts(engine, [ids for ids, _ in runs], params, request_id=shape.id,
                             param_names=[name for _, name in runs], cache_salt=cache_salt,
                             tenant=tenant.name if tenant is not None else None,
-                            lora_name=lora_name, session_key=session_key)
+                            lora_name=lora_name, session_key=session_key, retention=retain)
     except PromptAdmissionError as err:
         cause, prompt_param = err.cause, err.prompt_param
         if isinstance(cause, QueueFullError):
@@ -284,8 +293,8 @@ async def generate_response(request: web.Request, state: ServerState, shape: Res
         first = await _first_output(gen)
         n = sampling.n * len(runs)
         if sampling.stream:
-            return await _respond_stream(request, shape, gen, first, n, remember)
-        return await _respond_json(request, shape, gen, first, n, remember)
+            return await _respond_stream(request, shape, gen, first, n, remember, bool(retain))
+        return await _respond_json(request, shape, gen, first, n, remember, bool(retain))
     finally:
         gen.close()
 
@@ -318,13 +327,44 @@ def _usage(outputs: dict[int, RequestOutput]) -> dict:
                  sum(o.num_cached_tokens for o in per_request.values()))
 
 
+def retention_report(outputs: dict[int, RequestOutput]) -> dict[str, int]:
+    """The ``radixkv`` response extension of a request that asked for retention, from each
+    choice's last output.
+
+    Returns:
+        ``{"num_retained_tokens", "cache_creation_tokens"}``: tokens of each prompt's sequence
+        under a live retention once it finished (block-aligned; for ``n > 1`` the most of any
+        of the prompt's choices), and prompt tokens this request newly retained (never those
+        served from the cache, so ``cached_tokens + cache_creation_tokens <= prompt_tokens``),
+        each summed over the request's prompts (one engine request each).
+    """
+    retained: dict[str, int] = {}
+    created: dict[str, int] = {}
+    for o in outputs.values():
+        retained[o.request_id] = max(retained.get(o.request_id, 0), o.num_retained_tokens)
+        created[o.request_id] = max(created.get(o.request_id, 0),
+                                    sum(o.cache_creation_tokens_by_ttl.values()))
+    return {"num_retained_tokens": sum(retained.values()),
+            "cache_creation_tokens": sum(created.values())}
+
+
+def _usage_event(shape: ResponseShape, last: dict[int, RequestOutput], report: bool) -> bytes:
+    """The ``include_usage`` chunk, with the ``radixkv`` extension when ``report``."""
+    event = shape.usage_chunk(_usage(last))
+    if not report:
+        return event
+    payload = orjson.loads(event[len(b"data: "):])  # one event: b"data: {json}\n\n"
+    return sse_event({**payload, "radixkv": retention_report(last)})
+
+
 def _finish_outcome(last: dict[int, RequestOutput]) -> str:
     reasons = {o.finish_reason for o in last.values()}
     return "abort" if "abort" in reasons else "length" if "length" in reasons else "stop"
 
 
 async def _respond_json(request: web.Request, shape: ResponseShape, gen: RequestStream,
-                        first: RequestOutput, n: int, remember: Remember | None) -> web.Response:
+                        first: RequestOutput, n: int, remember: Remember | None,
+                        report: bool = False) -> web.Response:
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     ids: dict[int, list[int]] = {i: [] for i in range(n)}
     last: dict[int, RequestOutput] = {}
@@ -349,12 +389,15 @@ async def _respond_json(request: web.Request, shape: ResponseShape, gen: Request
     if remember is not None:
         await remember(ids, {i: text for i, (text, _) in enumerate(choices)})
     extra = {"token_ids": ids} if getattr(shape, "return_token_ids", False) else {}
-    return json_response(shape.response(choices, _usage(last), **extra))
+    body = shape.response(choices, _usage(last), **extra)
+    if report:
+        body["radixkv"] = retention_report(last)
+    return json_response(body)
 
 
 async def _respond_stream(request: web.Request, shape: ResponseShape, gen: RequestStream,
-                          first: RequestOutput, n: int, remember: Remember | None
-                          ) -> web.StreamResponse:
+                          first: RequestOutput, n: int, remember: Remember | None,
+                          report: bool = False) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
@@ -396,7 +439,7 @@ async def _respond_stream(request: web.Request, shape: ResponseShape, gen: Reque
             if remember is not None and len(last) == n:
                 await remember(ids, {i: "".join(t) for i, t in texts.items()})
             if shape.include_usage:
-                await resp.write(shape.usage_chunk(_usage(last)))
+                await resp.write(_usage_event(shape, last, report))
         await resp.write(SSE_DONE)
         await resp.write_eof()
     except ConnectionResetError:

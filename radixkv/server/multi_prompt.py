@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from radixkv.engine.request_stream import ENDS_REQUEST
 
 if TYPE_CHECKING:
+    from radixkv.cache.retention import RetentionBreakpoint
     from radixkv.engine.async_engine import AsyncEngine, RequestOutput, RequestStream
     from radixkv.engine.sampling import SamplingParams
 
 __all__ = ["MergedStream", "PromptAdmissionError", "admit_prompts"]
-
 
 
 class PromptAdmissionError(Exception):
@@ -101,9 +101,12 @@ class MergedStream:
 def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
                   *, request_id: str, param_names: Sequence[str], cache_salt: str | None,
                   tenant: str | None, lora_name: str | None,
-                  session_key: str | None = None) -> Any:
+                  session_key: str | None = None,
+                  retention: tuple[RetentionBreakpoint, ...] = ()) -> Any:
     """Submit one engine request per prompt; one prompt returns its own ``RequestStream``
     (request id ``request_id``), several a ``MergedStream`` (ids ``{request_id}-{p}``).
+    ``retention`` (the engine's retention breakpoints, ``prompt_cache_retention``) applies to
+    each prompt's request alike.
 
     Several prompts pass the engine's admission bound together (``check_capacity`` for all
     their choices), so a list that an idle engine accepts is never refused half-way.
@@ -117,7 +120,7 @@ def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params:
         try:
             return engine.generate(prompts[0], params, cache_salt=cache_salt,
                                    request_id=request_id, tenant=tenant, lora_name=lora_name,
-                                   session_key=session_key)
+                                   session_key=session_key, retention=retention)
         except Exception as exc:
             raise PromptAdmissionError(exc, param_names[0]) from exc
     try:  # the bound applies to the request as a whole, as to one request with n choices
@@ -130,7 +133,7 @@ def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params:
             streams.append(engine.generate(ids, params, cache_salt=cache_salt,
                                            request_id=f"{request_id}-{p}", tenant=tenant,
                                            lora_name=lora_name, capacity_checked=True,
-                                           session_key=session_key))
+                                           session_key=session_key, retention=retention))
     except Exception as exc:
         for stream in streams:
             stream.close()

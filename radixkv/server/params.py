@@ -7,11 +7,12 @@ ignored or refused is the parameter policy (``radixkv.server.param_table``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from radixkv.cache.retention import RetentionBreakpoint
 from radixkv.engine.sampling import SamplingParams
 from radixkv.server.errors import APIError, bad_request
 from radixkv.server.param_policy import SUPPORTED, PolicyCheck, check_field
@@ -202,6 +203,9 @@ class Sampling:
         cache_salt: The client's cache isolation salt, or None (the server may narrow it).
         session_key: Session hint for the eviction policy: ``prompt_cache_key``, else ``user``,
             else None (a hint only: it isolates nothing).
+        retention: What the request retains in the cache (``prompt_cache_retention``): ``()``
+            for ``"in_memory"`` or none (the cache's own eviction decides), else
+            ``RETAIN_24H``, the whole sequence (prompt + reply) for 24 hours.
     """
 
     max_tokens: int | None
@@ -216,6 +220,7 @@ class Sampling:
     cache_salt: str | None
     n: int
     session_key: str | None
+    retention: tuple[RetentionBreakpoint, ...] = field(default=(), kw_only=True)
 
     def fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in Sampling.__dataclass_fields__}
@@ -271,7 +276,34 @@ def parse_sampling(body: dict[str, Any], found: PolicyCheck | None = None) -> Sa
         seed=opt_int(body, "seed", _SEED_MIN, _SEED_MAX),
         stop=stop, ignore_eos=bool(opt_bool(body, "ignore_eos")),
         stream=stream, include_usage=include_usage, cache_salt=salt,
-        n=1 if n is None else n, session_key=session_key_of(body))
+        n=1 if n is None else n, session_key=session_key_of(body),
+        retention=parse_prompt_cache_retention(body))
+
+
+#: OpenAI's ``prompt_cache_retention`` values and what each retains: ``"in_memory"`` is what
+#: the prefix cache does anyway (nothing pinned); ``"24h"`` retains the prompt and the reply
+#: (the whole sequence at finish) for 24 hours.
+PROMPT_CACHE_RETENTION: dict[str, tuple[RetentionBreakpoint, ...]] = {
+    "in_memory": (),
+    "24h": (RetentionBreakpoint(-1, "24h"),),
+}
+
+
+def parse_prompt_cache_retention(body: dict[str, Any]) -> tuple[RetentionBreakpoint, ...]:
+    """The retention breakpoints of ``prompt_cache_retention`` (absent or null: none).
+
+    Raises:
+        APIError: 400 naming ``prompt_cache_retention`` for any value but ``"in_memory"`` and
+            ``"24h"``.
+    """
+    value = body.get("prompt_cache_retention")
+    if value is None:
+        return ()
+    if not isinstance(value, str) or value not in PROMPT_CACHE_RETENTION:
+        allowed = " or ".join(f"'{v}'" for v in PROMPT_CACHE_RETENTION)
+        raise bad_request(f"'prompt_cache_retention' must be {allowed}, got {value!r}",
+                          "prompt_cache_retention")
+    return PROMPT_CACHE_RETENTION[value]
 
 
 def session_key_of(body: dict[str, Any]) -> str | None:
