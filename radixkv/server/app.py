@@ -19,6 +19,13 @@ Routes:
     GET  /metrics              Prometheus text (admin key with API keys)
     GET  /openapi.json         the hand-written OpenAPI 3.1 document (public)
     GET  /version              ``{"version": "<package version>"}``
+    POST /v1/messages          Anthropic's Messages API, one message or SSE (``stream: true``);
+                               ``cache_control`` breakpoints retain prefixes
+                               (``radixkv.server.anthropic``); errors in Anthropic's shape
+    POST /v1/messages/count_tokens  ``{"input_tokens": N}`` for a messages body
+    POST /v1/cache/retain, GET/DELETE /v1/cache/retentions[/{retention_id}]
+                               warm and retain a prefix, list and release retentions
+                               (``radixkv.server.retention_routes``)
 
 Every response carries ``X-Request-Id`` (``radixkv.server.request_id``).
 
@@ -44,7 +51,7 @@ import structlog
 from aiohttp import web
 
 from radixkv.config import check_int
-from radixkv.server import adapters, fleet, request_id
+from radixkv.server import adapters, anthropic, fleet, request_id
 from radixkv.server.auth import REQUEST_TENANT, KeyStore, Tenant, auth_middleware, cache_salt_for
 from radixkv.server.body import HANDLER_ARGS, read_body
 from radixkv.server.completions import parse_completion_request
@@ -70,6 +77,7 @@ from radixkv.server.probes import quiet_http2_probes
 from radixkv.server.prompts import chat_prompt, completion_prompts, render_routes
 from radixkv.server.protocol import parse_chat_request, parse_json_object, parse_tokenize_request
 from radixkv.server.responses import ChatCompletion, TextCompletion
+from radixkv.server.retention_routes import add_retention_routes
 from radixkv.server.tokenization import (
     tenant_queue_middleware,
     tokenize_chat,
@@ -168,6 +176,18 @@ async def completions(request: web.Request, state: ServerState, tenant: Tenant |
         lora_name=lora, session_key=req.session_key,
         batch=list(zip(ids, (p.param for p in prompts))) if len(ids) > 1 else (),
         echo_prompts=[i for i, p in enumerate(prompts) if req.echo and p.text is None])
+
+
+async def anthropic_messages(request: web.Request, state: ServerState, tenant: Tenant | None
+                             ) -> web.StreamResponse:
+    body = await _read_json(request)
+    _check_healthy(state.engine)
+    return await anthropic.create_message(request, state, tenant, body)
+
+
+async def anthropic_count_tokens(request: web.Request) -> web.Response:
+    return await anthropic.count_tokens(request, _state(request), _tenant(request),
+                                        await _read_json(request))
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -287,6 +307,9 @@ def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     app.router.add_post("/v1/chat/completions", completion_route(chat_completions))
     app.router.add_post("/v1/completions", completion_route(completions))
     app.router.add_routes(render_routes(_state, _read_json))  # the prompt ids, no generation
+    app.router.add_post("/v1/messages", completion_route(anthropic_messages))
+    app.router.add_post("/v1/messages/count_tokens", anthropic_count_tokens)
+    add_retention_routes(app, _state)  # /v1/cache/*: warm, list, release retentions
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)

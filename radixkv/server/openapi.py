@@ -13,6 +13,9 @@ from radixkv.server.param_policy import request_schema
 from radixkv.server.param_table import (
     CHAT_PARAMS,
     COMPLETION_PARAMS,
+    COUNT_TOKENS_PARAMS,
+    MESSAGE_SCHEMA,
+    MESSAGES_PARAMS,
     TOKENIZE_PARAMS,
 )
 from radixkv.server.param_table import int_schema as _int
@@ -59,6 +62,50 @@ def _error_responses(*codes: str) -> dict:
                    "content": {"application/json": {"schema": _ref("Error")}}}
             for code in codes}
 
+
+_ANTHROPIC_ERRORS = {
+    "400": "invalid_request_error: an invalid or unsupported field (the message names it: "
+           "``messages.2.content.0.cache_control.ttl``), more than 4 cache_control "
+           "breakpoints, prompt + max_tokens over the context.",
+    "401": "authentication_error: missing or unknown key (``x-api-key`` or ``Authorization: "
+           "Bearer``; only with --api-keys).",
+    "404": "not_found_error: unknown model.",
+    "413": "request_too_large: body over the server's limit.",
+    "429": "rate_limit_error: the tenant's concurrency limit (``Retry-After``).",
+    "500": "api_error: a fault in the server or engine that belongs to this request.",
+    "529": "overloaded_error: queue full, shutting down, engine not running or request "
+           "aborted (OpenAI routes answer these 503).",
+}
+
+
+def _anthropic_errors(*codes: str) -> dict:
+    return {code: {"description": _ANTHROPIC_ERRORS[code],
+                   "content": {"application/json": {"schema": _ref("AnthropicError")}}}
+            for code in codes}
+
+
+_A_USAGE = _obj({
+    "input_tokens": _int(0, description="Prompt tokens neither read from nor written to the "
+                                        "cache."),
+    "cache_read_input_tokens": _int(0, description="Prompt tokens served from the prefix "
+                                                   "cache."),
+    "cache_creation_input_tokens": _int(0, description="Prompt tokens this request newly "
+                                                       "retained at its breakpoints."),
+    "cache_creation": _obj({"ephemeral_5m_input_tokens": _int(0),
+                            "ephemeral_1h_input_tokens": _int(0)}),
+    "output_tokens": _int(0)},
+    ["input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "output_tokens"],
+    description="input_tokens + cache_read_input_tokens + cache_creation_input_tokens is the "
+                "prompt's length in tokens.")
+_A_BLOCK = {"anyOf": [
+    _obj({"type": {"const": "text"}, "text": {"type": "string"}}, ["type", "text"]),
+    _obj({"type": {"const": "tool_use"}, "id": {"type": "string"}, "name": {"type": "string"},
+          "input": {"type": "object"}}, ["type", "id", "name", "input"])]}
+_RETENTION = _obj({
+    "id": {"type": "string"}, "object": {"const": "cache.retention"},
+    "tenant": _nullable({"type": "string"}), "ttl": {"enum": ["5m", "1h", "24h"]},
+    "num_tokens": _int(0, description="Tokens retained (whole blocks)."),
+    "expires_in_s": _num(0, 86400), "num_refreshes": _int(0)})
 
 _USAGE = _obj({
     "prompt_tokens": _int(0), "completion_tokens": _int(0), "total_tokens": _int(0),
@@ -161,6 +208,63 @@ _SCHEMAS = {
                                  "sequences_failed_total", "server_errors_total")},
         "token_hit_rate": _num(0, 1), "request_hit_rate": _num(0, 1), "latency_ms": _ref("Latency"),
     }, description="What a non-admin key sees: its own tenant only."),
+    "AnthropicError": _obj({
+        "type": {"const": "error"},
+        "error": _obj({"type": {"enum": ["invalid_request_error", "authentication_error",
+                                         "permission_error", "not_found_error",
+                                         "request_too_large", "rate_limit_error", "api_error",
+                                         "overloaded_error"]},
+                       "message": {"type": "string"}}, ["type", "message"]),
+        "request_id": {"type": "string"}}, ["type", "error"],
+        description="Anthropic's error shape, on the /v1/messages routes."),
+    "AnthropicMessagesRequest": request_schema(
+        MESSAGES_PARAMS, ["messages", "max_tokens"],
+        "Anthropic's Messages API. Renders to the same token ids as the equivalent chat "
+        "request (system → a system message, tool_use → tool_calls, tool_result → tool "
+        "messages); cache_control marks retention breakpoints (at most 4; 5m or 1h, longer "
+        "TTLs first)."),
+    "AnthropicCountTokensRequest": request_schema(
+        COUNT_TOKENS_PARAMS, ["messages"], "The prompt fields of a messages request."),
+    "AnthropicMessage": _obj({
+        "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+        "model": {"type": "string"}, "content": {"type": "array", "items": _A_BLOCK},
+        "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use", None]},
+        "stop_sequence": _nullable({"type": "string"}), "usage": _A_USAGE},
+        ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"]),
+    "AnthropicStreamEvent": {
+        "type": "object", "required": ["type"],
+        "properties": {"type": {"enum": ["message_start", "ping", "content_block_start",
+                                         "content_block_delta", "content_block_stop",
+                                         "message_delta", "message_stop", "error"]}},
+        "description": "One SSE event (``event: <type>`` then ``data: <JSON>``): "
+                       "message_start, ping, per block content_block_start / "
+                       "content_block_delta (text_delta, input_json_delta) / "
+                       "content_block_stop, then message_delta (stop_reason, usage) and "
+                       "message_stop."},
+    "AnthropicCountTokens": _obj({"input_tokens": _int(0)}, ["input_tokens"]),
+    "RetainRequest": _obj({
+        "messages": {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA},
+        "tools": CHAT_PARAMS["tools"].schema,
+        "chat_template_kwargs": CHAT_PARAMS["chat_template_kwargs"].schema,
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "minItems": 1, "items": _int(0)}]},
+        "ttl": {"enum": ["5m", "1h", "24h"]}, "model": {"type": "string"},
+        "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024}}, ["ttl"],
+        description="Exactly one of messages (rendered as a chat request renders them) and "
+                    "prompt (as /v1/completions encodes it)."),
+    "RetainResponse": _obj({
+        "id": _nullable({"type": "string"}), "object": {"const": "cache.retention"},
+        "ttl": {"enum": ["5m", "1h", "24h"]}, "num_prompt_tokens": _int(1),
+        "num_cached_tokens": _int(0), "num_retained_tokens": _int(0),
+        "cache_creation_tokens": _int(0), "expires_in_s": _nullable(_num(0, 86400))},
+        description="num_retained_tokens below the prompt's whole blocks: a budget refused "
+                    "the rest (id null when nothing was retained)."),
+    "Retention": _RETENTION,
+    "RetentionList": _obj({"object": {"const": "list"},
+                           "data": {"type": "array", "items": _ref("Retention")}}),
+    "RetentionDeleted": _obj({"id": {"type": "string"},
+                              "object": {"const": "cache.retention.deleted"},
+                              "deleted": {"const": True}, "num_released": _int(0)}),
     "Stats": _obj({
         "pool": {"type": "object"}, "tree": {"type": "object"}, "miss_tokens": {"type": "object"},
         "latency_ms": _ref("Latency"),
@@ -169,6 +273,10 @@ _SCHEMAS = {
     }, extra=True, description="docs/design.md §7: counters (``*_total``), rates, pool and tree "
                                "gauges, miss causes, eviction policy."),
 }
+
+
+_TENANT_PARAM = {"name": "tenant", "in": "query", "required": False,
+                 "schema": {"type": "string"}, "description": "Admin keys: one tenant only."}
 
 
 def _json(schema: dict, description: str = "OK") -> dict:
@@ -185,18 +293,23 @@ def openapi_document(model_name: str) -> dict:
                "content": {"application/json": {"schema": _ref("Completion")},
                            "text/event-stream": {"schema": _ref("Completion")}}}
     bearer: list[dict[str, list[str]]] = [{"bearer": []}]
+    anthropic_auth: list[dict[str, list[str]]] = [{"apiKey": []}, {"bearer": []}]
     return {
         "openapi": "3.1.0",
         "info": {"title": "radixkv", "version": "0.1.0",
-                 "description": "OpenAI-compatible LLM server with a radix-tree prefix cache. "
-                                "Every error body is {\"error\": {message, type, param, code}}; "
-                                "client mistakes are 4xx, never 5xx."},
+                 "description": "OpenAI-compatible LLM server with a radix-tree prefix cache, "
+                                "and Anthropic's Messages API. Every error body is "
+                                "{\"error\": {message, type, param, code}}, except under "
+                                "/v1/messages: Anthropic's {\"type\": \"error\", \"error\": "
+                                "{type, message}}; client mistakes are 4xx, never 5xx."},
         "servers": [{"url": "/"}],
         "components": {
             "schemas": _SCHEMAS,
-            "securitySchemes": {"bearer": {
-                "type": "http", "scheme": "bearer",
-                "description": "Needed only when the server runs with --api-keys."}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer",
+                           "description": "Needed only when the server runs with --api-keys."},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                           "description": "The same keys, as Anthropic's clients send them."}},
         },
         "security": bearer,
         "paths": {
@@ -217,6 +330,62 @@ def openapi_document(model_name: str) -> dict:
                 "responses": {"200": text_ok,
                               **_error_responses("400", "401", "404", "413", "415", "429", "500",
                                                  "503")}}},
+            "/v1/messages": {"post": {
+                "summary": "Anthropic Messages API: a message, or with stream: true Anthropic's "
+                           "SSE events",
+                "security": anthropic_auth,
+                "parameters": [{"name": "anthropic-version", "in": "header", "required": False,
+                                "schema": {"type": "string"},
+                                "description": "Accepted, any value."}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("AnthropicMessagesRequest"),
+                    "example": {"model": model_name, "max_tokens": 16,
+                                "system": [{"type": "text", "text": "Be brief.",
+                                            "cache_control": {"type": "ephemeral",
+                                                              "ttl": "1h"}}],
+                                "messages": [{"role": "user", "content": "Hello"}]}}}},
+                "responses": {"200": {
+                    "description": "A message, or with stream: true an SSE stream.",
+                    "content": {"application/json": {"schema": _ref("AnthropicMessage")},
+                                "text/event-stream": {"schema": _ref("AnthropicStreamEvent")}}},
+                    **_anthropic_errors("400", "401", "404", "413", "429", "500", "529")}}},
+            "/v1/messages/count_tokens": {"post": {
+                "summary": "The prompt tokens a messages request would run (no generation)",
+                "security": anthropic_auth,
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("AnthropicCountTokensRequest")}}},
+                "responses": {"200": _json(_ref("AnthropicCountTokens")),
+                              **_anthropic_errors("400", "401", "404", "413", "529")}}},
+            "/v1/cache/retain": {"post": {
+                "summary": "Warm a prefix and retain it for ttl, without generating",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("RetainRequest")}}},
+                "responses": {"200": _json(_ref("RetainResponse")),
+                              **_error_responses("400", "401", "404", "413", "415", "429",
+                                                 "500", "503")}}},
+            "/v1/cache/retentions": {
+                "get": {"summary": "The caller's live retentions (admin: every tenant's, or "
+                                   "?tenant=NAME)",
+                        "parameters": [_TENANT_PARAM],
+                        "responses": {"200": _json(_ref("RetentionList")),
+                                      **_error_responses("401"),
+                                      "403": _json(_ref("Error"), "A non-admin key naming "
+                                                                  "another tenant.")}},
+                "delete": {"summary": "Release the caller's retentions (admin: every tenant's, "
+                                      "or ?tenant=NAME)",
+                           "parameters": [_TENANT_PARAM],
+                           "responses": {"200": _json(_ref("RetentionDeleted")),
+                                         **_error_responses("401"),
+                                         "403": _json(_ref("Error"), "A non-admin key naming "
+                                                                     "another tenant.")}}},
+            "/v1/cache/retentions/{retention_id}": {"delete": {
+                "summary": "Release one retention of the caller's (admin: anyone's)",
+                "parameters": [{"name": "retention_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}, _TENANT_PARAM],
+                "responses": {"200": _json(_ref("RetentionDeleted")),
+                              **_error_responses("401"),
+                              "404": _json(_ref("Error"), "No such retention of the caller's "
+                                                          "(another tenant's id too).")}}},
             "/v1/models": {"get": {"summary": "The served model and its loaded LoRA adapters",
                                    "responses": {"200": _json(_ref("Models")),
                                                  **_error_responses("401")}}},

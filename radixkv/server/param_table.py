@@ -353,6 +353,8 @@ MESSAGES_IGNORED_BLOCKS = {
 MESSAGES_BLOCK_FIELDS = {
     "text": {"citations": only("messages[].content[].citations", [],
                                why="citations are not implemented")},
+    "tool_use": {"caller": only("messages[].content[].caller", {"type": "direct"},
+                                why="server-side tool callers are not implemented")},
     "tool_result": {"is_error": ignored("messages[].content[].is_error", "boolean",
                                         "the chat template has no error flag; the result's "
                                         "text is rendered as is")},
