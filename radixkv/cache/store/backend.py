@@ -7,9 +7,14 @@ never interprets a value: the tier above builds and checks headers. Backends:
 * ``host`` (``radixkv.cache.store.host``): bounded process memory with its own eviction policy
   from ``radixkv.eviction``, prefix-closed per chain (a block is evicted only when no stored
   block names it as parent). On a GPU this is the pinned-host L2 tier.
+* ``disk`` (``radixkv.cache.store.disk``): one file per value in a private directory, written
+  atomically, found again after a restart (the file names are the index), bounded by its own
+  capacity, oldest-accessed evicted first (retained blocks last).
 * ``mooncake`` (``radixkv.cache.store.mooncake``): a Mooncake Store client
   (``mooncake.store.MooncakeDistributedStore``) talking to a ``mooncake_master``; shared by
   every replica on the same master.
+* a stack (``radixkv.cache.store.stack``): ``host`` in front of ``disk``, written through to
+  both, read from the first that holds a value (a disk hit is promoted to memory).
 
 Backend calls run in the tier's loader and writer threads, never in the engine's step loop, and
 may run concurrently with each other: a backend is thread-safe. A failed call raises
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import os
 import urllib.parse
 from typing import Sequence
 
@@ -133,6 +139,20 @@ class StoreBackend(abc.ABC):
         """Backend gauges for ``/stats`` (units in the names)."""
         return {}
 
+    def mark_retained(self, keys: Sequence[str], until_s: float) -> None:  # noqa: B027 - optional hook
+        """Keep ``keys`` longest under pressure until ``until_s`` (seconds on the engine's
+        monotonic clock, ``time.monotonic``): a backend with its own capacity evicts them
+        only after every block not retained. Keys not stored yet are remembered for when they
+        are. A no-op where the backend has no such notion (``host``: the device tier's policy
+        decides; ``mooncake``: a shared pool).
+        """
+
+    def on_rejected(self, key: str, reason: str) -> None:  # noqa: B027 - optional hook
+        """The tier refused the value it read under ``key`` (``value.check_value``'s
+        ``reason``): a backend that keeps values across calls may drop it, so that the block,
+        computed again, is written afresh instead of failing every later load. No-op default.
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the backend's resources; no call may follow."""
 
@@ -142,6 +162,11 @@ class KVStoreSpec:
     """A parsed ``--kv-store`` value.
 
     ``host:GIB[?policy=NAME]`` — an in-process tier of GIB GiB (a positive number).
+    ``disk:PATH[?gib=N]`` — one file per block value under the directory PATH (created 0700;
+    an existing one must be private to the service user), at most N GiB (default: what it
+    holds at start plus 90 % of its file system's free space then). PATH holds no ``,``.
+    ``host:GIB,disk:PATH`` — memory in front of disk (a stack: written through to both, read
+    from memory first, a disk hit copied into memory).
     ``mooncake://MASTER_HOST:PORT?metadata=URL[&local=HOST[:PORT]][&segment_gib=G]
     [&buffer_mib=M][&protocol=tcp]`` — a Mooncake Store client: ``metadata`` is the master's
     HTTP metadata server (``http://HOST:PORT/metadata``), ``local`` this replica's
@@ -150,9 +175,12 @@ class KVStoreSpec:
     ``buffer_mib`` its transfer buffer (default 64).
 
     Attributes:
-        kind: ``"host"`` or ``"mooncake"``.
-        capacity_bytes: Host tier size (host only).
-        policy: Host tier eviction policy name, None: the device cache's policy.
+        kind: ``"host"``, ``"disk"``, ``"mooncake"`` or ``"stack"``.
+        capacity_bytes: Host tier size (host), disk tier size (disk; 0: the default).
+        policy: Host tier eviction policy name, None: the device cache's policy (a stack: its
+            host tier's).
+        path: The disk tier's directory (absolute).
+        tiers: A stack's tiers, front first (``host`` then ``disk``); empty otherwise.
         master: ``HOST:PORT`` of ``mooncake_master``.
         metadata_url: Mooncake metadata server URL.
         local_hostname: This client's transfer-engine address.
@@ -170,11 +198,18 @@ class KVStoreSpec:
     segment_bytes: int = 1 << 30
     buffer_bytes: int = 64 << 20
     protocol: str = "tcp"
+    path: str = ""
+    tiers: tuple[KVStoreSpec, ...] = ()
 
     def describe(self) -> str:
         """The spec without anything secret, for logs and ``/stats``."""
         if self.kind == "host":
             return f"host:{self.capacity_bytes / (1 << 30):g}"
+        if self.kind == "disk":
+            gib = f"?gib={self.capacity_bytes / (1 << 30):g}" if self.capacity_bytes else ""
+            return f"disk:{self.path}{gib}"
+        if self.kind == "stack":
+            return ",".join(t.describe() for t in self.tiers)
         return f"mooncake://{self.master}"
 
 
@@ -188,6 +223,10 @@ def _positive_number(field: str, text: str) -> float:
     return value
 
 
+_EXPECTED = ("expected host:GIB or mooncake://HOST:PORT?metadata=URL or disk:PATH[?gib=N] "
+             "(host:GIB,disk:PATH stacks memory in front of disk)")
+
+
 def parse_kv_store(text: str) -> KVStoreSpec:
     """Parse a ``--kv-store`` value (see :class:`KVStoreSpec`).
 
@@ -195,14 +234,42 @@ def parse_kv_store(text: str) -> KVStoreSpec:
         ValueError: naming ``kv_store`` (and the part at fault) for anything malformed.
     """
     if not isinstance(text, str) or not text:
-        raise ValueError(f"kv_store: expected host:GIB or mooncake://HOST:PORT?metadata=URL, "
-                         f"got {text!r}")
+        raise ValueError(f"kv_store: {_EXPECTED}, got {text!r}")
+    if "," in text and not text.startswith("mooncake://"):
+        parts = text.split(",")
+        if not all(parts):
+            raise ValueError(f"kv_store: an empty tier in {text!r} (a stack is "
+                             f"host:GIB,disk:PATH; a disk PATH holds no ',')")
+        tiers = tuple(_parse_tier(part) for part in parts)
+        kinds = [t.kind for t in tiers]
+        if kinds != ["host", "disk"]:
+            raise ValueError(f"kv_store: a stack of tiers is host:GIB,disk:PATH (memory in front "
+                             f"of disk; mooncake:// stands alone), got {text!r}")
+        return KVStoreSpec("stack", policy=tiers[0].policy, tiers=tiers)
+    return _parse_tier(text)
+
+
+def _parse_tier(text: str) -> KVStoreSpec:
     if text.startswith("host:"):
         body, _, query = text[5:].partition("?")
         params = _query(query, {"policy"})
         gib = _positive_number("kv_store (host capacity in GiB)", body)
         return KVStoreSpec("host", capacity_bytes=int(gib * (1 << 30)),
                            policy=params.get("policy"))
+    if text.startswith("disk:"):
+        body, _, query = text[5:].partition("?")
+        params = _query(query, {"gib"})
+        if not body.strip():
+            raise ValueError(f"kv_store: disk needs a directory, disk:PATH[?gib=N], got {text!r}")
+        capacity = 0
+        if "gib" in params:
+            capacity = int(_positive_number("kv_store (disk capacity gib)", params["gib"])
+                           * (1 << 30))
+            if capacity < 1:
+                raise ValueError(f"kv_store (disk capacity gib): must be at least one byte, "
+                                 f"got {params['gib']!r}")
+        return KVStoreSpec("disk", capacity_bytes=capacity,
+                           path=os.path.abspath(os.path.expanduser(body)))
     if text.startswith("mooncake://"):
         parsed = urllib.parse.urlsplit(text)
         try:
@@ -227,8 +294,7 @@ def parse_kv_store(text: str) -> KVStoreSpec:
             buffer_bytes=int(_positive_number("kv_store buffer_mib",
                                               params.get("buffer_mib", "64")) * (1 << 20)),
             protocol=params.get("protocol", "tcp"))
-    raise ValueError(f"kv_store: expected host:GIB or mooncake://HOST:PORT?metadata=URL, got "
-                     f"{text!r}")
+    raise ValueError(f"kv_store: {_EXPECTED}, got {text!r}")
 
 
 def _query(query: str, known: set[str]) -> dict[str, str]:

@@ -178,3 +178,119 @@ def _checksum_offset(header: bytes) -> int:
     n = header[8 + tag_len]
     block_size = int(header[8 : 8 + tag_len].decode().rsplit(".B", 1)[1])
     return 8 + tag_len + 3 * (1 + n) + 4 * block_size + 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueHeader:
+    """The fields of a stored value's header, as read back (:func:`read_header`).
+
+    Attributes:
+        version: Header format version (``VALUE_VERSION`` when written by this build).
+        tag: Layout tag (``BlockLayout.tag``).
+        root: Identity root hash.
+        block_hash: The block's chained hash.
+        parent_hash: The previous block's chained hash (``root`` for a first block).
+        token_bytes: The block's tokens, packed uint32-LE.
+        payload_bytes: Payload length the header declares.
+        checksum: xxh3-128 of the payload (16 bytes).
+        header_bytes: Size of the padded header (the payload's offset).
+    """
+
+    version: int
+    tag: str
+    root: bytes
+    block_hash: bytes
+    parent_hash: bytes
+    token_bytes: bytes
+    payload_bytes: int
+    checksum: bytes
+    header_bytes: int
+
+    @property
+    def key(self) -> str:
+        """The store key this value belongs under (``store_key`` of its layout, root, hash)."""
+        return f"rkv{self.version}:{self.tag}:{self.root.hex()}:{self.block_hash.hex()}"
+
+    @property
+    def parent_key(self) -> str | None:
+        """The store key of the previous block of the chain; None for a first block."""
+        if self.parent_hash == self.root:
+            return None
+        return f"rkv{self.version}:{self.tag}:{self.root.hex()}:{self.parent_hash.hex()}"
+
+
+def read_header(value: bytes | memoryview) -> ValueHeader | str:
+    """Parse the header at the start of ``value`` without knowing what it should hold.
+
+    Args:
+        value: A stored value (header then payload) or at least its header.
+
+    Returns:
+        The header's fields, or why it cannot be one: ``"size"`` (shorter than the header it
+        starts) or ``"header"`` (wrong magic or version, a malformed layout tag, a hash length
+        out of range, non-zero padding).
+    """
+    view = memoryview(value).cast("B") if not isinstance(value, bytes) else memoryview(value)
+    if len(view) < 8:
+        return "size"
+    if bytes(view[:4]) != MAGIC:
+        return "header"
+    (version,) = _U16.unpack_from(view, 4)
+    (tag_len,) = _U16.unpack_from(view, 6)
+    if version != VALUE_VERSION or not 0 < tag_len < 512:
+        return "header"
+    at = 8 + tag_len
+    if len(view) < at + 1:
+        return "size"
+    try:
+        tag = bytes(view[8:at]).decode("ascii")
+        block_size = int(tag.rsplit(".B", 1)[1])
+    except (UnicodeDecodeError, IndexError, ValueError):
+        return "header"
+    n = view[at]
+    if not 1 <= n <= 255 or not 0 < block_size <= 1 << 20:
+        return "header"
+    raw = at + 3 * (1 + n) + 4 * block_size + 8 + CHECKSUM_BYTES
+    header_bytes = -(-raw // HEADER_ALIGN) * HEADER_ALIGN
+    if len(view) < header_bytes:
+        return "size"
+    fields = []
+    pos = at
+    for _ in range(3):
+        if view[pos] != n:
+            return "header"
+        fields.append(bytes(view[pos + 1 : pos + 1 + n]))
+        pos += 1 + n
+    token_bytes = bytes(view[pos : pos + 4 * block_size])
+    pos += 4 * block_size
+    (payload_bytes,) = _U64.unpack_from(view, pos)
+    pos += 8
+    checksum = bytes(view[pos : pos + CHECKSUM_BYTES])
+    if any(view[raw:header_bytes]):
+        return "header"
+    return ValueHeader(version, tag, fields[0], fields[1], fields[2], token_bytes,
+                       payload_bytes, checksum, header_bytes)
+
+
+def check_stored_value(key: str, value: bytes | memoryview) -> str | None:
+    """Why a value read back under ``key`` must be refused, checked against itself and its key
+    only (a backend's own check, before the tier compares it with the block it expects).
+
+    Returns:
+        None when the header parses, names ``key`` (layout tag, identity root, block hash), the
+        length is the header's plus its payload's and the payload's checksum matches; otherwise
+        ``"size"`` (truncated or extended), ``"header"`` (not a header of this format),
+        ``"foreign"`` (a well-formed value of another key: another layout, identity —
+        model revision, adapter, salt — or block) or ``"checksum"`` (corrupt payload).
+    """
+    header = read_header(value)
+    if isinstance(header, str):
+        return header
+    if header.key != key:
+        return "foreign"
+    view = memoryview(value).cast("B") if not isinstance(value, bytes) else memoryview(value)
+    if len(view) != header.header_bytes + header.payload_bytes:
+        return "size"
+    if payload_checksum(view[header.header_bytes:]) != header.checksum:
+        return "checksum"
+    return None
