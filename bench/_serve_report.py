@@ -47,6 +47,38 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_GROUP_ROWS = [("sessions", "sessions", "{}"), ("requests", "requests", "{}"),
+               ("prompt tokens", "prompt_tokens", "{}"), ("cached tokens", "cached_tokens", "{}"),
+               ("ideal cached", "ideal_cached_tokens", "{}"),
+               ("cached/ideal", "cached_over_ideal", "{:.3f}"),
+               ("cache creation", "cache_creation_tokens", "{}"),
+               ("TTFT p50 ms", "ttft_ms_p50", "{:.1f}"), ("TTFT p90 ms", "ttft_ms_p90", "{:.1f}")]
+
+
+def format_groups(results: list[dict[str, Any]]) -> str:
+    """Per target, the sessions that sent retention against the rest (``groups`` of
+    ``_serve_replay.summarise``): one column per target and group."""
+    cols = []
+    for r in results:
+        for name, group in (r.get("groups") or {}).items():
+            cells = [f"{label(r)}: {name.replace('_', ' ')}"]
+            for _, key, fmt in _GROUP_ROWS:
+                value = group.get(key)
+                cells.append("-" if value is None else fmt.format(value))
+            cols.append(cells)
+    if not cols:
+        return ""
+    retention = results[0].get("retention")
+    names = [f"retention {retention}, share {results[0].get('retain_share'):g}"] + [
+        name for name, _, _ in _GROUP_ROWS]
+    widths = [max(len(x) for x in names)] + [max(len(x) for x in c) for c in cols]
+    lines = []
+    for i, name in enumerate(names):
+        cells = [name.ljust(widths[0])] + [c[i].rjust(w) for c, w in zip(cols, widths[1:])]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
 def plot_ttft(results: list[dict[str, Any]], path: str | Path, title: str) -> None:
     """Histogram (log-spaced bins) and CDF of TTFT per target (labelled), written as a PNG."""
     import matplotlib

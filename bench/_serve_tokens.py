@@ -134,3 +134,73 @@ def read_usage(chunk: dict[str, Any]) -> dict[str, int | None] | None:
         prompt = timings["prompt_n"] + (timings.get("cache_n") or 0)
     completion = usage.get("completion_tokens", timings.get("predicted_n"))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
+
+
+RETENTION_MODES = ("anthropic-5m", "anthropic-1h", "openai-24h")
+"""``--retention`` values: ``anthropic-5m`` / ``anthropic-1h`` send every request through
+``POST /v1/messages``, the retained sessions' with ``cache_control`` (that TTL) on the last
+content block; ``openai-24h`` sends chat completions, the retained sessions' with
+``prompt_cache_retention: "24h"``."""
+
+
+def anthropic_messages(messages: list[dict[str, Any]],
+                       ttl: str | None = None) -> dict[str, Any]:
+    """A flattened request's messages (``flatten_request``) as Anthropic Messages API fields.
+
+    The leading ``system`` messages become ``system`` text blocks (one per message); every other
+    message becomes ``{"role", "content": [{"type": "text", "text": ...}]}`` in order (roles
+    are not merged: a server renders the same messages as the chat request). With ``ttl``
+    (``"5m"`` / ``"1h"``) the last content block carries ``cache_control: {"type": "ephemeral",
+    "ttl": ttl}``: the whole prompt is a breakpoint.
+
+    Returns:
+        ``{"system": [...]?, "messages": [...]}`` (no ``system`` key without system messages).
+
+    Raises:
+        ValueError: a ``system`` message after the first non-system one (the Messages API has
+            no such turn), or no message besides the system ones.
+    """
+    system: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role, text = message["role"], _text(message.get("content"))
+        if role == "system":
+            if out:
+                raise ValueError("--retention anthropic-*: a system message after the first "
+                                 "turn cannot be sent through /v1/messages")
+            system.append({"type": "text", "text": text})
+        else:
+            out.append({"role": role, "content": [{"type": "text", "text": text}]})
+    if not out:
+        raise ValueError("--retention anthropic-*: a request with only system messages cannot "
+                         "be sent through /v1/messages")
+    if ttl is not None:
+        last = out[-1]["content"][-1]
+        last["cache_control"] = {"type": "ephemeral", "ttl": ttl}
+    fields: dict[str, Any] = {"messages": out}
+    if system:
+        fields["system"] = system
+    return fields
+
+
+def read_anthropic_usage(event: dict[str, Any]) -> dict[str, int | None] | None:
+    """Token counts of one Messages API stream event (``message_start``'s ``message.usage``,
+    ``message_delta``'s ``usage``) or of a whole response, or None when it has no usage.
+
+    ``prompt_tokens`` = ``input_tokens`` + ``cache_read_input_tokens`` +
+    ``cache_creation_input_tokens`` (Anthropic's usage identity), ``cached_tokens`` =
+    ``cache_read_input_tokens``, ``cache_creation_tokens`` = ``cache_creation_input_tokens``,
+    ``completion_tokens`` = ``output_tokens``; each None when the event lacks it (a
+    ``message_delta`` may carry only ``output_tokens``).
+    """
+    usage = event.get("usage")
+    if usage is None and isinstance(event.get("message"), dict):
+        usage = event["message"].get("usage")
+    if not isinstance(usage, dict):
+        return None
+    parts = [usage.get(k) for k in ("input_tokens", "cache_read_input_tokens",
+                                    "cache_creation_input_tokens")]
+    prompt = sum(p for p in parts if p is not None) if parts[0] is not None else None
+    return {"prompt_tokens": prompt, "completion_tokens": usage.get("output_tokens"),
+            "cached_tokens": usage.get("cache_read_input_tokens"),
+            "cache_creation_tokens": usage.get("cache_creation_input_tokens")}

@@ -15,6 +15,16 @@ recorded assistant message is what the agent sends back, not the served model's 
 ``--concurrency`` sessions run in a closed loop, or ``--request-rate`` dispatches ready turns on
 a Poisson clock (see ``_serve_replay``).
 
+``--think-time-s S`` or ``exp:MEAN`` waits a think time (drawn per session and turn with
+``--seed``) between the end of a reply and the session's next turn; a thinking session keeps its
+``--concurrency`` slot. ``--retention MODE`` with ``--retain-share F`` sends retention for a share
+F of the sessions (spread evenly in file order): ``anthropic-5m`` / ``anthropic-1h`` send every
+request through ``POST /v1/messages`` (the retained sessions' with ``cache_control`` of that TTL
+on the last block of each turn; usage from ``cache_read_input_tokens``), ``openai-24h`` adds
+``prompt_cache_retention: "24h"`` to the retained sessions' chat completions. The JSON then has
+``groups`` (``retained`` / ``not_retained``: sessions, requests, prompt / cached / ideal /
+cache-creation tokens, cached ÷ ideal, TTFT) and a second table prints them.
+
 Every target gets the same requests. Each transcript request is flattened to plain-text
 system / user / assistant messages (``_serve_tokens.flatten_request``: tool schemas and
 assistant tool calls rendered by radixkv's tool-call fallback, tool results as
@@ -79,12 +89,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _arg_types  # noqa: E402
 import _serve_replay  # noqa: E402
 import _serve_targets  # noqa: E402
 import _serve_tokens  # noqa: E402
 import aiohttp  # noqa: E402
 from _provenance import provenance  # noqa: E402
-from _serve_report import format_table, label, plot_ttft  # noqa: E402, F401 - label re-exported
+from _serve_report import (  # noqa: E402, F401 - label re-exported
+    format_groups,
+    format_table,
+    label,
+    plot_ttft,
+)
 
 from radixkv.tools.data import SHARED_DIR_ENV, default_results_dir, require_shared  # noqa: E402
 from radixkv.tools.transcripts import SOURCES, default_path, load_source  # noqa: E402
@@ -135,7 +151,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "most requests in flight (default no cap)")
     parser.add_argument("--request-rate", type=float, default=None, metavar="R",
                         help="open loop: send ready turns on a Poisson clock of R requests/s")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the --request-rate clock")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the --request-rate clock and the --think-time-s draws")
+    parser.add_argument("--think-time-s", type=_arg_types.think_time, default=None,
+                        metavar="S|exp:MEAN",
+                        help="think time before each turn of a session after its first, from "
+                             "the end of the previous reply: S seconds, or exponential of mean "
+                             "MEAN (drawn per session and turn with --seed); a thinking session "
+                             "keeps its --concurrency slot (default: none)")
+    parser.add_argument("--retention", default=None, choices=_serve_tokens.RETENTION_MODES,
+                        help="send retention for --retain-share of the sessions: anthropic-5m / "
+                             "anthropic-1h send every request through /v1/messages, the retained "
+                             "sessions' with cache_control (that ttl) on the last block of each "
+                             "turn; openai-24h adds prompt_cache_retention \"24h\" to their chat "
+                             "completions; results per group (retained or not)")
+    parser.add_argument("--retain-share", type=_arg_types.share, default=None, metavar="F",
+                        help="share of the sessions (spread evenly in file order) that send "
+                             "--retention (default 1 with --retention)")
     parser.add_argument("--warmup-requests", type=int, default=0,
                         help="requests sent first under a throwaway cache_salt, not measured")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
@@ -251,7 +283,10 @@ def _replay_target(t: dict[str, Any], sessions: list, tokens: list, max_model_le
             request_rate=args.request_rate, seed=args.seed, warmup_requests=args.warmup_requests,
             cache_salt=_salt(args), request_timeout_s=args.request_timeout,
             stats_urls=t["stats_urls"], more_urls=tuple(t["urls"][1:]),
-            dispatch=getattr(args, "dispatch", "session")))
+            dispatch=getattr(args, "dispatch", "session"),
+            think_time=getattr(args, "think_time_s", None),
+            retention=getattr(args, "retention", None),
+            retain_share=_retain_share(args)))
     except (aiohttp.ClientError, RuntimeError) as exc:
         raise SystemExit(f"bench serve: cannot use the server at {t['url']}: {exc}") from exc
     result.update(label=t["label"], block_size=t["block_size"],
@@ -259,6 +294,14 @@ def _replay_target(t: dict[str, Any], sessions: list, tokens: list, max_model_le
     if "tokenize_url" in t:
         result["tokenize_url"] = t["tokenize_url"]
     return result
+
+
+def _retain_share(args: argparse.Namespace) -> float:
+    """``--retain-share``, 1 when only ``--retention`` is given, 0 without retention."""
+    if getattr(args, "retention", None) is None:
+        return 0.0
+    value = getattr(args, "retain_share", None)
+    return 1.0 if value is None else value
 
 
 def _output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -339,6 +382,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--request-rate must be > 0")
     if args.warmup_requests < 0:
         raise SystemExit("--warmup-requests must be >= 0")
+    if getattr(args, "retain_share", None) is not None and getattr(args, "retention", None) is None:
+        print("bench serve: --retain-share needs --retention (anthropic-5m, anthropic-1h or "
+              "openai-24h)", file=sys.stderr)
+        raise SystemExit(2)
     urls = [args.url, *getattr(args, "more_urls", ())]
     if len(set(urls)) != len(urls):
         raise SystemExit("bench serve: the same --url twice")
@@ -366,6 +413,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         on, off = results["ttft_ms_p50"], compare["ttft_ms_p50"]
         results["ttft_ms_p50_ratio"] = off / on if on and off else None
     print(format_table(shown))
+    if results.get("groups") is not None:
+        print(format_groups(shown))
     if len(urls) > 1:
         for url, per in results["per_url"].items():
             ideal = per["ideal_cached_tokens"]
