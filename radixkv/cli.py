@@ -87,8 +87,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    help="structlog level: debug, info, warning or error")
     p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help='JSON {"<key>": {"tenant": "<name>", "admin": false}}: require '
-                        "'Authorization: Bearer <key>', one cache namespace per tenant")
+                   help='JSON {"<key>": {"tenant": "<name>", "admin": false, '
+                        '"max_retained_tokens": N}} (admin, max_retained_tokens optional): '
+                        "require 'Authorization: Bearer <key>' (or x-api-key), one cache "
+                        "namespace per tenant, N its most retained tokens")
     p.add_argument("--max-queue", type=non_negative_int, default=None,
                    help="most sequences waiting beyond --max-num-seqs; more get 503 with "
                         "Retry-After (default: unbounded)")
@@ -124,6 +126,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "evicts (evict)")
     p.add_argument("--kv-store-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="a store load not done by then is abandoned and its blocks computed")
+    p.add_argument("--max-retained-fraction", type=_fraction, default=0.5, metavar="FRACTION",
+                   help="share of the KV pool that client-requested retention (cache_control, "
+                        "prompt_cache_retention) may pin, in [0, 1]; a tenant's own bound is "
+                        "max_retained_tokens in the --api-keys file")
     p.add_argument("--kv-store-connect-timeout", type=non_negative_seconds,
                    default=KV_STORE_CONNECT_TIMEOUT_S, metavar="SECONDS",
                    help="at start, wait up to this long for a mooncake:// master that is not "
@@ -200,6 +206,17 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+def _fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def non_negative_seconds(text: str) -> float:
     """argparse type: a finite number of seconds >= 0."""
     try:
@@ -244,8 +261,16 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine config the ``serve`` flags describe (``--device auto`` resolved here)."""
+def engine_config_from_args(args: argparse.Namespace, api_keys: dict | None = None
+                            ) -> EngineConfig:
+    """The engine config the ``serve`` flags describe (``--device auto`` resolved here);
+    ``api_keys`` (``load_api_keys``) gives the tenants' ``max_retained_tokens`` (a tenant with
+    several keys gets the smallest)."""
+    budgets: dict[str, int] = {}
+    for tenant in (api_keys or {}).values():
+        limit = getattr(tenant, "max_retained_tokens", None)
+        if limit is not None and tenant.name is not None:
+            budgets[tenant.name] = min(limit, budgets.get(tenant.name, limit))
     kv_bytes = None if args.kv_cache_memory is None else int(args.kv_cache_memory * GIB)
     return EngineConfig(
         model=args.model, device=resolve_device(args.device),
@@ -257,7 +282,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           hash_algo=args.hash_algo,
                           publish_interval_blocks=args.publish_interval_blocks,
                           kv_store=args.kv_store, kv_store_write=args.kv_store_write,
-                          kv_store_timeout_s=args.kv_store_timeout),
+                          kv_store_timeout_s=args.kv_store_timeout,
+                          max_retained_fraction=args.max_retained_fraction,
+                          tenant_max_retained_tokens=tuple(sorted(budgets.items()))),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_chunk_tokens=args.prefill_chunk_tokens,
@@ -352,7 +379,7 @@ def _serve(args: argparse.Namespace) -> int:
             publisher.start()
         from radixkv.engine.async_engine import AsyncEngine
 
-        engine = AsyncEngine(engine_config_from_args(args), max_queue=args.max_queue,
+        engine = AsyncEngine(engine_config_from_args(args, api_keys), max_queue=args.max_queue,
                              tokenizer_workers=args.tokenizer_workers,
                              max_tokenize_queue=args.max_tokenize_queue,
                              kv_events=publisher or kv_events, store_backend=store_backend)

@@ -133,6 +133,11 @@ class CacheConfig:
             device pool evicts.
         kv_store_timeout_s: a store load not done within this many seconds is abandoned and
             its blocks computed.
+        max_retained_fraction: share of the pool, in ``[0, 1]``, that retentions (client TTL
+            pins, ``radixkv.cache.retention``) may pin; 0 retains nothing.
+        tenant_max_retained_tokens: per-tenant cap on retained tokens, as ``(tenant, tokens)``
+            pairs (the ``--api-keys`` file's ``max_retained_tokens``); a tenant not named has
+            only the pool-wide cap.
     """
 
     block_size: int = 16
@@ -145,9 +150,22 @@ class CacheConfig:
     kv_store: str | None = None
     kv_store_write: str = "all"
     kv_store_timeout_s: float = 2.0
+    max_retained_fraction: float = 0.5
+    tenant_max_retained_tokens: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
+        _require(not isinstance(self.max_retained_fraction, bool)
+                 and isinstance(self.max_retained_fraction, (int, float))
+                 and 0.0 <= self.max_retained_fraction <= 1.0, "max_retained_fraction",
+                 f"must be a number in [0, 1], got {self.max_retained_fraction!r}")
+        if isinstance(self.tenant_max_retained_tokens, dict):  # accept a mapping, keep a tuple
+            object.__setattr__(self, "tenant_max_retained_tokens",
+                               tuple(sorted(self.tenant_max_retained_tokens.items())))
+        for pair in self.tenant_max_retained_tokens:
+            _require(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                     and type(pair[1]) is int and pair[1] >= 0, "max_retained_tokens",
+                     f"must be (tenant, int >= 0) pairs, got {pair!r}")
         _require(self.kv_store_write in ("all", "evict"), "kv_store_write",
                  f"must be 'all' or 'evict', got {self.kv_store_write!r}")
         _require(isinstance(self.kv_store_timeout_s, (int, float))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from radixkv.cache.check import block_states, check_manager
 from radixkv.cache.events import KVEventLog
@@ -28,7 +28,7 @@ from radixkv.cache.miss_causes import classify_miss, empty_breakdown
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.publish import publish
 from radixkv.cache.request_state import RequestState
-from radixkv.cache.retention import RetentionInfo
+from radixkv.cache.retention import TTL_CLASSES, RetentionInfo, RetentionTable
 from radixkv.cache.store import bridge
 from radixkv.cache.store.tier import StoreTier
 from radixkv.cache.tree.node import BLOCK_ID_TYPECODE
@@ -57,6 +57,9 @@ class CacheManager(CacheGauges):
         model_shape: The served model's shape (``radixkv.model.ModelShape``, a cost-model
             preset name or ``CostShape``) for cost-aware policies (``gdsf``, ``cost``); None
             uses their default shape. Other policies ignore it.
+        max_retained_fraction: Share of the pool that retentions may pin, in ``[0, 1]``
+            (``radixkv.cache.retention``).
+        tenant_max_retained_tokens: Per-tenant cap on retained tokens (None: no tenant capped).
 
     Raises:
         ValueError: naming the offending argument.
@@ -65,7 +68,9 @@ class CacheManager(CacheGauges):
     def __init__(self, num_blocks: int, block_size: int, *, eviction_policy: str = "lru",
                  enable_prefix_caching: bool = True, hash_algo: str = "xxh3_128",
                  hash_fn: HashFn | None = None, clock: Callable[[], float] = time.monotonic,
-                 ghost_capacity: int | None = None, model_shape: object | None = None) -> None:
+                 ghost_capacity: int | None = None, model_shape: object | None = None,
+                 max_retained_fraction: float = 0.5,
+                 tenant_max_retained_tokens: Mapping[str, int] | None = None) -> None:
         self.block_size = check_block_size(block_size)
         self.num_blocks = num_blocks
         self.eviction_policy = eviction_policy
@@ -93,6 +98,15 @@ class CacheManager(CacheGauges):
         self.events: KVEventLog | None = None
         #: The store tier under the tree (``attach_store``); None: no store.
         self.store: StoreTier | None = None
+        #: Live retentions (TTL pins), on the tree's clock.
+        self.retention = RetentionTable(self.tree, num_blocks,
+                                        max_retained_fraction=max_retained_fraction,
+                                        tenant_max_retained_tokens=tenant_max_retained_tokens)
+        self._tenants: dict[str, str | None] = {}  # active request id -> its tenant
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Use ``clock`` for policy fields and retention expiry from now on (tests, replays)."""
+        self.tree.set_clock(clock)
 
     # ---- identity -----------------------------------------------------------------------
     def identity_root(self, identity: CacheIdentity) -> bytes:
@@ -109,7 +123,8 @@ class CacheManager(CacheGauges):
 
     # ---- lookup -------------------------------------------------------------------------
     def begin(self, request_id: str, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
-              mm_items: Sequence[Sequence] | None = None, session_key: str | None = None) -> int:
+              mm_items: Sequence[Sequence] | None = None, session_key: str | None = None,
+              tenant: str | None = None) -> int:
         """Match, cap and lock the cached prefix of a prompt; seed the request's block table.
 
         Policy fields (``hit_count``, ``last_access_s``) are not touched here: the hit is
@@ -129,6 +144,8 @@ class CacheManager(CacheGauges):
                 media_digest)``; a block's extras are derived from the items overlapping it.
             session_key: The request's session hint (``prompt_cache_key`` / ``user``), stored
                 as ``session_key`` on the nodes it hits (at admission) and publishes into.
+            tenant: The request's tenant: its retentions' owner, and whose retentions its hit
+                refreshes (at admission).
 
         Returns:
             m = num_cached_tokens, a multiple of B with m ≤ N - 1 (0 when caching is off).
@@ -141,6 +158,9 @@ class CacheManager(CacheGauges):
             raise ValueError(f"request_id: {request_id!r} is already active")
         pb, num_prompt_tokens, items, cap_blocks, extras = lookup_inputs(
             root, prompt_token_ids, mm_items, self.block_size, self._root_bytes)
+        self.retention.expire()
+        if tenant is not None:
+            self._tenants[request_id] = tenant
         if not self.enable_prefix_caching:
             self._requests[request_id] = RequestState(None, None, root, array(BLOCK_ID_TYPECODE),
                                                       0, 0, items, session_key=session_key)
@@ -203,7 +223,16 @@ class CacheManager(CacheGauges):
 
     # ---- blocks -------------------------------------------------------------------------
     def _take_blocks(self, num: int) -> list[int] | None:
-        """``num`` private blocks, evicting if the free list is short; None changes nothing."""
+        """``num`` private blocks, evicting if the free list is short; None changes nothing.
+
+        Retention never blocks an allocation: when free and evictable blocks cannot cover it
+        but unpinning retentions can, retentions are unpinned (soonest expiry first; demoted
+        to the store tier when one is attached, else dropped) before the eviction.
+        """
+        short = num - self.pool.num_free_blocks
+        if short > self.tree.num_evictable_blocks and len(self.retention):
+            self.retention.expire()
+            self.retention.make_room(short, demote=self.store is not None)
         return take_blocks(self.pool, self.tree, self._evict, num)
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
@@ -394,6 +423,7 @@ class CacheManager(CacheGauges):
             KeyError: unknown ``request_id`` (including a second release).
         """
         req = self._requests.pop(request_id)
+        self._tenants.pop(request_id, None)
         if self.store is not None:
             self.store.cancel(request_id)
         if req.cursor is not None:
@@ -431,17 +461,96 @@ class CacheManager(CacheGauges):
         return block_states(self.pool, self.tree)
 
     # ---- retention (radixkv.cache.retention) ------------------------------------------
+    def retain(self, request_id: str, breakpoints: Sequence[tuple[int, str]], *,
+               num_prompt_tokens: int | None = None, refresh: bool = True
+               ) -> tuple[dict[str, int], int]:
+        """Refresh the live retentions the request's published path covers (the request's
+        tenant's: a hit on a retained prefix), then retain prefixes of that path (its prompt's
+        breakpoints once they are cached, or the whole sequence at its end), as far as the
+        budgets allow. The engine calls it once every prompt is cached, breakpoints or not.
+
+        Args:
+            request_id: An active request.
+            breakpoints: ``(num_tokens, ttl_class)`` pairs: each retains the first
+                ``num_tokens // B`` blocks (at most the published ones) for ``ttl_class``.
+            num_prompt_tokens: N; tokens at or past it are not counted as created (None: all
+                count).
+            refresh: Refresh the retentions on the path first (False at a request's end: its
+                prompt did already).
+
+        Returns:
+            ``(created, num_retained_tokens)``: tokens newly retained by these breakpoints
+            per TTL class (tokens past both the request's cache hit ``m`` and what live
+            retentions already covered; each token under the first breakpoint that reaches
+            it), and the tokens of the request's path under a live retention now.
+
+        Raises:
+            KeyError: unknown ``request_id``.
+            ValueError: naming ``ttl_class`` for an unknown TTL class (nothing retained).
+        """
+        req = self._requests[request_id]
+        bs = self.block_size
+        cursor, root = req.cursor, req.root
+        if cursor is None or root is None or not (breakpoints or len(self.retention)):
+            return {}, 0
+        for _, ttl_class in breakpoints:
+            if ttl_class not in TTL_CLASSES:
+                raise ValueError(f"ttl_class: must be one of {', '.join(TTL_CLASSES)}, got "
+                                 f"{ttl_class!r}")
+        self.retention.expire()
+        tenant = self._tenants.get(request_id)
+        # Demoted retentions whose prefix is back in the pool (a store load, or computed
+        # again) are pinned again; then the tenant's retentions on the path are refreshed.
+        self.retention.on_path(cursor, root.root_hash)
+        if refresh:
+            self.retention.on_hit(cursor, tenant)
+        prev = max(req.num_cached_tokens, self.retention.retained_depth_blocks(cursor) * bs)
+        limit = num_prompt_tokens if num_prompt_tokens is not None else 1 << 62
+        created: dict[str, int] = {}
+        for num_tokens, ttl_class in sorted(breakpoints, key=lambda b: b[0]):
+            got = self.retention.retain(cursor, root.root_hash, num_tokens // bs, ttl_class,
+                                        tenant) * bs
+            end = min(got, limit)
+            if end > prev:
+                created[ttl_class] = created.get(ttl_class, 0) + end - prev
+                prev = end
+        return created, self.retention.retained_depth_blocks(cursor) * bs
+
+    def retained_tokens(self, request_id: str) -> int:
+        """Tokens of an active request's path under a live retention (KeyError: unknown)."""
+        cursor = self._requests[request_id].cursor
+        return self.retention.retained_depth_blocks(cursor) * self.block_size if cursor else 0
+
+    def expire_retentions(self) -> int:
+        """Drop the retentions whose expiry passed (the engine calls it when idle too);
+        returns how many."""
+        return self.retention.expire()
+
     def list_retentions(self, tenant: str | None, *, all_tenants: bool = False
                         ) -> list[RetentionInfo]:
         """Live retentions of ``tenant`` (all tenants' when ``all_tenants``), soonest expiry
         first."""
-        return []
+        self.retention.expire()
+        return self.retention.list(tenant, all_tenants=all_tenants)
 
     def release_retentions(self, tenant: str | None, retention_id: str | None = None, *,
                            all_tenants: bool = False) -> int:
         """Release ``tenant``'s retentions (only ``retention_id`` when given; any tenant's
-        when ``all_tenants``); returns how many were released."""
-        return 0
+        when ``all_tenants``); returns how many were released. Their blocks become ordinary
+        cached blocks."""
+        self.retention.expire()
+        return self.retention.release(tenant, retention_id, all_tenants=all_tenants)
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Blocks pinned by live retentions (part of ``num_in_use_blocks``: locked)."""
+        return self.tree.num_retained_blocks
+
+    def retention_snapshot(self) -> dict[str, Any]:
+        """The ``retention`` object of ``/stats`` (:meth:`RetentionTable.snapshot`); expired
+        retentions are dropped first."""
+        self.retention.expire()
+        return self.retention.snapshot()
 
     def check_integrity(self, *, verify_hashes: bool = False) -> None:
         """Verify pool, tree, and their agreement with every active request.
@@ -454,3 +563,7 @@ class CacheManager(CacheGauges):
         """
         check_manager(self.pool, self.tree, self._requests, self.block_size,
                       self.enable_prefix_caching, self.hasher.hash_fn if verify_hashes else None)
+        self.retention.check()
+        assert set(self._tenants) <= set(self._requests), "tenant kept for an ended request"
+        if not self.enable_prefix_caching:
+            assert not len(self.retention), "prefix caching off but retentions are live"

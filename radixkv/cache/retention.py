@@ -20,11 +20,19 @@ Time comes from the tree's clock (``RadixTree.now``), so tests and replays move 
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-__all__ = ["TTL_CLASSES", "RetentionBreakpoint", "RetentionInfo", "check_breakpoints",
-           "MAX_PROMPT_BREAKPOINTS"]
+from sortedcontainers import SortedList
+
+if TYPE_CHECKING:
+    from radixkv.cache.tree.node import Node
+    from radixkv.cache.tree.radix_tree import RadixTree
+
+__all__ = ["TTL_CLASSES", "RetentionBreakpoint", "RetentionInfo", "RetentionTable",
+           "check_breakpoints", "retention_id", "MAX_PROMPT_BREAKPOINTS"]
 
 #: TTL classes a retention may ask for, in seconds.
 TTL_CLASSES: dict[str, float] = {"5m": 300.0, "1h": 3600.0, "24h": 86400.0}
@@ -110,3 +118,459 @@ def check_breakpoints(retention: object, num_prompt_tokens: int) -> tuple[Retent
     if num_whole > 1:
         raise ValueError(f"retention: at most one whole-sequence breakpoint (-1), got {num_whole}")
     return out
+
+
+def retention_id(end_hash: bytes, ttl_class: str, tenant: str | None) -> str:
+    """The stable id of a retention: its prefix (the chained hash of its last block, which
+    names the identity root and every token before), TTL class and tenant, hashed
+    (``ret_`` + 24 hex digits; reveals nothing of the prompt or the tenant)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(end_hash)
+    h.update(b"\0" + ttl_class.encode())
+    h.update(b"\0" if tenant is None else b"\1" + tenant.encode())
+    return "ret_" + h.hexdigest()
+
+
+class _Retention:
+    """One retention (mutable; the table's)."""
+
+    __slots__ = ("retention_id", "root_hash", "tenant", "ttl_class", "expires_s", "num_blocks",
+                 "num_refreshes", "node", "prefix_tokens", "entry")
+
+    def __init__(self, rid: str, root_hash: bytes, tenant: str | None, ttl_class: str,
+                 num_blocks: int, node: Node) -> None:
+        self.retention_id = rid
+        self.root_hash = root_hash
+        self.tenant = tenant
+        self.ttl_class = ttl_class
+        self.expires_s = 0.0
+        self.num_blocks = num_blocks
+        self.num_refreshes = 0
+        #: The pinned node (end of the prefix) while in the pool; None once demoted.
+        self.node: Node | None = node
+        #: Packed tokens of the prefix while demoted (matched against a returning path).
+        self.prefix_tokens = b""
+        self.entry: tuple[float, int, str] | None = None
+
+
+class RetentionTable:
+    """Every live retention of one cache, pinned in its radix tree (engine thread only).
+
+    Args:
+        tree: The cache's radix tree (its clock is the retention clock).
+        num_pool_blocks: Blocks in the device pool.
+        max_retained_fraction: Share of the pool that retentions may pin, in ``[0, 1]``.
+        tenant_max_retained_tokens: Per-tenant cap on retained tokens (rounded down to
+            blocks); a tenant not named has only the pool-wide cap.
+
+    Raises:
+        ValueError: naming ``max_retained_fraction`` or ``max_retained_tokens``.
+    """
+
+    def __init__(self, tree: RadixTree, num_pool_blocks: int, *,
+                 max_retained_fraction: float = 0.5,
+                 tenant_max_retained_tokens: Mapping[str, int] | None = None) -> None:
+        if (isinstance(max_retained_fraction, bool)
+                or not isinstance(max_retained_fraction, (int, float))
+                or not 0.0 <= max_retained_fraction <= 1.0):
+            raise ValueError(f"max_retained_fraction: must be a number in [0, 1], got "
+                             f"{max_retained_fraction!r}")
+        self.tree = tree
+        self.block_size = tree.block_size
+        self.max_retained_fraction = float(max_retained_fraction)
+        #: Blocks all retentions together may pin (counted once however many share them).
+        self.max_blocks = int(max_retained_fraction * num_pool_blocks)
+        self.tenant_max_blocks: dict[str | None, int] = {}
+        for tenant, tokens in (tenant_max_retained_tokens or {}).items():
+            if type(tokens) is not int or tokens < 0:
+                raise ValueError(f"max_retained_tokens: tenant {tenant!r}: must be an int >= 0, "
+                                 f"got {tokens!r}")
+            self.tenant_max_blocks[tenant] = tokens // self.block_size
+        self._by_id: dict[str, _Retention] = {}
+        self._at_node: dict[int, list[_Retention]] = {}  # pinned node uid -> its retentions
+        self._demoted: dict[bytes, dict[str, _Retention]] = {}  # root hash -> id -> demoted
+        self._expiry: SortedList = SortedList()  # (expires_s, seq, id) of every retention
+        self._seq = itertools.count()
+        # Pinned retentions and their tokens by TTL class and by tenant (gauges).
+        self._pinned_by_ttl: dict[str, list[int]] = {c: [0, 0] for c in TTL_CLASSES}
+        self._pinned_by_tenant: dict[str | None, int] = {}
+        self.counters: dict[str, int] = dict.fromkeys((
+            "created_total", "refreshes_total", "expired_total", "released_total",
+            "demoted_blocks_total", "repinned_total", "preempted_tokens_total",
+            "refused_tokens_total"), 0)
+        self.expired_by_ttl = dict.fromkeys(TTL_CLASSES, 0)
+        self.refused_tokens_by_tenant: dict[str | None, int] = {}
+
+    # ---- gauges -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Live retentions (pinned and demoted)."""
+        return len(self._by_id)
+
+    @property
+    def num_pinned(self) -> int:
+        """Retentions pinned in the device pool."""
+        return len(self._by_id) - sum(len(d) for d in self._demoted.values())
+
+    def now(self) -> float:
+        return self.tree.now()
+
+    # ---- making, refreshing, expiring ---------------------------------------------------
+    def retain(self, cursor: Node, root_hash: bytes, num_blocks: int, ttl_class: str,
+               tenant: str | None) -> int:
+        """Retain the first ``num_blocks`` blocks of the path ending at ``cursor`` (a request's
+        cursor: the path is in the tree and locked) for ``ttl_class``, as far as the budgets
+        allow; the same prefix, class and tenant retained again is refreshed.
+
+        Returns:
+            Blocks retained (≤ ``num_blocks``; 0: nothing).
+
+        Raises:
+            ValueError: naming ``ttl_class`` if it is not a key of :data:`TTL_CLASSES`.
+        """
+        if ttl_class not in TTL_CLASSES:
+            raise ValueError(f"ttl_class: must be one of {', '.join(TTL_CLASSES)}, got "
+                             f"{ttl_class!r}")
+        tree = self.tree
+        depth = (cursor.depth_tokens + cursor.num_tokens) // self.block_size
+        want = min(num_blocks, depth)
+        if want <= 0:
+            return 0
+        node = tree.node_at(cursor, want)
+        allowed = self._fits(node, want, tenant)
+        if allowed < want:
+            refused = (want - allowed) * self.block_size
+            self.counters["refused_tokens_total"] += refused
+            self.refused_tokens_by_tenant[tenant] = (
+                self.refused_tokens_by_tenant.get(tenant, 0) + refused)
+            if allowed <= 0:
+                return 0
+            node = tree.node_at(node, allowed)
+        now = self.now()
+        rid = retention_id(node.end_hash, ttl_class, tenant)
+        ret = self._by_id.get(rid)
+        if ret is None:
+            ret = _Retention(rid, root_hash, tenant, ttl_class, allowed, node)
+            self._by_id[rid] = ret
+            self._pin(ret, node)
+            self.counters["created_total"] += 1
+            self._set_expiry(ret, now)
+            return allowed
+        if ret.node is None:  # demoted, and its prefix is back in the pool
+            self._repin(ret, node)
+        if ret.expires_s != now + TTL_CLASSES[ttl_class]:  # once per request (on_hit first)
+            self._refresh(ret, now)
+        return allowed
+
+    def _fits(self, node: Node, want: int, tenant: str | None) -> int:
+        """The longest prefix (blocks, ≤ ``want``) of the path ending at ``node`` that the
+        pool-wide and the tenant's budgets allow pinning (blocks already retained are free)."""
+        tree = self.tree
+        retained = tree.retained_depth_blocks(node)
+        allowed = min(want, retained + max(0, self.max_blocks - tree.num_retained_blocks))
+        cap = self.tenant_max_blocks.get(tenant) if tenant is not None else None
+        if cap is not None:
+            mine = tree.retained_depth_blocks(node, tenant, any_tenant=False)
+            used = tree.retained_blocks_by_tenant.get(tenant, 0)
+            allowed = min(allowed, mine + max(0, cap - used))
+        return allowed
+
+    def _pin(self, ret: _Retention, node: Node) -> None:
+        self.tree.pin(node, ret.tenant)
+        ret.node = node
+        self._at_node.setdefault(node.uid, []).append(ret)
+        counts = self._pinned_by_ttl[ret.ttl_class]
+        counts[0] += 1
+        counts[1] += ret.num_blocks * self.block_size
+        self._pinned_by_tenant[ret.tenant] = self._pinned_by_tenant.get(ret.tenant, 0) + 1
+
+    def _unpin(self, ret: _Retention) -> None:
+        node = ret.node
+        assert node is not None
+        here = self._at_node[node.uid]
+        here.remove(ret)
+        if not here:
+            del self._at_node[node.uid]
+        self.tree.unpin(node, ret.tenant)
+        ret.node = None
+        counts = self._pinned_by_ttl[ret.ttl_class]
+        counts[0] -= 1
+        counts[1] -= ret.num_blocks * self.block_size
+        left = self._pinned_by_tenant[ret.tenant] - 1
+        if left:
+            self._pinned_by_tenant[ret.tenant] = left
+        else:
+            del self._pinned_by_tenant[ret.tenant]
+
+    def _set_expiry(self, ret: _Retention, now: float) -> None:
+        if ret.entry is not None:
+            self._expiry.remove(ret.entry)
+        ret.expires_s = now + TTL_CLASSES[ret.ttl_class]
+        ret.entry = (ret.expires_s, next(self._seq), ret.retention_id)
+        self._expiry.add(ret.entry)
+
+    def _refresh(self, ret: _Retention, now: float) -> None:
+        ret.num_refreshes += 1
+        self.counters["refreshes_total"] += 1
+        self._set_expiry(ret, now)
+
+    def _forget(self, ret: _Retention) -> None:
+        """Drop ``ret`` wholly (unpinned first when pinned)."""
+        if ret.node is not None:
+            self._unpin(ret)
+        else:
+            demoted = self._demoted[ret.root_hash]
+            del demoted[ret.retention_id]
+            if not demoted:
+                del self._demoted[ret.root_hash]
+        if ret.entry is not None:
+            self._expiry.remove(ret.entry)
+            ret.entry = None
+        del self._by_id[ret.retention_id]
+
+    def on_hit(self, node: Node, tenant: str | None) -> int:
+        """A request of ``tenant`` holds the path ending at ``node`` (its prompt's cached
+        blocks): refresh the tenant's retentions whose prefix the path covers. Returns how
+        many."""
+        if not self._at_node:
+            return 0
+        now = self.now()
+        num = 0
+        n: Node | None = node
+        while n is not None and n.parent is not None:
+            if n.pins:
+                for ret in self._at_node.get(n.uid, ()):
+                    if ret.tenant == tenant:
+                        self._refresh(ret, now)
+                        num += 1
+            n = n.parent
+        return num
+
+    def expire(self) -> int:
+        """Drop every retention whose expiry has passed (its blocks become ordinary cached
+        blocks); returns how many."""
+        expiry = self._expiry
+        if not expiry or expiry[0][0] > self.now():
+            return 0
+        now = self.now()
+        num = 0
+        while expiry and expiry[0][0] <= now:
+            ret = self._by_id[expiry[0][2]]
+            self._forget(ret)
+            self.counters["expired_total"] += 1
+            self.expired_by_ttl[ret.ttl_class] += 1
+            num += 1
+        return num
+
+    def retained_depth_blocks(self, cursor: Node) -> int:
+        """Blocks of the path ending at ``cursor`` under a live retention."""
+        return self.tree.retained_depth_blocks(cursor) if self._at_node else 0
+
+    # ---- pressure -----------------------------------------------------------------------
+    def reclaimable_blocks(self) -> int:
+        """Blocks that would become evictable if every pin were released (retained blocks
+        no request holds)."""
+        seen: set[int] = set()
+        total = 0
+        for rets in self._at_node.values():
+            n: Node | None = rets[0].node
+            while n is not None and n.parent is not None and n.uid not in seen:
+                seen.add(n.uid)
+                refs = n.retain_refs
+                if refs is not None and n.lock_ref == sum(refs.values()):
+                    total += len(n.block_ids)
+                n = n.parent
+        return total
+
+    def make_room(self, num_evictable: int, *, demote: bool) -> int:
+        """Unpin retentions, soonest expiry first, until the tree has ``num_evictable``
+        evictable blocks — only when that is reachable (else nothing changes: the request
+        would wait for running requests anyway). ``demote``: keep them (the store tier has or
+        gets their blocks as they are evicted; a later hit pins them again); else drop them.
+        Returns the retentions unpinned."""
+        tree = self.tree
+        if (not self._at_node or tree.num_evictable_blocks >= num_evictable
+                or tree.num_evictable_blocks + self.reclaimable_blocks() < num_evictable):
+            return 0
+        num = 0
+        for _, _, rid in list(self._expiry):
+            if tree.num_evictable_blocks >= num_evictable:
+                break
+            ret = self._by_id[rid]
+            if ret.node is None:
+                continue
+            num += 1
+            if demote and ret.node.extras is None:
+                self._demote(ret)
+            else:
+                self.counters["preempted_tokens_total"] += ret.num_blocks * self.block_size
+                self._forget(ret)
+        return num
+
+    def _demote(self, ret: _Retention) -> None:
+        node = ret.node
+        assert node is not None
+        parts: list[bytes] = []
+        n: Node | None = node
+        while n is not None and n.parent is not None:
+            parts.append(bytes(n.tokens))
+            n = n.parent
+        ret.prefix_tokens = b"".join(reversed(parts))
+        self._unpin(ret)
+        self._demoted.setdefault(ret.root_hash, {})[ret.retention_id] = ret
+        self.counters["demoted_blocks_total"] += ret.num_blocks
+
+    def _repin(self, ret: _Retention, node: Node) -> None:
+        del self._demoted[ret.root_hash][ret.retention_id]
+        if not self._demoted[ret.root_hash]:
+            del self._demoted[ret.root_hash]
+        ret.prefix_tokens = b""
+        self._pin(ret, node)
+        self.counters["repinned_total"] += 1
+
+    def on_path(self, cursor: Node, root_hash: bytes) -> int:
+        """A request's path (ending at ``cursor``) is in the pool: pin again the demoted
+        retentions of its root whose prefix it holds (budgets allowing; not refreshed here:
+        :meth:`on_hit` does that for the request's tenant). Returns how many."""
+        demoted = self._demoted.get(root_hash)
+        if not demoted:
+            return 0
+        bb = 4 * self.block_size
+        depth = (cursor.depth_tokens + cursor.num_tokens) // self.block_size
+        path: bytes | None = None
+        num = 0
+        for ret in list(demoted.values()):
+            if ret.num_blocks > depth:
+                continue
+            if path is None:
+                parts: list[bytes] = []
+                n: Node | None = cursor
+                while n is not None and n.parent is not None:
+                    parts.append(bytes(n.tokens))
+                    n = n.parent
+                path = b"".join(reversed(parts))
+            if path[: ret.num_blocks * bb] != ret.prefix_tokens:
+                continue
+            node = self.tree.node_at(cursor, ret.num_blocks)
+            if self._fits(node, ret.num_blocks, ret.tenant) < ret.num_blocks:
+                continue
+            self._repin(ret, node)
+            num += 1
+        return num
+
+    # ---- operator -----------------------------------------------------------------------
+    def _visible(self, tenant: str | None, all_tenants: bool) -> list[_Retention]:
+        rets = [self._by_id[rid] for _, _, rid in self._expiry]
+        return rets if all_tenants else [r for r in rets if r.tenant == tenant]
+
+    def list(self, tenant: str | None, *, all_tenants: bool = False) -> list[RetentionInfo]:
+        """Live retentions of ``tenant`` (every tenant's when ``all_tenants``), soonest expiry
+        first."""
+        now = self.now()
+        return [RetentionInfo(r.retention_id, r.tenant, r.num_blocks * self.block_size,
+                              r.ttl_class, max(0.0, r.expires_s - now), r.num_refreshes)
+                for r in self._visible(tenant, all_tenants)]
+
+    def release(self, tenant: str | None, retention_id: str | None = None, *,
+                all_tenants: bool = False) -> int:
+        """Release ``tenant``'s retentions (only ``retention_id`` when given; any tenant's
+        when ``all_tenants``): their blocks become ordinary cached blocks. Returns how many."""
+        rets = self._visible(tenant, all_tenants)
+        if retention_id is not None:
+            rets = [r for r in rets if r.retention_id == retention_id]
+        for ret in rets:
+            self._forget(ret)
+        self.counters["released_total"] += len(rets)
+        return len(rets)
+
+    # ---- stats / integrity --------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The ``retention`` object of ``/stats``: gauges (retained blocks and tokens in the
+        pool, by TTL class and tenant; ``retained_tokens`` of a class sums its retentions,
+        so a prefix shared by two counts twice there) and counters since start."""
+        bs = self.block_size
+        tree = self.tree
+        by_tenant: dict[str, dict[str, int | None]] = {}
+        for tenant in set(tree.retained_blocks_by_tenant) | set(self._pinned_by_tenant) | set(
+                self.refused_tokens_by_tenant):
+            blocks = tree.retained_blocks_by_tenant.get(tenant, 0)
+            cap = self.tenant_max_blocks.get(tenant)
+            by_tenant["" if tenant is None else tenant] = {
+                "retentions": self._pinned_by_tenant.get(tenant, 0),
+                "retained_blocks": blocks, "retained_tokens": blocks * bs,
+                "max_retained_tokens": cap * bs if cap is not None else None,
+                "refused_tokens_total": self.refused_tokens_by_tenant.get(tenant, 0)}
+        num_demoted = sum(len(d) for d in self._demoted.values())
+        out: dict[str, Any] = {
+            "retentions": len(self._by_id) - num_demoted,
+            "demoted_retentions": num_demoted,
+            "retained_blocks": tree.num_retained_blocks,
+            "retained_tokens": tree.num_retained_blocks * bs,
+            "max_retained_blocks": self.max_blocks,
+            "max_retained_fraction": self.max_retained_fraction,
+            "by_ttl": {c: {"retentions": n, "retained_tokens": t,
+                           "retained_blocks": t // bs, "expired_total": self.expired_by_ttl[c]}
+                       for c, (n, t) in self._pinned_by_ttl.items()},
+            "by_tenant": by_tenant,
+        }
+        out.update(self.counters)
+        return out
+
+    def check(self) -> None:
+        """Verify every retention against the tree: pinned ones on an attached path of their
+        root with the pins and ``retain_refs`` they account for, demoted ones unpinned, the
+        expiry index and the budgets.
+
+        Raises:
+            AssertionError: describing the first violated invariant.
+        """
+        tree = self.tree
+        bs = self.block_size
+        assert len(self._expiry) == len(self._by_id), "expiry index size disagrees"
+        for entry in self._expiry:
+            ret = self._by_id.get(entry[2])
+            assert ret is not None and ret.entry == entry, f"stale expiry entry {entry}"
+        refs: dict[int, dict[str | None, int]] = {}
+        nodes: dict[int, Node] = {}
+        pins: dict[int, int] = {}
+        demoted = {rid for d in self._demoted.values() for rid in d}
+        for rid, ret in self._by_id.items():
+            node = ret.node
+            if node is None:
+                assert rid in demoted, f"{rid}: neither pinned nor demoted"
+                assert len(ret.prefix_tokens) == 4 * bs * ret.num_blocks, (
+                    f"{rid}: demoted prefix of {len(ret.prefix_tokens)} bytes")
+                continue
+            assert rid not in demoted, f"{rid}: pinned and demoted"
+            assert ret in self._at_node.get(node.uid, ()), f"{rid}: not indexed at its node"
+            assert node.depth_tokens + node.num_tokens == ret.num_blocks * bs, (
+                f"{rid}: pinned at {node!r}, not at {ret.num_blocks} blocks")
+            assert retention_id(node.end_hash, ret.ttl_class, ret.tenant) == rid, (
+                f"{rid}: id does not match its prefix")
+            pins[node.uid] = pins.get(node.uid, 0) + 1
+            n: Node | None = node
+            while n is not None and n.parent is not None:
+                nodes[n.uid] = n
+                mine = refs.setdefault(n.uid, {})
+                mine[ret.tenant] = mine.get(ret.tenant, 0) + 1
+                n = n.parent
+            assert n is not None and tree.roots.get(ret.root_hash) is n, (
+                f"{rid}: pinned under a detached or foreign root")
+        assert sum(len(v) for v in self._at_node.values()) == len(self._by_id) - len(demoted), (
+            "node index holds retentions that are not pinned")
+        for node in tree.iter_nodes():
+            assert node.pins == pins.get(node.uid, 0), (
+                f"{node!r}: {node.pins} pins, {pins.get(node.uid, 0)} retentions pinned there")
+            assert (node.retain_refs or {}) == refs.get(node.uid, {}), (
+                f"{node!r}: retain_refs {node.retain_refs} != {refs.get(node.uid, {})}")
+        assert set(nodes) <= {n.uid for n in tree.iter_nodes()}, "a pinned path left the tree"
+        assert tree.num_retained_blocks <= self.max_blocks, (
+            f"{tree.num_retained_blocks} retained blocks past the budget {self.max_blocks}")
+        for tenant, cap in self.tenant_max_blocks.items():
+            used = tree.retained_blocks_by_tenant.get(tenant, 0)
+            assert used <= cap, f"tenant {tenant!r}: {used} retained blocks past its {cap}"
+        by_ttl = {c: [0, 0] for c in TTL_CLASSES}
+        for ret in self._by_id.values():
+            if ret.node is not None:
+                by_ttl[ret.ttl_class][0] += 1
+                by_ttl[ret.ttl_class][1] += ret.num_blocks * bs
+        assert by_ttl == self._pinned_by_ttl, f"by-TTL gauges {self._pinned_by_ttl} != {by_ttl}"

@@ -118,7 +118,10 @@ class LLMEngine:
                                   enable_prefix_caching=(config.cache.enable_prefix_caching
                                                          and self.prefix_caching_disabled_reason is None),
                                   hash_algo=config.cache.hash_algo,
-                                  model_shape=cost_shape)
+                                  model_shape=cost_shape,
+                                  max_retained_fraction=config.cache.max_retained_fraction,
+                                  tenant_max_retained_tokens=dict(
+                                      config.cache.tenant_max_retained_tokens))
         self.stats = EngineStats(cost_shape)
         self.store = attach_store(config.cache, self.runner, self.cache, self.stats, cost_shape,
                                   backend=store_backend)
@@ -409,6 +412,8 @@ class LLMEngine:
             req.publish_at_tokens = (req.num_computed_tokens // self.block_size
                                      + self.config.cache.publish_interval_blocks
                                      ) * self.block_size
+        if not req.retention_applied and req.num_computed_tokens >= req.num_prompt_tokens:
+            self._retain_prompt(req)
         if token is None:
             return []
         if isinstance(token, Exception):
@@ -418,6 +423,17 @@ class LLMEngine:
             outputs += self._fork_choices(req, logits_row, now)
         outputs.append(self._append_token(req, token, now))
         return outputs
+
+    def _retain_prompt(self, req: Request) -> None:
+        """The prompt's blocks are all cached: refresh the retentions it covers and apply its
+        breakpoints (a ``-1`` retains the prompt now and the whole sequence at finish), before
+        its first output (once per request)."""
+        req.retention_applied = True
+        n = req.num_prompt_tokens
+        created, req.num_retained_tokens = self.cache.retain(
+            req.request_id, [(n if bp.num_tokens == -1 else bp.num_tokens, bp.ttl_class)
+                             for bp in req.retention], num_prompt_tokens=n)
+        req.cache_creation_tokens_by_ttl = created
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
         req.append_token(token)
@@ -447,7 +463,10 @@ class LLMEngine:
                             generator=make_generator(params, self.config.device, index),
                             admitted=True, num_cached_tokens=parent.num_cached_tokens,
                             group_id=parent.group_id, index=index, tenant=parent.tenant,
-                            adapter=parent.adapter, session_key=parent.session_key)
+                            adapter=parent.adapter, session_key=parent.session_key,
+                            retention_applied=True,
+                            cache_creation_tokens_by_ttl=parent.cache_creation_tokens_by_ttl,
+                            num_retained_tokens=parent.num_retained_tokens)
             group.append(child)
             copies = self.cache.fork(parent.request_id, child.request_id,
                                      num_computed_tokens=prompt_len)

@@ -167,7 +167,7 @@ class Scheduler:
                 req = self._next_waiting()
                 num_cached = self.cache.begin(req.request_id, req.cache_root,
                                               bytes(req.token_bytes),
-                                              session_key=req.session_key)
+                                              session_key=req.session_key, tenant=req.tenant)
                 if not req.store_checked and self.cache.store_begin(req.request_id,
                                                                     bytes(req.token_bytes)):
                     req.store_checked = True
@@ -216,10 +216,18 @@ class Scheduler:
             scheduled.append(ScheduledChunk(req, num_tokens))
             budget -= num_tokens
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, *, finished: bool = False) -> None:
         """Publish the request's remaining computed blocks (generated blocks are published in
-        batches while decoding), then release its locks and private blocks."""
+        batches while decoding), retain the whole sequence when it finished with a ``-1``
+        retention breakpoint, then release its locks and private blocks."""
         self.cache.publish(req.request_id, req.token_bytes, req.num_computed_tokens)
+        if finished:
+            whole = [(len(req.token_ids), bp.ttl_class) for bp in req.retention
+                     if bp.num_tokens == -1]
+            if whole:
+                _, req.num_retained_tokens = self.cache.retain(
+                    req.request_id, whole, num_prompt_tokens=req.num_prompt_tokens,
+                    refresh=False)
         self.cache.release(req.request_id)
 
     def _preempt(self, req: Request) -> None:
@@ -234,7 +242,7 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """Remove a running request and release its blocks (published ones stay cached)."""
         self.running.remove(req)
-        self._release(req)
+        self._release(req, finished=status is RequestStatus.FINISHED and req.index == 0)
         req.status = status
 
     def abort(self, request_id: str) -> Request | None:

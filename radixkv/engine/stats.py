@@ -300,6 +300,10 @@ class EngineStats:
             "in_use_blocks": cache.num_in_use_blocks,
         }
         out["tree"] = {"nodes": cache.num_tree_nodes, "cached_blocks": cache.num_cached_blocks}
+        retention = getattr(cache, "retention_snapshot", None)
+        if retention is not None:  # retained blocks are part of in_use_blocks (pinned)
+            out["retention"] = retention()
+            out["pool"]["retained_blocks"] = out["retention"]["retained_blocks"]
         out["eviction_policy"] = cache.eviction_policy
         out["prefix_caching"] = cache.enable_prefix_caching
         return out

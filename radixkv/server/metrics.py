@@ -156,6 +156,7 @@ class RadixkvCollector:
                          "Time a templating/tokenizing job waited for a tokenizer worker.",
                          *engine.tokenize_pool.queue_seconds.cumulative())
         yield from _store_families(stats, engine.engine_stats)
+        yield from _retention_families(stats.get("retention"))
         tenants = engine.engine_stats.tenant_names()
         views = {tenant: engine.tenant_stats(tenant) for tenant in tenants}
         for name, key, doc in _TENANT_COUNTERS if views else ():
@@ -210,6 +211,73 @@ def _store_families(stats: dict, engine_stats: Any) -> Iterator[Any]:
     yield _histogram("radixkv_kv_store_fetch_seconds",
                      "Backend time of a store load (exists + get).", hist.cumulative(),
                      hist.sum_s)
+
+
+_RETENTION_COUNTERS = (
+    ("radixkv_retention_created", "created_total", "Retentions made (client TTL pins)."),
+    ("radixkv_retention_refreshes", "refreshes_total",
+     "Retention expiries pushed back by a hit or a repeated retain."),
+    ("radixkv_retention_expirations", "expired_total",
+     "Retentions that expired (their blocks became ordinary cached blocks)."),
+    ("radixkv_retention_released", "released_total", "Retentions released by the operator route."),
+    ("radixkv_retention_demoted_blocks", "demoted_blocks_total",
+     "Retained blocks demoted from the device pool to the store tier under pressure."),
+    ("radixkv_retention_repinned", "repinned_total",
+     "Demoted retentions pinned in the pool again after their prefix was loaded back."),
+    ("radixkv_retention_preempted_tokens", "preempted_tokens_total",
+     "Retained tokens unpinned early (no store tier) so running requests got blocks."),
+    ("radixkv_retention_refused_tokens", "refused_tokens_total",
+     "Tokens asked for retention beyond a budget (pool fraction or tenant cap), not retained."),
+)
+
+
+def _retention_families(retention: dict | None) -> Iterator[Any]:
+    """Retention gauges (retained blocks and tokens by TTL class and tenant) and counters."""
+    if retention is None:
+        return
+    for name, key, doc in _RETENTION_COUNTERS:
+        yield CounterMetricFamily(name, doc, value=retention[key])
+    yield GaugeMetricFamily("radixkv_retention_retained_blocks",
+                            "KV blocks pinned in the pool by live retentions (counted once).",
+                            value=retention["retained_blocks"])
+    yield GaugeMetricFamily("radixkv_retention_max_retained_blocks",
+                            "KV blocks retentions may pin (--max-retained-fraction of the pool).",
+                            value=retention["max_retained_blocks"])
+    yield GaugeMetricFamily("radixkv_retention_demoted_retentions",
+                            "Live retentions demoted to the store tier.",
+                            value=retention["demoted_retentions"])
+    by_ttl = retention["by_ttl"]
+    for name, key, doc in (
+            ("radixkv_retention_retentions", "retentions",
+             "Live retentions pinned in the pool, by TTL class."),
+            ("radixkv_retention_retained_tokens", "retained_tokens",
+             "Tokens of the live pinned retentions, by TTL class (a prefix shared by two "
+             "retentions counts for each)."),
+            ("radixkv_retention_retained_class_blocks", "retained_blocks",
+             "Blocks of the live pinned retentions, by TTL class (summed per retention).")):
+        family = GaugeMetricFamily(name, doc, labels=["ttl"])
+        for ttl, view in by_ttl.items():
+            family.add_metric([ttl], view[key])
+        yield family
+    expired = CounterMetricFamily("radixkv_retention_expirations_by_ttl",
+                                  "Retentions that expired, by TTL class.", labels=["ttl"])
+    for ttl, view in by_ttl.items():
+        expired.add_metric([ttl], view["expired_total"])
+    yield expired
+    by_tenant = sorted(retention["by_tenant"].items())
+    if by_tenant:
+        blocks = GaugeMetricFamily("radixkv_retention_tenant_retained_blocks",
+                                   "KV blocks pinned by a tenant's retentions.", labels=["tenant"])
+        tokens = GaugeMetricFamily("radixkv_retention_tenant_retained_tokens",
+                                   "Tokens pinned by a tenant's retentions.", labels=["tenant"])
+        refused = CounterMetricFamily("radixkv_retention_tenant_refused_tokens",
+                                      "Tokens refused retention by the budgets, by tenant.",
+                                      labels=["tenant"])
+        for tenant, view in by_tenant:
+            blocks.add_metric([tenant], view["retained_blocks"])
+            tokens.add_metric([tenant], view["retained_tokens"])
+            refused.add_metric([tenant], view["refused_tokens_total"])
+        yield from (blocks, tokens, refused)
 
 
 def _ignored_parameters() -> Any:

@@ -29,6 +29,10 @@ class CheckedTree(Protocol):
     def num_cached_blocks(self) -> int: ...
     @property
     def num_locked_blocks(self) -> int: ...
+    @property
+    def num_retained_blocks(self) -> int: ...
+    @property
+    def retained_blocks_by_tenant(self) -> dict[str | None, int]: ...
 
 
 def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
@@ -38,7 +42,8 @@ def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
     Args:
         tree: The tree to check.
         cursors: When given, every request cursor (one entry per request); lock counts are
-            then checked exactly (``lock_ref`` = cursors here + children's ``lock_ref``).
+            then checked exactly (``lock_ref`` = cursors here + retention pins here +
+            children's ``lock_ref``).
         hash_fn: When given, every stored hash is recomputed from the parent's chain value,
             the block's packed tokens and extras (the chain is intact).
 
@@ -54,7 +59,8 @@ def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
     for c in cursors or ():
         here[c.uid] = here.get(c.uid, 0) + 1
     owned: set[int] = set()
-    num_nodes = num_blocks = num_locked = 0
+    num_nodes = num_blocks = num_locked = num_retained = 0
+    retained_by_tenant: dict[str | None, int] = {}
     leaves: set[int] = set()
     root_keys: dict[object, dict[Node, None]] = {}
     for root_hash, root in tree.roots.items():
@@ -68,6 +74,7 @@ def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
     while stack:
         node = stack.pop()
         child_locks = 0
+        child_refs: dict[str | None, int] = {}
         for key, child in node.children.items():
             assert child.parent is node, f"{child!r}: parent pointer disagrees"
             assert child.key == key == child_key(bytes(child.tokens[:bb]), child.block_extras(0)), (
@@ -76,13 +83,27 @@ def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
                 f"{child!r}: depth_tokens should be {node.depth_tokens + node.num_tokens}")
             assert child.tenant == node.tenant, f"{child!r}: tenant differs from its parent's"
             child_locks += child.lock_ref
+            for tenant, count in (child.retain_refs or {}).items():
+                child_refs[tenant] = child_refs.get(tenant, 0) + count
             stack.append(child)
-        assert node.lock_ref >= child_locks, f"{node!r}: lock below its children's"
+        assert node.pins >= 0, f"{node!r}: negative pins"
+        assert node.lock_ref >= child_locks + node.pins, (
+            f"{node!r}: lock below its children's and its retention pins")
         if cursors is not None:
-            assert node.lock_ref == child_locks + here.get(node.uid, 0), (
-                f"{node!r}: lock_ref != {here.get(node.uid, 0)} cursors + {child_locks} below")
+            assert node.lock_ref == child_locks + here.get(node.uid, 0) + node.pins, (
+                f"{node!r}: lock_ref != {here.get(node.uid, 0)} cursors + {node.pins} pins + "
+                f"{child_locks} below")
+        refs = node.retain_refs
         if node.parent is None:
+            assert not node.pins and refs is None, f"{node!r}: a root is never pinned"
             continue
+        assert refs is None or (refs and all(c > 0 for c in refs.values())), (
+            f"{node!r}: empty or non-positive retain_refs {refs}")
+        below = sum(child_refs.values())
+        assert sum((refs or {}).values()) == below + node.pins, (
+            f"{node!r}: retain_refs {refs} != {node.pins} pins + {below} below")
+        assert all((refs or {}).get(t, 0) >= c for t, c in child_refs.items()), (
+            f"{node!r}: a tenant's retain_refs below its children's")
         num_nodes += 1
         n = node.num_blocks
         assert n >= 1, f"{node!r}: empty non-root node"
@@ -102,6 +123,11 @@ def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
         num_blocks += n
         if node.lock_ref > 0:
             num_locked += n
+        if refs:
+            assert node.lock_ref > 0, f"{node!r}: retained but not locked"
+            num_retained += n
+            for tenant in refs:
+                retained_by_tenant[tenant] = retained_by_tenant.get(tenant, 0) + n
         is_leaf = node.lock_ref == 0 and not node.children
         assert (node.uid in tree.leaves.nodes) == is_leaf, (
             f"{node!r}: evictable-leaf membership should be {is_leaf}")
@@ -124,4 +150,8 @@ def check_tree(tree: CheckedTree, cursors: Iterable[Node] | None = None,
         f"num_cached_blocks {tree.num_cached_blocks} != {num_blocks}")
     assert num_locked == tree.num_locked_blocks, (
         f"num_locked_blocks {tree.num_locked_blocks} != {num_locked}")
+    assert num_retained == tree.num_retained_blocks, (
+        f"num_retained_blocks {tree.num_retained_blocks} != {num_retained}")
+    assert retained_by_tenant == tree.retained_blocks_by_tenant, (
+        f"retained_blocks_by_tenant {tree.retained_blocks_by_tenant} != {retained_by_tenant}")
     return owned

@@ -18,8 +18,9 @@ def split_node(node: Node, j: int, uid: int) -> Node:
 
     The head (uid ``uid``) takes blocks ``[0, j)`` and ``node``'s place under its parent; the
     original object keeps the tail, so cursors at its end stay valid. The head inherits the lock
-    count (every cursor at or below the node is below the head too) and the policy fields
-    (``max_children`` at least 1: the tail is its child).
+    count (every cursor at or below the node is below the head too), its retention counts
+    (``retain_refs``, not ``pins``) and the policy fields (``max_children`` at least 1: the tail
+    is its child).
     """
     bb = 4 * node.block_size
     head = Node(uid, node.parent, node.block_size, node.created_s)
@@ -42,6 +43,9 @@ def split_node(node: Node, j: int, uid: int) -> Node:
     head.access_gaps = node.access_gaps
     head.last_hit_s = node.last_hit_s
     head.max_children = max(node.max_children, 1)
+    # Retentions at or below the node are below the head too; its pins stay with the tail,
+    # which still ends where they end.
+    head.retain_refs = dict(node.retain_refs) if node.retain_refs else None
     node.parent.children[head.key] = head  # type: ignore[union-attr]  # a split node is no root
     del node.tokens[: j * bb], node.hash_bytes[: j * w], node.block_ids[:j]
     node.key = child_key(bytes(node.tokens[:bb]), node.block_extras(0))

@@ -120,6 +120,10 @@ class Node:
         last_hit_s: Clock reading of the latest access counted in ``access_gaps`` (the insert,
             then each hit).
         max_children: Most children the node ever had at once.
+        pins: Retention pins held exactly at this node (each is also one lock, counted in
+            ``lock_ref`` like a request cursor; ``radixkv.cache.retention``).
+        retain_refs: Retentions pinned at this node or below, by tenant (None: none); a node
+            with any is *retained*. Retained nodes of a path form its prefix.
     """
 
     __slots__ = (
@@ -127,7 +131,7 @@ class Node:
         "block_ids", "lock_ref",
         "last_access_s", "hit_count", "created_s", "depth_tokens", "block_size", "root_hash",
         "tenant", "leaf_entry", "session_key", "request_end_s", "access_gaps", "last_hit_s",
-        "max_children",
+        "max_children", "pins", "retain_refs",
     )
 
     def __init__(self, uid: int, parent: Node | None, block_size: int, now: float) -> None:
@@ -154,6 +158,8 @@ class Node:
         self.access_gaps: tuple[float, ...] = ()
         self.last_hit_s = now
         self.max_children = 0
+        self.pins = 0
+        self.retain_refs: dict[str | None, int] | None = None
 
     def note_access_gap(self, now: float) -> None:
         """A lookup matches the node at clock ``now``: append the gap since its previous access

@@ -50,6 +50,10 @@ class RadixTree:
         num_nodes: Non-root nodes.
         num_cached_blocks: Blocks held by all nodes.
         num_locked_blocks: Blocks in nodes with ``lock_ref > 0``.
+        num_retained_blocks: Blocks in retained nodes (``retain_refs``: a retention pinned at
+            or below them; always locked).
+        retained_blocks_by_tenant: The same, per tenant of the retentions (a block retained
+            by two tenants counts for each).
         leaves: The evictable-leaf index.
     """
 
@@ -75,12 +79,19 @@ class RadixTree:
         self.num_nodes = 0
         self.num_cached_blocks = 0
         self.num_locked_blocks = 0
+        self.num_retained_blocks = 0
+        self.retained_blocks_by_tenant: dict[str | None, int] = {}
         #: Called as ``trim_hook(leaf, take)`` before ``evict`` trims a leaf's last ``take`` blocks.
         self.trim_hook: Callable[[Node, int], None] | None = None
 
     def now(self) -> float:
         """The tree's clock reading (what policy fields are stamped with)."""
         return self._clock()
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Use ``clock`` from now on (tests and replays move time); the policy is re-bound."""
+        self._clock = clock
+        self.policy.bind_clock(clock)
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -401,6 +412,87 @@ class RadixTree:
             elif n.lock_ref == 0 and not n.children:
                 self.drop_bare_root(n)
             n = n.parent
+
+    # ---- retention pins (radixkv.cache.retention) ---------------------------------------
+    def pin(self, node: Node, tenant: str | None) -> None:
+        """A retention of ``tenant`` pins the path ending at ``node`` (a non-root node in the
+        tree): one lock at ``node`` (as a cursor's) and one count in ``retain_refs`` of it and
+        every ancestor; blocks that become retained are counted."""
+        self.lock(node)
+        node.pins += 1
+        n: Node | None = node
+        by_tenant = self.retained_blocks_by_tenant
+        while n is not None and n.parent is not None:
+            refs = n.retain_refs
+            if refs is None:
+                refs = n.retain_refs = {}
+                self.num_retained_blocks += len(n.block_ids)
+            before = refs.get(tenant, 0)
+            if not before:
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + len(n.block_ids)
+            refs[tenant] = before + 1
+            n = n.parent
+
+    def unpin(self, node: Node, tenant: str | None) -> None:
+        """Undo one :meth:`pin` of ``tenant`` at ``node`` (its lock too, without touching
+        ``last_access_s``: the blocks keep the recency of their last real access).
+
+        Raises:
+            RuntimeError: if ``node`` holds no pin of ``tenant`` (nothing is changed then).
+        """
+        if node.pins <= 0 or not node.retain_refs or not node.retain_refs.get(tenant):
+            raise RuntimeError(f"unpin of {node!r}, which holds no retention pin of {tenant!r}")
+        node.pins -= 1
+        n: Node | None = node
+        by_tenant = self.retained_blocks_by_tenant
+        while n is not None and n.parent is not None:
+            refs = n.retain_refs
+            assert refs is not None, f"{n!r}: retained path without retain_refs"
+            left = refs[tenant] - 1
+            if left:
+                refs[tenant] = left
+            else:
+                del refs[tenant]
+                by_tenant[tenant] -= len(n.block_ids)
+                if not by_tenant[tenant]:
+                    del by_tenant[tenant]
+                if not refs:
+                    n.retain_refs = None
+                    self.num_retained_blocks -= len(n.block_ids)
+            n = n.parent
+        self.unlock(node, touch=False)
+
+    @staticmethod
+    def retained_depth_blocks(node: Node, tenant: str | None = None, *,
+                              any_tenant: bool = True) -> int:
+        """Blocks of the path ending at ``node`` that are retained (by any tenant, or by
+        ``tenant`` when not ``any_tenant``): the retained nodes of a path form its prefix."""
+        n: Node | None = node
+        while n is not None and n.parent is not None:
+            refs = n.retain_refs
+            if refs and (any_tenant or refs.get(tenant)):
+                return (n.depth_tokens + n.num_tokens) // n.block_size
+            n = n.parent
+        return 0
+
+    def node_at(self, cursor: Node, num_blocks: int) -> Node:
+        """The node ending exactly ``num_blocks`` blocks into the path ending at ``cursor``
+        (split there if that falls inside a node); the root for 0.
+
+        Raises:
+            ValueError: naming ``num_blocks`` if the path is shorter or it is negative.
+        """
+        end = num_blocks * self.block_size
+        depth = cursor.depth_tokens + cursor.num_tokens
+        if num_blocks < 0 or end > depth:
+            raise ValueError(f"num_blocks: {num_blocks} blocks on a path of {depth} tokens")
+        n = cursor
+        while n.parent is not None and n.depth_tokens >= end:
+            n = n.parent
+        if n.parent is None:
+            return n
+        j = (end - n.depth_tokens) // self.block_size
+        return self._split(n, j) if j < len(n.block_ids) else n
 
     # ---- inspection ---------------------------------------------------------------------
     def iter_nodes(self) -> Iterable[Node]:

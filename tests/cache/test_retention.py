@@ -1,0 +1,307 @@
+"""Retention (client TTL pins) in the cache manager: pinned blocks survive eviction until they
+expire, hits refresh them, the pool-wide and per-tenant budgets clip them, running requests can
+always take blocks (retentions unpinned under pressure), operator listing/release by tenant,
+and a property test keeping ``check_integrity`` green over random retain/evict/expire runs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixkv.cache.hashing import CacheIdentity
+from radixkv.cache.manager import CacheManager
+from radixkv.cache.retention import (
+    TTL_CLASSES,
+    RetentionBreakpoint,
+    RetentionTable,
+    check_breakpoints,
+    retention_id,
+)
+
+B = 4
+ROPE = "theta=100000.0;scaling=None"
+
+
+class Clock:
+    """A clock the test moves (seconds)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(num_blocks: int = 8, **kwargs) -> tuple[CacheManager, bytes, Clock]:
+    clock = Clock()
+    cm = CacheManager(num_blocks, B, clock=clock, **kwargs)
+    return cm, cm.identity_root(CacheIdentity("r1", B, "float32", ROPE)), clock
+
+
+def run(cm: CacheManager, root: bytes, rid: str, tokens: list[int],
+        breakpoints: list[tuple[int, str]] = (), tenant: str | None = None
+        ) -> tuple[int, dict[str, int], int]:
+    """Begin, allocate, publish, retain, release; returns (m, created, num_retained_tokens)."""
+    m = cm.begin(rid, root, tokens, tenant=tenant)
+    assert cm.allocate(rid, len(tokens))
+    cm.publish(rid, tokens, len(tokens))
+    created, retained = cm.retain(rid, breakpoints, num_prompt_tokens=len(tokens))
+    cm.check_integrity()
+    cm.release(rid)
+    cm.check_integrity()
+    return m, created, retained
+
+
+P = list(range(1, 13))  # 12 tokens: 3 full blocks
+
+
+def test_retained_blocks_survive_pressure_and_expire_into_ordinary_cache() -> None:
+    cm, root, clock = make(8, max_retained_fraction=1.0)
+    assert run(cm, root, "a", P, [(8, "5m")]) == (0, {"5m": 8}, 8)
+    assert cm.block_states() == ["cached_locked"] * 2 + ["cached_evictable"] + ["free"] * 5
+    assert cm.num_retained_blocks == 2
+    # A 24-token request needs 6 blocks: the 5 free ones and the unretained block 2.
+    q = [100 + i for i in range(24)]
+    cm.begin("b", root, q)
+    assert cm.allocate("b", 24) and cm.block_table("b") == [3, 4, 5, 6, 7, 2]
+    cm.release("b")
+    assert cm.peek(root, P) == 8  # the retained prefix is still matchable
+    clock.t = 299.0
+    assert cm.expire_retentions() == 0
+    clock.t = 300.0
+    assert cm.expire_retentions() == 1
+    assert cm.num_retained_blocks == 0 and cm.list_retentions(None) == []
+    snap = cm.retention_snapshot()
+    assert (snap["expired_total"], snap["by_ttl"]["5m"]["expired_total"]) == (1, 1)
+    assert cm.block_states()[:2] == ["cached_evictable"] * 2  # ordinary cached blocks now
+    cm.check_integrity()
+
+
+def test_hit_refreshes_expiry_and_counts_cache_creation_past_the_hit() -> None:
+    cm, root, clock = make(16)
+    run(cm, root, "a", P, [(12, "5m")])
+    clock.t = 200.0
+    # The same prefix + 4 tokens: hit of 12 refreshes the 5m retention; a 1h breakpoint on the
+    # whole 16 tokens creates only the 4 tokens past the hit.
+    m, created, retained = run(cm, root, "b", P + [20, 21, 22, 23], [(16, "1h")])
+    assert (m, created, retained) == (12, {"1h": 4}, 16)
+    (info_5m,) = [r for r in cm.list_retentions(None) if r.ttl_class == "5m"]
+    assert (info_5m.num_tokens, info_5m.expires_in_s, info_5m.num_refreshes) == (12, 300.0, 1)
+    clock.t = 499.0
+    assert len(cm.list_retentions(None)) == 2
+    clock.t = 500.0
+    assert [(r.ttl_class, r.num_tokens) for r in cm.list_retentions(None)] == [("1h", 16)]
+    assert cm.retention_snapshot()["refreshes_total"] == 1
+
+
+def test_repeated_retain_refreshes_and_creates_nothing() -> None:
+    cm, root, clock = make(16)
+    assert run(cm, root, "a", P, [(12, "5m")])[1:] == ({"5m": 12}, 12)
+    clock.t = 100.0
+    # Hit cap: m = 8 (the last prompt token is always computed); the 12-token prefix was
+    # retained already, so nothing is newly retained.
+    assert run(cm, root, "b", P, [(12, "5m")]) == (8, {}, 12)
+    (info,) = cm.list_retentions(None)
+    assert (info.num_refreshes, info.expires_in_s) == (1, 300.0)  # once per request
+
+
+def test_breakpoints_split_creation_by_ttl_and_round_down_to_blocks() -> None:
+    cm, root, _ = make(16)
+    tokens = list(range(1, 21))  # 5 blocks
+    m, created, retained = run(cm, root, "a", tokens, [(10, "1h"), (7, "5m"), (20, "5m")])
+    # 7 -> 4 tokens (5m), 10 -> 8 (1h: 4 more), 20 -> 20 (5m: 12 more)
+    assert (m, created, retained) == (0, {"5m": 16, "1h": 4}, 20)
+    assert sorted((r.ttl_class, r.num_tokens) for r in cm.list_retentions(None)) == [
+        ("1h", 8), ("5m", 4), ("5m", 20)]
+    assert cm.num_retained_blocks == 5
+
+
+def test_pool_budget_clips_to_a_shorter_prefix_and_counts_refused_tokens() -> None:
+    cm, root, _ = make(8, max_retained_fraction=0.25)  # 2 blocks
+    assert run(cm, root, "a", P, [(12, "5m")]) == (0, {"5m": 8}, 8)
+    (info,) = cm.list_retentions(None)
+    assert info.num_tokens == 8
+    snap = cm.retention_snapshot()
+    assert (snap["retained_blocks"], snap["max_retained_blocks"], snap["refused_tokens_total"]) \
+        == (2, 2, 4)
+    # A second prefix finds the budget spent: nothing retained, all refused.
+    assert run(cm, root, "b", [50 + i for i in range(8)], [(8, "1h")]) == (0, {}, 0)
+    assert cm.retention_snapshot()["refused_tokens_total"] == 12
+
+
+def test_fraction_zero_retains_nothing() -> None:
+    cm, root, _ = make(8, max_retained_fraction=0.0)
+    assert run(cm, root, "a", P, [(12, "5m")]) == (0, {}, 0)
+    assert cm.list_retentions(None) == []
+
+
+def test_tenant_budget_counts_shared_prefix_once() -> None:
+    cm, root, _ = make(16, tenant_max_retained_tokens={"t1": 8})
+    assert run(cm, root, "a", P, [(12, "5m")], tenant="t1") == (0, {"5m": 8}, 8)
+    # Same 8-token prefix, another class: no new blocks, fits; the rest is refused.
+    assert run(cm, root, "b", P, [(12, "1h")], tenant="t1") == (8, {}, 8)
+    assert cm.retention.tree.retained_blocks_by_tenant == {"t1": 2}
+    snap = cm.retention_snapshot()
+    assert snap["by_tenant"]["t1"] == {"retentions": 2, "retained_blocks": 2,
+                                       "retained_tokens": 8, "max_retained_tokens": 8,
+                                       "refused_tokens_total": 8}
+    # Another tenant has only the pool-wide bound (8 blocks here).
+    assert run(cm, root, "c", P, [(12, "5m")], tenant="t2") == (8, {"5m": 4}, 12)
+
+
+def test_tenants_see_and_release_only_their_own() -> None:
+    cm, root, _ = make(16)
+    run(cm, root, "a", P, [(8, "5m")], tenant="t1")
+    run(cm, root, "b", [60 + i for i in range(8)], [(8, "1h")], tenant="t2")
+    (mine,) = cm.list_retentions("t1")
+    assert (mine.tenant, mine.num_tokens, mine.ttl_class) == ("t1", 8, "5m")
+    assert len(cm.list_retentions(None, all_tenants=True)) == 2
+    (theirs,) = cm.list_retentions("t2")
+    assert cm.release_retentions("t1", theirs.retention_id) == 0  # invisible to t1
+    assert cm.release_retentions("t1") == 1
+    assert [r.tenant for r in cm.list_retentions(None, all_tenants=True)] == ["t2"]
+    assert cm.release_retentions(None, theirs.retention_id, all_tenants=True) == 1
+    assert cm.num_retained_blocks == 0 and cm.retention_snapshot()["released_total"] == 2
+    cm.check_integrity()
+
+
+def test_retention_is_keyed_by_identity_root() -> None:
+    cm, root, _ = make(16)
+    salted = cm.identity_root(CacheIdentity("r1", B, "float32", ROPE, cache_salt="s"))
+    run(cm, root, "a", P, [(8, "5m")])
+    run(cm, salted, "b", P, [(8, "5m")])
+    ids = {r.retention_id for r in cm.list_retentions(None)}
+    assert len(ids) == 2  # same tokens, two roots: two retentions, four blocks
+    assert cm.num_retained_blocks == 4
+    assert cm.peek(salted, P) == 8 and cm.peek(root, P) == 8
+
+
+def test_running_requests_always_get_blocks_without_a_store() -> None:
+    cm, root, _ = make(6, max_retained_fraction=1.0)
+    run(cm, root, "a", P, [(12, "5m")])  # 3 of 6 blocks pinned
+    q = [100 + i for i in range(24)]  # needs all 6 blocks
+    cm.begin("b", root, q)
+    assert cm.allocate("b", 24)
+    assert sorted(cm.block_table("b")) == list(range(6))
+    assert cm.list_retentions(None) == []
+    assert cm.retention_snapshot()["preempted_tokens_total"] == 12
+    cm.check_integrity()
+    cm.release("b")
+
+
+def test_unpinning_is_all_or_nothing() -> None:
+    cm, root, _ = make(6, max_retained_fraction=1.0)
+    run(cm, root, "a", P, [(12, "5m")])
+    cm.begin("hold", root, [200 + i for i in range(8)])
+    assert cm.allocate("hold", 8)  # 2 private blocks; 1 free, 3 pinned
+    cm.begin("big", root, [300 + i for i in range(24)])
+    assert not cm.allocate("big", 24)  # 6 blocks can never come: nothing unpinned
+    assert len(cm.list_retentions(None)) == 1
+    cm.release("big")
+    cm.release("hold")
+    cm.check_integrity()
+
+
+def test_release_of_retained_request_keeps_pin_and_lock_counts() -> None:
+    cm, root, _ = make(8)
+    cm.begin("a", root, P)
+    assert cm.allocate("a", 12)
+    cm.publish("a", P, 12)
+    cm.retain("a", [(8, "5m")])
+    cm.begin("b", root, P)  # holds the same path while the retention pins part of it
+    cm.check_integrity()
+    cm.release("a")
+    cm.release("b")
+    cm.check_integrity()
+    assert cm.block_states()[:3] == ["cached_locked", "cached_locked", "cached_evictable"]
+
+
+def test_breakpoint_validation_names_the_field() -> None:
+    ok = (RetentionBreakpoint(4, "5m"), RetentionBreakpoint(-1, "24h"))
+    assert check_breakpoints(list(ok), 10) == ok
+    assert check_breakpoints((), 10) == ()
+    bad = [
+        ("nope", "retention: must be a sequence"),
+        ([(4, "5m")], "retention[0]: must be a RetentionBreakpoint"),
+        ([RetentionBreakpoint(11, "5m")], "retention[0].num_tokens: must be an int in [1, 10]"),
+        ([RetentionBreakpoint(0, "5m")], "retention[0].num_tokens"),
+        ([RetentionBreakpoint(2, "2h")], "retention[0].ttl_class: must be one of 5m, 1h, 24h"),
+        ([RetentionBreakpoint(i, "5m") for i in range(1, 6)],
+         "retention: at most 4 prompt breakpoints, got 5"),
+        ([RetentionBreakpoint(-1, "5m")] * 2, "retention: at most one whole-sequence"),
+    ]
+    for value, message in bad:
+        with pytest.raises(ValueError) as err:
+            check_breakpoints(value, 10)
+        assert str(err.value).startswith(message), str(err.value)
+
+
+def test_budget_arguments_are_validated() -> None:
+    with pytest.raises(ValueError, match="^max_retained_fraction: must be a number in"):
+        make(8, max_retained_fraction=1.5)
+    with pytest.raises(ValueError, match="^max_retained_tokens: tenant 't': must be an int"):
+        make(8, tenant_max_retained_tokens={"t": -1})
+    cm, root, _ = make(8)
+    cm.begin("a", root, P)
+    with pytest.raises(ValueError, match="^ttl_class: must be one of"):
+        cm.retain("a", [(8, "2h")])
+    assert cm.list_retentions(None) == []
+    cm.release("a")
+
+
+def test_retention_id_is_stable_and_distinct() -> None:
+    h = bytes(range(16))
+    assert retention_id(h, "5m", None) == retention_id(h, "5m", None)
+    assert len({retention_id(h, c, t) for c in TTL_CLASSES for t in (None, "a", "b")}) == 9
+    assert retention_id(h, "5m", None).startswith("ret_") and len(retention_id(h, "5m", None)) == 28
+    assert isinstance(RetentionTable, type)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(
+    st.sampled_from(["run", "run", "run", "hold", "drop", "tick", "evict", "release"]),
+    st.integers(0, 5), st.integers(1, 24), st.sampled_from(sorted(TTL_CLASSES)),
+    st.sampled_from([None, "t1", "t2"]), st.integers(0, 4000)), max_size=30),
+    policy=st.sampled_from(["lru", "cost", "s3fifo"]),
+    fraction=st.sampled_from([0.0, 0.3, 0.5, 1.0]))
+def test_property_random_retain_evict_expire_keeps_integrity(ops, policy, fraction) -> None:
+    cm, root, clock = make(12, eviction_policy=policy, max_retained_fraction=fraction,
+                           tenant_max_retained_tokens={"t1": 12})
+    held: list[str] = []
+    for i, (op, seed, length, ttl, tenant, dt) in enumerate(ops):
+        tokens = [(seed * 7 + j) % 11 + 1 for j in range(length)]
+        rid = f"r{i}"
+        if op in ("run", "hold"):
+            cm.begin(rid, root, tokens, tenant=tenant)
+            if not cm.allocate(rid, length):
+                cm.release(rid)
+            else:
+                cm.publish(rid, tokens, length)
+                created, retained = cm.retain(rid, [(length, ttl), (length // 2 or 1, "5m")],
+                                              num_prompt_tokens=length)
+                assert cm.num_cached_tokens(rid) + sum(created.values()) <= length
+                assert retained % B == 0 and retained <= length
+                if op == "hold":
+                    held.append(rid)
+                else:
+                    cm.release(rid)
+        elif op == "drop" and held:
+            cm.release(held.pop(seed % len(held)))
+        elif op == "tick":
+            clock.t += dt
+            cm.expire_retentions()
+        elif op == "evict":
+            cm.evict(seed + 1)
+        elif op == "release":
+            cm.release_retentions(tenant, all_tenants=seed == 0)
+        cm.check_integrity()
+        snap = cm.retention_snapshot()
+        assert snap["retained_blocks"] <= snap["max_retained_blocks"]
+        assert cm.retention.tree.retained_blocks_by_tenant.get("t1", 0) <= 3
+    for rid in held:
+        cm.release(rid)
+    clock.t += 86400.0
+    cm.expire_retentions()
+    cm.check_integrity()
+    assert cm.num_retained_blocks == 0 and cm.num_in_use_blocks == 0
