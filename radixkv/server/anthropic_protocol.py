@@ -468,10 +468,10 @@ def truncated_chat(req: MessagesRequest, bp: Breakpoint) -> tuple[list[dict], li
     if bp.num_blocks is not None:
         role, blocks = req.messages[bp.num_messages]
         messages = [*messages, (role, blocks[:bp.num_blocks])]
-    out = validate_messages(_openai_messages(system, messages))
-    if not out:  # a tool breakpoint without a system prompt: the tools make the system turn
-        out = [{"role": "system", "content": ""}]
-    return out, tools
+    cut = _openai_messages(system, messages)
+    if not cut:  # a tool breakpoint without a system prompt: the tools make the system turn
+        return [{"role": "system", "content": ""}], tools
+    return validate_messages(cut), tools
 
 
 def _sampling_body(body: dict, *, stream: bool) -> dict[str, Any]:
