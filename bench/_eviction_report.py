@@ -71,6 +71,31 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def retention_table(records: list[dict], retained_target: float, others_target: float) -> str:
+    """The retention report of ``bench eviction --retain-share``: per policy × capacity, the
+    retained sessions' cached ÷ ideal tokens (with retention, and when nobody retains), the other
+    sessions' token hit rate (with, without, and their ratio), and whether the targets are met
+    (retained >= ``retained_target``, ratio >= ``others_target``)."""
+    head = (f"{'policy':<22} {'capacity':>9} {'retained':>8} {'kept/ideal':>10} {'(none)':>7} "
+            f"{'others':>6} {'hit':>7} {'(none)':>7} {'ratio':>7} {'met':>5}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        met = r.get("retention_target_met")
+        lines.append(
+            f"{r['policy']:<22} {100 * r['capacity_fraction']:>8.2f}% "
+            f"{r['retained_sessions']:>8} {_f(r['retained_cached_over_ideal'], '.4f'):>10} "
+            f"{_f(r['retained_cached_over_ideal_no_retention'], '.4f'):>7} "
+            f"{r['other_sessions']:>6} {_f(r['others_token_hit_rate'], '.4f'):>7} "
+            f"{_f(r['others_token_hit_rate_no_retention'], '.4f'):>7} "
+            f"{_f(r['others_hit_rate_ratio'], '.4f'):>7} "
+            f"{'' if met is None else ('yes' if met else 'no'):>5}")
+    lines.append(f"kept/ideal: retained sessions' cached / ideal (infinite-cache) tokens, (none): "
+                 f"the same when nobody retains; hit: the other sessions' token hit rate with "
+                 f"retention, (none) without, ratio = hit / (none); met: kept/ideal >= "
+                 f"{retained_target:g} and ratio >= {others_target:g}")
+    return "\n".join(lines)
+
+
 def suite_markdown(summaries: list[dict], learned: str = "predicted-reuse") -> str:
     """One markdown table over several runs' ``results.json`` summaries: per trace × capacity,
     each online policy's FLOP hit, the best oracle's, the share of the LRU→oracle gap that

@@ -249,6 +249,53 @@ def load_chat(source: str, path: str | None, block_size: int, concurrency: int,
     return trace
 
 
+def peak_working_set(trace: Trace) -> int:
+    """The most blocks the live sessions hold at once: replaying ``trace`` in order, a session
+    is live from its first request to its last, and holds the blocks of its latest request
+    (full and partial; a block shared by several live sessions, such as a common system prompt,
+    counts once); a request without a session holds its blocks only while it runs. The
+    reference of ``bench eviction --capacity-basis working-set``: a pool of a fraction f of it
+    holds f of what the sessions live at the busiest moment need.
+    """
+    last = {}
+    for i, req in enumerate(trace.requests):
+        if req.session is not None:
+            last[req.session] = i
+    refs: dict[int, int] = {}
+    held: dict[str, array] = {}
+    live = peak = 0
+
+    def add(blocks: Iterable[int]) -> None:
+        nonlocal live
+        for b in blocks:
+            n = refs.get(b, 0)
+            refs[b] = n + 1
+            live += n == 0
+
+    def drop(blocks: Iterable[int]) -> None:
+        nonlocal live
+        for b in blocks:
+            n = refs[b] - 1
+            if n:
+                refs[b] = n
+            else:
+                del refs[b]
+                live -= 1
+
+    for i, req in enumerate(trace.requests):
+        add(req.blocks)
+        if req.session is not None:
+            old = held.pop(req.session, None)
+            if old is not None:
+                drop(old)
+        peak = max(peak, live)
+        if req.session is not None and last[req.session] > i:
+            held[req.session] = req.blocks
+        else:
+            drop(req.blocks)
+    return peak
+
+
 def add_think_time(trace: Trace, think_time: ThinkTime, seed: int = 0) -> Trace:
     """``trace`` with think time added between each session's requests: request ``k`` (>= 1,
     in trace order) of a session starts later by the sum of the draws

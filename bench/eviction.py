@@ -8,6 +8,8 @@ Usage::
         --capacity 0.02,0.05,0.1,0.2 --out /tmp/eviction-conversation
     radixkv bench eviction --format chat --source tau-bench --block-size 16 --out DIR
     radixkv bench eviction --format chat --source openhands --shared --capacity 0.05,0.1
+    radixkv bench eviction --format chat --source tau-bench --shared --max-sessions 40 \
+        --concurrency 40 --think-time-s exp:60 --retain-share 0.25 --capacity 0.5
     bench/results/eviction-all.sh      # every shared trace and capacity, one markdown table
 
 With no ``--trace`` the trace is a sample shipped in the package (``radixkv/tools/data/``): the
@@ -26,10 +28,28 @@ hash-id chain, see ``_eviction_trace``; ``--no-sessions`` drops them) and a mode
 (output tokens × ``--itl-ms``); the replay passes them to the cache (``session_key``, ``end_s``).
 The clock is the trace's timestamps (the request's ordinal when there are none); for chat it is
 modeled (``_eviction_chat``): a turn lasts its reply's tokens × ITL, the session's next turn
-starts ``--tool-latency-ms`` after it ends, ``--concurrency`` sessions live. Capacity is a fraction of
-the trace's distinct blocks, or ``--capacity-blocks``. Hits follow the serving rules: the hit
-cap ``floor((N - 1) / B)`` blocks, full blocks only, and the blocks of the request being served
-are locked while it is served.
+starts ``--tool-latency-ms`` after it ends, ``--concurrency`` sessions live. ``--think-time-s S``
+or ``exp:MEAN`` adds a think time (drawn per session and turn with ``--seed``) to the gap before
+each turn of a session after its first: on the modeled clock, or on the timestamps of a
+Mooncake / tokens trace (every later request of the session moves by the draws so far).
+Capacity is a fraction of
+the trace's distinct blocks (or, ``--capacity-basis working-set``, of its peak live working set:
+the most blocks the sessions live at one time hold), or ``--capacity-blocks``. Hits follow the
+serving rules: the hit cap ``floor((N - 1) / B)`` blocks, full blocks only, and the blocks of the
+request being served are locked while it is served.
+
+Retention (``--retain-share F``): the sessions in a share F (spread evenly in the order of their
+first request) retain every request's prompt, rounded down to a block boundary, with
+``--retain-ttl`` (5m, 1h, 24h) once its blocks are published, through the real cache's retention
+API (``CacheManager.retain``: pinned blocks no policy evicts, refreshed by a hit, expired on the
+replay's clock, within ``--max-retained-fraction`` of the pool). Each policy × capacity then
+replays twice, with retention and with nobody retaining, and each record adds
+``retained_cached_over_ideal`` (the retained sessions' cached ÷ ideal tokens, the ideal being a
+cache that never evicts), ``others_token_hit_rate`` (the other sessions' token hit rate), the
+same two from the replay without retention (``*_no_retention``), ``others_hit_rate_ratio``
+(with ÷ without), ``retention_target_met`` (retained >= 0.95 and ratio >= 0.80), the groups'
+raw sums (``groups``, ``groups_no_retention``) and the cache's retention counters
+(``retention_stats``); a second table prints them.
 
 Writes ``DIR/results.json`` (one record per policy × capacity: ``policy``,
 ``capacity_fraction``, ``capacity_blocks``, ``token_hit_rate``, ``flop_hit_rate`` = saved
@@ -55,12 +75,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _arg_types  # noqa: E402
 import _eviction_replay as replay_mod  # noqa: E402
 import _eviction_report as report_mod  # noqa: E402
 import _eviction_trace as trace_mod  # noqa: E402
 from _provenance import provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from radixkv.cache.retention import TTL_CLASSES as RETAIN_TTLS  # noqa: E402
 from radixkv.eviction import available_policies  # noqa: E402
 from radixkv.eviction.cost_model import PRESETS, get_shape  # noqa: E402
 from radixkv.tools.data import (  # noqa: E402
@@ -115,6 +137,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chat: a session's next turn starts this long after its last ended")
     parser.add_argument("--tool-latency-dist", default="fixed", choices=["fixed", "exp"],
                         help="chat: tool latency fixed, or exponential of that mean (seed 0)")
+    parser.add_argument("--think-time-s", type=_arg_types.think_time, default=None,
+                        metavar="S|exp:MEAN",
+                        help="think time added to the gap before each turn of a session after "
+                             "its first: S seconds or exponential of mean MEAN, drawn per "
+                             "session and turn with --seed (chat: on top of the tool latency; "
+                             "mooncake / tokens: on top of the timestamps)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --think-time-s draws")
+    parser.add_argument("--retain-share", type=_arg_types.share, default=None, metavar="F",
+                        help="share of the sessions (spread evenly in order of their first "
+                             "request) whose every request retains its prompt with "
+                             "--retain-ttl through the cache's retention API; each policy x "
+                             "capacity then also replays with nobody retaining, and the report "
+                             "gives the retained sessions' cached / ideal tokens and the other "
+                             "sessions' hit rate against that replay")
+    parser.add_argument("--retain-ttl", default="5m", choices=list(RETAIN_TTLS),
+                        help="TTL class of --retain-share's retentions (default 5m)")
+    parser.add_argument("--max-retained-fraction", type=_arg_types.share, default=0.5,
+                        metavar="F",
+                        help="share of the pool that retentions may pin (the server's flag of "
+                             "the same name; default 0.5)")
     parser.add_argument("--default-output-tokens", type=int, default=128,
                         help="chat: output tokens of a turn whose reply the transcript lacks")
     parser.add_argument("--no-sessions", action="store_true",
@@ -131,6 +173,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pool sizes as fractions of the trace's distinct blocks (default "
                              f"{DEFAULT_CAPACITY}; {SAMPLE_CAPACITY} for the shipped mooncake "
                              "sample, on which smaller pools make most policies tie)")
+    parser.add_argument("--capacity-basis", default="distinct",
+                        choices=["distinct", "working-set"],
+                        help="what --capacity is a fraction of: the trace's distinct blocks "
+                             "(default), or its peak live working set (the most blocks the "
+                             "sessions live at once hold: _eviction_trace.peak_working_set)")
     parser.add_argument("--capacity-blocks", default=None,
                         help="pool sizes in blocks (comma list); overrides --capacity")
     parser.add_argument("--model-shape", default=None, choices=sorted(PRESETS),
@@ -194,7 +241,7 @@ def _init(state: dict) -> None:
 
 
 def _run_one(task: tuple) -> dict:
-    policy, fraction, blocks = task
+    policy, fraction, blocks, retention = task
     counter = _STATE.get("counter")
 
     def progress(n: int) -> None:
@@ -203,8 +250,56 @@ def _run_one(task: tuple) -> dict:
                 counter.value += n
 
     out = replay_mod.replay(_STATE["trace"], policy, blocks, _STATE["shape"],
-                            oracle=_STATE.get("oracle"), progress=progress)
+                            oracle=_STATE.get("oracle"), progress=progress, retention=retention)
     out["capacity_fraction"] = fraction
+    return out
+
+
+#: Target of a retention run (the issue's): retained sessions keep at least this share of their
+#: ideal cached tokens ...
+RETAINED_TARGET = 0.95
+#: ... while the other sessions keep at least this share of the token hit rate they get when
+#: nobody retains.
+OTHERS_TARGET = 0.80
+RETENTION_FIELDS = ("retain_share", "retain_ttl", "retained_sessions", "other_sessions",
+                    "retained_cached_over_ideal", "retained_cached_over_ideal_no_retention",
+                    "others_token_hit_rate", "others_token_hit_rate_no_retention",
+                    "others_hit_rate_ratio", "token_hit_rate_no_retention",
+                    "flop_hit_rate_no_retention", "retention_target_met")
+
+
+def merge_retention(results: list[dict], share: float, ttl_class: str) -> list[dict]:
+    """Pair each retention replay with its reference replay (same policy and capacity, nobody
+    retaining) and return the retention replays with the :data:`RETENTION_FIELDS`:
+    ``retained_cached_over_ideal`` (retained sessions' cached ÷ ideal tokens, also in the
+    reference), ``others_token_hit_rate`` and its reference value, their ratio
+    ``others_hit_rate_ratio``, the reference's overall hit rates, and
+    ``retention_target_met`` (retained >= :data:`RETAINED_TARGET` and ratio >=
+    :data:`OTHERS_TARGET`; None when a group is empty)."""
+    ref = {(r["policy"], r["capacity_blocks"]): r for r in results if not r["retention_active"]}
+    out = []
+    for r in results:
+        if not r["retention_active"]:
+            continue
+        base = ref[(r["policy"], r["capacity_blocks"])]
+        kept, others = r["groups"]["retained"], r["groups"]["not_retained"]
+        base_kept, base_others = base["groups"]["retained"], base["groups"]["not_retained"]
+        ratio = (others["token_hit_rate"] / base_others["token_hit_rate"]
+                 if others["token_hit_rate"] is not None and base_others["token_hit_rate"]
+                 else None)
+        met = (kept["cached_over_ideal"] >= RETAINED_TARGET and ratio >= OTHERS_TARGET
+               if kept["cached_over_ideal"] is not None and ratio is not None else None)
+        r.update(retain_share=share, retain_ttl=ttl_class, retained_sessions=kept["sessions"],
+                 other_sessions=others["sessions"],
+                 retained_cached_over_ideal=kept["cached_over_ideal"],
+                 retained_cached_over_ideal_no_retention=base_kept["cached_over_ideal"],
+                 others_token_hit_rate=others["token_hit_rate"],
+                 others_token_hit_rate_no_retention=base_others["token_hit_rate"],
+                 others_hit_rate_ratio=ratio,
+                 token_hit_rate_no_retention=base["token_hit_rate"],
+                 flop_hit_rate_no_retention=base["flop_hit_rate"], retention_target_met=met,
+                 groups_no_retention=base["groups"])
+        out.append(r)
     return out
 
 
@@ -229,16 +324,29 @@ def run(args: argparse.Namespace) -> dict:
         trace = trace_mod.load_trace(args.format, trace_path, block_size, source=args.source,
                                      concurrency=args.concurrency, itl_ms=args.itl_ms,
                                      sessions=not args.no_sessions,
-                                     max_requests=args.max_requests, **chat)
+                                     max_requests=args.max_requests,
+                                     think_time=getattr(args, "think_time_s", None),
+                                     think_seed=getattr(args, "seed", 0), **chat)
         if not trace.requests:
             raise ValueError(f"trace: {trace_path} holds no requests")
         distinct = trace.distinct_blocks
+        working_set = trace_mod.peak_working_set(trace)
+        basis = (working_set if getattr(args, "capacity_basis", "distinct") == "working-set"
+                 else distinct)
         if args.capacity_blocks:
             blocks = [int(b) for b in _floats(args.capacity_blocks, "capacity_blocks")]
-            sizes = [(b / distinct, b) for b in blocks]
+            sizes = [(b / basis, b) for b in blocks]
         else:
-            sizes = [(f, max(1, round(f * distinct)))
+            sizes = [(f, max(1, round(f * basis)))
                      for f in _floats(_capacity(args), "capacity")]
+        share = getattr(args, "retain_share", None)
+        retaining = None
+        if share is not None:
+            if args.no_sessions:  # a usage error: exit 2 naming the flags
+                print("radixkv bench eviction: --retain-share needs session keys (drop "
+                      "--no-sessions)", file=sys.stderr)
+                raise SystemExit(2)
+            retaining = replay_mod.retaining_sessions(trace, share)
         # Made before the replays, so that a bad --out fails before the run, not after it.
         out = _out_dir(args.out)
     except (OSError, ValueError) as exc:
@@ -248,12 +356,22 @@ def run(args: argparse.Namespace) -> dict:
     oracle = replay_mod.Oracle(trace) if any(p in replay_mod.ORACLES for p in policies) else None
     infinite = replay_mod.infinite_cache(trace, shape)
     print(f"{trace.name}: {len(trace.requests)} requests, {distinct} distinct blocks of "
-          f"{block_size} tokens, model shape {shape.name}; infinite cache: token hit "
+          f"{block_size} tokens (peak live working set {working_set}; capacity basis "
+          f"{getattr(args, 'capacity_basis', 'distinct')}), model shape {shape.name}; "
+          f"infinite cache: token hit "
           f"{infinite['token_hit_rate']:.4f}, flop hit {infinite['flop_hit_rate']:.4f} "
           f"(loaded in {load_s:.1f}s)", file=sys.stderr)
 
+    # With --retain-share each policy x capacity replays twice: with retention, and with nobody
+    # retaining (the reference of the other sessions' hit rate), the same sessions grouped.
+    ttl = getattr(args, "retain_ttl", "5m")
+    variants = ([None] if retaining is None else
+                [replay_mod.Retention(retaining, ttl, active,
+                                      getattr(args, "max_retained_fraction", 0.5))
+                 for active in (True, False)])
     # Slowest first (large pools, oracles) so the parallel runs finish together.
-    tasks = sorted(((p, f, b) for p in policies for f, b in sizes), key=lambda t: -t[2])
+    tasks = sorted(((p, f, b, v) for p in policies for f, b in sizes for v in variants),
+                   key=lambda t: -t[2])
     jobs = max(1, min(args.jobs, len(tasks)))
     total = len(tasks) * len(trace.requests)
     state = {"trace": trace, "shape": shape, "oracle": oracle}
@@ -264,7 +382,8 @@ def run(args: argparse.Namespace) -> dict:
             _STATE["counter"] = None
             for task in tasks:
                 results.append(replay_mod.replay(trace, task[0], task[2], shape, oracle=oracle,
-                                                 progress=bar.update) | {"capacity_fraction": task[1]})
+                                                 progress=bar.update, retention=task[3])
+                               | {"capacity_fraction": task[1]})
         else:
             ctx = multiprocessing.get_context("fork")
             counter = ctx.Value("q", 0)
@@ -277,23 +396,39 @@ def run(args: argparse.Namespace) -> dict:
                 results = pending.get()
                 bar.update(counter.value - bar.n)
 
+    if retaining is not None:
+        results = merge_retention(results, share, ttl)
     order = {p: i for i, p in enumerate(policies)}
     results.sort(key=lambda r: (order[r["policy"]], r["capacity_fraction"]))
     report_mod.annotate(results)
-    records = [{k: r.get(k) for k in CSV_FIELDS} for r in results]
+    fields = CSV_FIELDS + (RETENTION_FIELDS if retaining is not None else ())
+    records = [{k: r.get(k) for k in fields} for r in results]
     print(report_mod.table(records))
+    if retaining is not None:
+        print(report_mod.retention_table(records, RETAINED_TARGET, OTHERS_TARGET))
+        for r, rec in zip(results, records):
+            rec["groups"], rec["groups_no_retention"] = r["groups"], r["groups_no_retention"]
+            rec["retention_stats"] = r.get("retention_stats")
     if any(r["skipped_requests"] for r in records):
         print("skipped: requests larger than the whole pool (served without the cache, no hit)")
     sessions = len({r.session for r in trace.requests if r.session is not None})
     summary = {"provenance": provenance(), "trace": trace_path, "trace_name": trace.name, "label": args.label,
                "format": args.format, "source": args.source if args.format == "chat" else None,
                "itl_ms": args.itl_ms, "session_keys": sessions,
+               "think_time_s": (None if getattr(args, "think_time_s", None) is None
+                                else str(args.think_time_s)), "seed": getattr(args, "seed", 0),
+               "retain_share": share, "retain_ttl": ttl if retaining is not None else None,
+               "max_retained_fraction": (getattr(args, "max_retained_fraction", 0.5)
+                                         if retaining is not None else None),
+               "retaining_sessions": sorted(retaining) if retaining is not None else None,
                "block_size": block_size, "model_shape": shape.name,
                "requests": len(trace.requests), "distinct_blocks": distinct,
+               "peak_working_set_blocks": working_set,
+               "capacity_basis": getattr(args, "capacity_basis", "distinct"),
                "infinite_cache": infinite, "notes": trace.notes, "records": records}
     (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
     with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(records)
     replay_mod.plot(records, infinite, out / "hit_rate.png",
