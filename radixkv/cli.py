@@ -118,7 +118,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="ZMQ ROUTER endpoint that replays recent KV event batches to a "
                         "subscriber that missed some, e.g. tcp://*:5558")
     p.add_argument("--kv-store", type=_kv_store_arg, default=None, metavar="SPEC",
-                   help="a store tier under the prefix cache: host:GIB (process memory) or "
+                   help="a store tier under the prefix cache: host:GIB (process memory), "
+                        "disk:PATH[?gib=N] (files that survive restarts), host:GIB,disk:PATH "
+                        "(memory in front of disk) or "
                         "mooncake://MASTER_HOST:PORT?metadata=URL[&local=HOST:PORT] (Mooncake "
                         "Store, shared by the replicas on one master); docs/operations.md")
     p.add_argument("--kv-store-write", default="all", choices=["all", "evict"],
@@ -439,6 +441,8 @@ BENCHES = {
     "tree": "cache-index throughput (hash, match, insert, evict) against the raw-hashing floor",
     "kernels": "attention kernels against torch SDPA, a bf16 matmul and a device copy (GPU)",
     "store": "store-tier hit vs recompute of the same blocks, per block (host, mooncake)",
+    "restart": "a session's next turn after radixkv serve restarts with --kv-store disk:, against "
+               "the same turn computed cold (TTFT ratio; damaged files computed)",
     "step": "prefill tokens/s and decode ms/token of the model step against the CPU's FMA peak, "
             "GEMM and copy floors",
     "cold-prefill": "TTFT and tokens/s of never-seen prompts of exactly N tokens, per server",

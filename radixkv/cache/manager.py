@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from radixkv.cache.check import block_states, check_manager
 from radixkv.cache.events import KVEventLog
@@ -31,10 +31,19 @@ from radixkv.cache.request_state import RequestState
 from radixkv.cache.retention import TTL_CLASSES, RetentionInfo, RetentionTable
 from radixkv.cache.store import bridge
 from radixkv.cache.store.tier import StoreTier
-from radixkv.cache.tree.node import BLOCK_ID_TYPECODE
+from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, split_hashes
 from radixkv.cache.tree.radix_tree import RadixTree
 from radixkv.config import check_block_size, check_int
 from radixkv.eviction import make_policy
+
+
+class RetainResult(NamedTuple):
+    """What :meth:`CacheManager.retain` did (see there)."""
+
+    created: dict[str, int]
+    num_retained_tokens: int
+    retention_ids: tuple[str, ...]
+
 
 #: Identities whose root hash is memoised (least recently used dropped first): a client may
 #: send a new cache salt with every request, so nothing here may grow per identity.
@@ -316,9 +325,30 @@ class CacheManager(CacheGauges):
     # ---- store tier (radixkv.cache.store.bridge has the rules) ---------------------------
     def attach_store(self, tier: StoreTier) -> None:
         """Put ``tier`` under the tree: lookups past the device match ask it, published (or,
-        in ``evict`` write mode, evicted) blocks are written to it."""
+        in ``evict`` write mode, evicted) blocks are written to it; retained blocks are marked
+        there (kept longest) when the backend has the notion (``StoreTier.keeps_retained``)."""
         self.store = tier
         self.tree.trim_hook = lambda node, take: bridge.write_trimmed(tier, node, take)
+        if tier.keeps_retained:
+            self.retention.touched = {}
+
+    def _mark_retained_in_store(self) -> None:
+        """Tell the store tier the chains retentions pinned or refreshed since the last call
+        (their deepest node per TTL class, until its expiry)."""
+        touched = self.retention.touched
+        if not touched or self.store is None:
+            return
+        for node, until_s in touched.values():
+            parts: list[bytes] = []
+            n = node
+            while n.parent is not None:
+                parts.append(bytes(n.hash_bytes))
+                n = n.parent
+            if not n.root_hash or not parts:  # detached since (evicted): nothing to mark
+                continue
+            buf = b"".join(reversed(parts))
+            self.store.mark_retained(n.root_hash, split_hashes(buf, node.hash_size), until_s)
+        touched.clear()
 
     def store_begin(self, request_id: str, prompt_token_ids: bytes) -> bool:
         """After ``begin``: queue the store lookup of the blocks past the device match (packed
@@ -462,8 +492,7 @@ class CacheManager(CacheGauges):
 
     # ---- retention (radixkv.cache.retention) ------------------------------------------
     def retain(self, request_id: str, breakpoints: Sequence[tuple[int, str]], *,
-               num_prompt_tokens: int | None = None, refresh: bool = True
-               ) -> tuple[dict[str, int], int]:
+               num_prompt_tokens: int | None = None, refresh: bool = True) -> RetainResult:
         """Refresh the live retentions the request's published path covers (the request's
         tenant's: a hit on a retained prefix), then retain prefixes of that path (its prompt's
         breakpoints once they are cached, or the whole sequence at its end), as far as the
@@ -479,10 +508,12 @@ class CacheManager(CacheGauges):
                 prompt did already).
 
         Returns:
-            ``(created, num_retained_tokens)``: tokens newly retained by these breakpoints
+            A :class:`RetainResult`: ``created``, tokens newly retained by these breakpoints
             per TTL class (tokens past both the request's cache hit ``m`` and what live
             retentions already covered; each token under the first breakpoint that reaches
-            it), and the tokens of the request's path under a live retention now.
+            it); ``num_retained_tokens``, the tokens of the request's path under a live
+            retention now; ``retention_ids``, the id of the retention each breakpoint made or
+            refreshed, in the order given (breakpoints that retained nothing have none).
 
         Raises:
             KeyError: unknown ``request_id``.
@@ -492,7 +523,7 @@ class CacheManager(CacheGauges):
         bs = self.block_size
         cursor, root = req.cursor, req.root
         if cursor is None or root is None or not (breakpoints or len(self.retention)):
-            return {}, 0
+            return RetainResult({}, 0, ())
         for _, ttl_class in breakpoints:
             if ttl_class not in TTL_CLASSES:
                 raise ValueError(f"ttl_class: must be one of {', '.join(TTL_CLASSES)}, got "
@@ -507,14 +538,19 @@ class CacheManager(CacheGauges):
         prev = max(req.num_cached_tokens, self.retention.retained_depth_blocks(cursor) * bs)
         limit = num_prompt_tokens if num_prompt_tokens is not None else 1 << 62
         created: dict[str, int] = {}
-        for num_tokens, ttl_class in sorted(breakpoints, key=lambda b: b[0]):
-            got = self.retention.retain(cursor, root.root_hash, num_tokens // bs, ttl_class,
-                                        tenant) * bs
-            end = min(got, limit)
+        ids: dict[int, str] = {}
+        for i, (num_tokens, ttl_class) in sorted(enumerate(breakpoints), key=lambda b: b[1][0]):
+            blocks, rid = self.retention.retain(cursor, root.root_hash, num_tokens // bs,
+                                                ttl_class, tenant)
+            if rid is not None:
+                ids[i] = rid
+            end = min(blocks * bs, limit)
             if end > prev:
                 created[ttl_class] = created.get(ttl_class, 0) + end - prev
                 prev = end
-        return created, self.retention.retained_depth_blocks(cursor) * bs
+        self._mark_retained_in_store()
+        return RetainResult(created, self.retention.retained_depth_blocks(cursor) * bs,
+                            tuple(ids[i] for i in sorted(ids)))
 
     def retained_tokens(self, request_id: str) -> int:
         """Tokens of an active request's path under a live retention (KeyError: unknown)."""

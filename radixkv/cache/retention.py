@@ -200,6 +200,10 @@ class RetentionTable:
             "refused_tokens_total"), 0)
         self.expired_by_ttl = dict.fromkeys(TTL_CLASSES, 0)
         self.refused_tokens_by_tenant: dict[str | None, int] = {}
+        #: When not None (a store tier that keeps retained blocks longest is attached): the
+        #: deepest node pinned or refreshed per TTL class since the owner last took it, with
+        #: its expiry (the owner tells the store; a chain's deepest node covers the rest).
+        self.touched: dict[str, tuple[Node, float]] | None = None
 
     # ---- gauges -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -216,13 +220,13 @@ class RetentionTable:
 
     # ---- making, refreshing, expiring ---------------------------------------------------
     def retain(self, cursor: Node, root_hash: bytes, num_blocks: int, ttl_class: str,
-               tenant: str | None) -> int:
+               tenant: str | None) -> tuple[int, str | None]:
         """Retain the first ``num_blocks`` blocks of the path ending at ``cursor`` (a request's
         cursor: the path is in the tree and locked) for ``ttl_class``, as far as the budgets
         allow; the same prefix, class and tenant retained again is refreshed.
 
         Returns:
-            Blocks retained (≤ ``num_blocks``; 0: nothing).
+            ``(blocks retained (≤ num_blocks; 0: nothing), its retention id or None)``.
 
         Raises:
             ValueError: naming ``ttl_class`` if it is not a key of :data:`TTL_CLASSES`.
@@ -234,7 +238,7 @@ class RetentionTable:
         depth = (cursor.depth_tokens + cursor.num_tokens) // self.block_size
         want = min(num_blocks, depth)
         if want <= 0:
-            return 0
+            return 0, None
         node = tree.node_at(cursor, want)
         allowed = self._fits(node, want, tenant)
         if allowed < want:
@@ -243,7 +247,7 @@ class RetentionTable:
             self.refused_tokens_by_tenant[tenant] = (
                 self.refused_tokens_by_tenant.get(tenant, 0) + refused)
             if allowed <= 0:
-                return 0
+                return 0, None
             node = tree.node_at(node, allowed)
         now = self.now()
         rid = retention_id(node.end_hash, ttl_class, tenant)
@@ -254,12 +258,12 @@ class RetentionTable:
             self._pin(ret, node)
             self.counters["created_total"] += 1
             self._set_expiry(ret, now)
-            return allowed
+            return allowed, rid
         if ret.node is None:  # demoted, and its prefix is back in the pool
             self._repin(ret, node)
         if ret.expires_s != now + TTL_CLASSES[ttl_class]:  # once per request (on_hit first)
             self._refresh(ret, now)
-        return allowed
+        return allowed, rid
 
     def _fits(self, node: Node, want: int, tenant: str | None) -> int:
         """The longest prefix (blocks, ≤ ``want``) of the path ending at ``node`` that the
@@ -277,6 +281,7 @@ class RetentionTable:
     def _pin(self, ret: _Retention, node: Node) -> None:
         self.tree.pin(node, ret.tenant)
         ret.node = node
+        self._touch(ret)
         self._at_node.setdefault(node.uid, []).append(ret)
         counts = self._pinned_by_ttl[ret.ttl_class]
         counts[0] += 1
@@ -307,6 +312,18 @@ class RetentionTable:
         ret.expires_s = now + TTL_CLASSES[ret.ttl_class]
         ret.entry = (ret.expires_s, next(self._seq), ret.retention_id)
         self._expiry.add(ret.entry)
+        self._touch(ret)
+
+    def _touch(self, ret: _Retention) -> None:
+        touched, node = self.touched, ret.node
+        if touched is None or node is None:
+            return
+        seen = touched.get(ret.ttl_class)
+        if seen is None or (seen[0].depth_tokens + seen[0].num_tokens
+                            < node.depth_tokens + node.num_tokens):
+            touched[ret.ttl_class] = (node, ret.expires_s)
+        elif seen[1] < ret.expires_s:
+            touched[ret.ttl_class] = (seen[0], ret.expires_s)
 
     def _refresh(self, ret: _Retention, now: float) -> None:
         ret.num_refreshes += 1

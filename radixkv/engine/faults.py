@@ -71,7 +71,9 @@ class RequestOutput:
     tokens this request newly retained at its breakpoints, per TTL class (never tokens served
     from the cache: ``num_cached_tokens + sum(values) <= num_prompt_tokens``); set on every
     output from the first one on. ``num_retained_tokens``: tokens of the request's prefix under
-    any live retention after its breakpoints were applied (0: none).
+    any live retention after its breakpoints were applied (0: none). ``retention_ids``: the
+    retentions its breakpoints made or refreshed, in breakpoint order (a ``-1``'s whole
+    sequence is added on the final output); ``()`` before the prompt is cached or without any.
     """
 
     request_id: str                # the client-visible (group) id
@@ -85,6 +87,7 @@ class RequestOutput:
     index: int = 0                 # choice index (n > 1)
     cache_creation_tokens_by_ttl: dict[str, int] = field(default_factory=dict)
     num_retained_tokens: int = 0
+    retention_ids: tuple[str, ...] = ()
 
 
 def make_output(req: Request, new_ids: list[int], text: str, *, finished: bool) -> RequestOutput:
@@ -97,7 +100,8 @@ def make_output(req: Request, new_ids: list[int], text: str, *, finished: bool) 
                          num_cached_tokens=req.num_cached_tokens,
                          num_generated_tokens=req.num_output_tokens,
                          cache_creation_tokens_by_ttl=req.cache_creation_tokens_by_ttl,
-                         num_retained_tokens=req.num_retained_tokens)
+                         num_retained_tokens=req.num_retained_tokens,
+                         retention_ids=req.retention_ids)
 
 
 def num_unfinished(group: list[Request], culprit: Request | None = None) -> int:

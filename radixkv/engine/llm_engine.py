@@ -430,10 +430,12 @@ class LLMEngine:
         its first output (once per request)."""
         req.retention_applied = True
         n = req.num_prompt_tokens
-        created, req.num_retained_tokens = self.cache.retain(
+        result = self.cache.retain(
             req.request_id, [(n if bp.num_tokens == -1 else bp.num_tokens, bp.ttl_class)
                              for bp in req.retention], num_prompt_tokens=n)
-        req.cache_creation_tokens_by_ttl = created
+        req.cache_creation_tokens_by_ttl = result.created
+        req.num_retained_tokens = result.num_retained_tokens
+        req.retention_ids = result.retention_ids
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
         req.append_token(token)
@@ -466,7 +468,8 @@ class LLMEngine:
                             adapter=parent.adapter, session_key=parent.session_key,
                             retention_applied=True,
                             cache_creation_tokens_by_ttl=parent.cache_creation_tokens_by_ttl,
-                            num_retained_tokens=parent.num_retained_tokens)
+                            num_retained_tokens=parent.num_retained_tokens,
+                            retention_ids=parent.retention_ids)
             group.append(child)
             copies = self.cache.fork(parent.request_id, child.request_id,
                                      num_computed_tokens=prompt_len)

@@ -105,7 +105,9 @@ class Request:
             blocks were first all cached).
         cache_creation_tokens_by_ttl: prompt tokens this request newly retained, per TTL class.
         num_retained_tokens: tokens of its prefix under a live retention (after its own
-            breakpoints were applied; at admission before that).
+            breakpoints were applied).
+        retention_ids: ids of the retentions its breakpoints made or refreshed, in
+            breakpoint order (prompt breakpoints; a ``-1``'s whole sequence appended at finish).
     """
 
     request_id: str
@@ -136,6 +138,7 @@ class Request:
     retention_applied: bool = False
     cache_creation_tokens_by_ttl: dict[str, int] = field(default_factory=dict)
     num_retained_tokens: int = 0
+    retention_ids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_ids:

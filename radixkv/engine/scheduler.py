@@ -225,9 +225,12 @@ class Scheduler:
             whole = [(len(req.token_ids), bp.ttl_class) for bp in req.retention
                      if bp.num_tokens == -1]
             if whole:
-                _, req.num_retained_tokens = self.cache.retain(
-                    req.request_id, whole, num_prompt_tokens=req.num_prompt_tokens,
-                    refresh=False)
+                result = self.cache.retain(req.request_id, whole,
+                                           num_prompt_tokens=req.num_prompt_tokens,
+                                           refresh=False)
+                req.num_retained_tokens = result.num_retained_tokens
+                req.retention_ids = req.retention_ids + tuple(
+                    rid for rid in result.retention_ids if rid not in req.retention_ids)
         self.cache.release(req.request_id)
 
     def _preempt(self, req: Request) -> None:

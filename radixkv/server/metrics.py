@@ -207,10 +207,49 @@ def _store_families(stats: dict, engine_stats: Any) -> Iterator[Any]:
     yield GaugeMetricFamily("radixkv_kv_store_down_bool",
                             "1 while the store tier is unreachable (requests compute).",
                             value=1 if store["down"] else 0)
+    yield from _disk_families(store)
     hist = engine_stats.store_fetch_latency
     yield _histogram("radixkv_kv_store_fetch_seconds",
                      "Backend time of a store load (exists + get).", hist.cumulative(),
                      hist.sum_s)
+
+
+_DISK_GAUGES = (
+    ("radixkv_kv_store_disk_used_bytes", "disk_used_bytes", "Bytes of block values on disk."),
+    ("radixkv_kv_store_disk_capacity_bytes", "disk_capacity_bytes",
+     "Most bytes of block values the disk tier keeps."),
+    ("radixkv_kv_store_disk_blocks", "disk_num_blocks", "Block values on disk."),
+    ("radixkv_kv_store_disk_retained_blocks", "disk_retained_blocks",
+     "Block values on disk under a live retention (evicted last)."),
+)
+_DISK_COUNTERS = (
+    ("radixkv_kv_store_disk_evicted_blocks", "disk_evicted_blocks_total",
+     "Block values the disk tier deleted for room."),
+    ("radixkv_kv_store_disk_refused_puts", "disk_refused_puts_total",
+     "Block values the disk tier refused to take (no room)."),
+)
+
+
+def _disk_families(store: dict) -> Iterator[Any]:
+    """The disk tier's gauges and counters, when the store snapshot has them (``disk_*``)."""
+    for name, key, doc in _DISK_GAUGES:
+        if key in store:
+            yield GaugeMetricFamily(name, doc, value=store[key])
+    for name, key, doc in _DISK_COUNTERS:
+        if key in store:
+            yield CounterMetricFamily(name, doc, value=store[key])
+    by_reason = store.get("disk_rejected_blocks_by_reason")
+    if by_reason is not None:
+        rejected = CounterMetricFamily("radixkv_kv_store_disk_rejected_blocks",
+                                       "Disk values refused when read (corrupt, truncated, "
+                                       "foreign, unreadable), by reason.", labels=["reason"])
+        for reason, value in sorted(by_reason.items()):
+            rejected.add_metric([reason], value)
+        yield rejected
+    if "promoted_blocks_total" in store:
+        yield CounterMetricFamily("radixkv_kv_store_promoted_blocks",
+                                  "Blocks a stacked tier read from a back tier and copied to "
+                                  "its front tier.", value=store["promoted_blocks_total"])
 
 
 _RETENTION_COUNTERS = (

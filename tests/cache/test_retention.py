@@ -46,7 +46,7 @@ def run(cm: CacheManager, root: bytes, rid: str, tokens: list[int],
     m = cm.begin(rid, root, tokens, tenant=tenant)
     assert cm.allocate(rid, len(tokens))
     cm.publish(rid, tokens, len(tokens))
-    created, retained = cm.retain(rid, breakpoints, num_prompt_tokens=len(tokens))
+    created, retained, _ = cm.retain(rid, breakpoints, num_prompt_tokens=len(tokens))
     cm.check_integrity()
     cm.release(rid)
     cm.check_integrity()
@@ -115,6 +115,19 @@ def test_breakpoints_split_creation_by_ttl_and_round_down_to_blocks() -> None:
     assert sorted((r.ttl_class, r.num_tokens) for r in cm.list_retentions(None)) == [
         ("1h", 8), ("5m", 4), ("5m", 20)]
     assert cm.num_retained_blocks == 5
+
+
+def test_retention_ids_in_breakpoint_order_and_listed() -> None:
+    cm, root, _ = make(16)
+    tokens = list(range(1, 21))
+    cm.begin("a", root, tokens, tenant="t")
+    assert cm.allocate("a", 20)
+    cm.publish("a", tokens, 20)
+    result = cm.retain("a", [(20, "1h"), (2, "5m"), (8, "5m")], num_prompt_tokens=20)
+    cm.release("a")
+    listed = {(r.num_tokens, r.ttl_class): r.retention_id for r in cm.list_retentions("t")}
+    assert result.retention_ids == (listed[(20, "1h")], listed[(8, "5m")])  # 2 -> 0: none
+    assert result.created == {"5m": 8, "1h": 12} and result.num_retained_tokens == 20
 
 
 def test_pool_budget_clips_to_a_shorter_prefix_and_counts_refused_tokens() -> None:
@@ -278,8 +291,9 @@ def test_property_random_retain_evict_expire_keeps_integrity(ops, policy, fracti
                 cm.release(rid)
             else:
                 cm.publish(rid, tokens, length)
-                created, retained = cm.retain(rid, [(length, ttl), (length // 2 or 1, "5m")],
-                                              num_prompt_tokens=length)
+                created, retained, ids = cm.retain(
+                    rid, [(length, ttl), (length // 2 or 1, "5m")], num_prompt_tokens=length)
+                assert len(ids) <= 2 and all(i.startswith("ret_") for i in ids)
                 assert cm.num_cached_tokens(rid) + sum(created.values()) <= length
                 assert retained % B == 0 and retained <= length
                 if op == "hold":

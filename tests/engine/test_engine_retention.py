@@ -69,6 +69,8 @@ def test_breakpoints_report_creation_on_every_output_and_survive_a_flood(tiny_mo
     assert [(o.cache_creation_tokens_by_ttl, o.num_retained_tokens) for o in outputs] == [
         ({"1h": 8, "5m": 12}, 20)] * 3
     assert outputs[0].num_cached_tokens == 0
+    ids = {(r.num_tokens, r.ttl_class): r.retention_id for r in engine.list_retentions(None)}
+    assert all(o.retention_ids == (ids[(8, "1h")], ids[(20, "5m")]) for o in outputs)
     flood(engine)
     again = run(engine, prompt + [5, 6, 7])
     assert again[0].num_cached_tokens == 20  # the retained 5 blocks, whatever the flood did
@@ -109,7 +111,9 @@ def test_whole_sequence_retained_at_finish(tiny_model) -> None:
     # (16 tokens: 4 blocks) at the last.
     assert [o.num_retained_tokens for o in outputs] == [8] * 6 + [16]
     assert all(o.cache_creation_tokens_by_ttl == {"24h": 8} for o in outputs)
-    assert sorted(r.num_tokens for r in engine.list_retentions(None)) == [8, 16]
+    by_size = {r.num_tokens: r.retention_id for r in engine.list_retentions(None)}
+    assert sorted(by_size) == [8, 16]
+    assert [o.retention_ids for o in outputs] == [(by_size[8],)] * 6 + [(by_size[8], by_size[16])]
     flood(engine)
     generated = [o.new_token_ids[0] for o in outputs]
     assert run(engine, prompt + generated)[0].num_cached_tokens == 16
@@ -192,5 +196,19 @@ def test_store_tier_demotes_under_pressure_and_a_hit_pins_again(tiny_model) -> N
         # The big request left one block of the prefix on the device; the store had the rest.
         assert engine.stats_snapshot()["cached_prompt_tokens_by_tier"] == {"device": 4,
                                                                            "store": 36}
+    finally:
+        engine.store.close()
+
+
+def test_a_disk_tier_is_told_which_blocks_are_retained(tiny_model, tmp_path) -> None:
+    # The engine's own clock (time.monotonic): the disk tier keeps them until the expiry on it.
+    engine = LLMEngine(engine_config(block_size=B, num_blocks=32,
+                                     kv_store=f"disk:{tmp_path / 'kv'}"), tiny_model)
+    try:
+        run(engine, prompt_of(11, 21), (RetentionBreakpoint(20, "1h"),))
+        run(engine, prompt_of(12, 9))  # published and written, not retained
+        assert engine.store.flush()
+        store = engine.stats_snapshot()["store"]
+        assert (store["disk_num_blocks"], store["disk_retained_blocks"]) == (5 + 2, 5)
     finally:
         engine.store.close()

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from radixkv.cache.events import KVEventLog
 from radixkv.cache.store.backend import WRITE_MODES, PutEntry, StoreBackend
@@ -55,6 +55,13 @@ PRESENT_MEMO_SIZE = 1 << 16
 RESET_WRITES_TIMEOUT_S = 5.0
 #: The checksum field as ``encode_header`` expects it when only the header is compared.
 _ZERO_CHECKSUM = bytes(CHECKSUM_BYTES)
+
+
+class RetainJob(NamedTuple):
+    """For the writer thread: ``backend.mark_retained(keys, until_s)``."""
+
+    keys: list[str]
+    until_s: float
 
 
 class StoreTier:
@@ -315,6 +322,10 @@ class StoreTier:
                     self.rejected_by_reason[reason] += 1
                 log.warning("kv_store_value_rejected", reason=reason,
                             block_hash=job.hashes[i].hex(), request_id=job.request_id)
+                try:  # a backend that keeps values may drop it (the block is written afresh)
+                    self.backend.on_rejected(keys[i], reason)
+                except StoreError as exc:
+                    self.mark_down("on_rejected", exc)
                 job.num_rejected = run - i
                 break
             verified += 1
@@ -411,6 +422,23 @@ class StoreTier:
             self._idle.wait_for(lambda: self._inflight.isdisjoint(keys),
                                 max(0.0, deadline_s - self._clock()))
 
+    @property
+    def keeps_retained(self) -> bool:
+        """The backend ranks retained blocks apart (``StoreBackend.mark_retained`` does
+        something: the disk tier, a stack holding one)."""
+        return type(self.backend).mark_retained is not StoreBackend.mark_retained
+
+    def mark_retained(self, root: bytes, hashes: Sequence[bytes], until_s: float) -> None:
+        """Blocks of a retention (their chained hashes under identity ``root``) are to be
+        kept longest by the backend until ``until_s`` (the cache clock, ``time.monotonic`` in
+        a server). Queued behind the writes already queued, for the writer thread (never a
+        backend call on the engine thread); nothing for a backend without the notion."""
+        if not hashes or not self.keeps_retained:
+            return
+        with self._idle:  # flush() waits for it like a write
+            self._pending_writes += 1
+        self._writes.put(RetainJob([store_key(self.layout, root, h) for h in hashes], until_s))
+
     def pump(self) -> int:
         """Gather deferred blocks into the slots freed since (engine thread, every step);
         returns how many were gathered."""
@@ -468,6 +496,16 @@ class StoreTier:
             if self._down_since is not None and now - self._down_since >= \
                     self._reconnect_interval_s:
                 self._try_reconnect()
+            if isinstance(job, RetainJob):
+                try:
+                    self.backend.mark_retained(job.keys, job.until_s)
+                except StoreError as exc:
+                    self.mark_down("mark_retained", exc)
+                finally:
+                    with self._idle:
+                        self._pending_writes -= 1
+                        self._idle.notify_all()
+                continue
             if job:
                 try:
                     self._run_write(job)
