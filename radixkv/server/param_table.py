@@ -297,7 +297,8 @@ _A_TEXT_BLOCK = obj_schema({"type": {"const": "text"}, "text": {"type": "string"
                             "citations": {"enum": [None, []]}}, ["type", "text"])
 _A_TOOL_USE = obj_schema({"type": {"const": "tool_use"}, "id": {"type": "string"},
                           "name": {"type": "string", "minLength": 1},
-                          "input": {"type": "object"}, "cache_control": CACHE_CONTROL_SCHEMA},
+                          "input": {"type": "object"}, "cache_control": CACHE_CONTROL_SCHEMA,
+                          "caller": {"enum": [None, {"type": "direct"}]}},
                          ["type", "id", "name", "input"])
 _A_TOOL_RESULT = obj_schema({
     "type": {"const": "tool_result"}, "tool_use_id": {"type": "string"},

@@ -12,6 +12,8 @@ turn's prompt + fed reply from the cache (``min(match, N - 1) // B * B``).
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -557,3 +559,42 @@ async def test_openapi_documents_the_messages_tables(server):
         assert all(props[name] == p.schema for name, p in table.items())
     assert set(doc["paths"]["/v1/messages"]["post"]["responses"]) == {
         "200", "400", "401", "404", "413", "429", "500", "529"}
+
+
+# ------------------------------------------------------------------ never a 5xx
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(
+        ["", "text", "tool_use", "tool_result", "user", "assistant", "ephemeral", "5m", "1h",
+         "auto", "any", "tool", "image"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["type", "text", "role", "content", "name", "input", "id",
+                         "tool_use_id", "cache_control", "ttl", "input_schema"]),
+        inner, max_size=4),
+    max_leaves=12)
+_FIELDS = ["messages", "system", "tools", "tool_choice", "cache_control", "stop_sequences",
+           "metadata", "temperature", "top_k", "thinking", "stream"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.data_too_large])
+@given(fields=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4),
+       route=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]))
+def test_random_bodies_get_200_or_an_anthropic_4xx(server, fields, route):
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **fields}
+    req = urllib.request.Request(server.url + route, data=orjson.dumps(body), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310 - 127.0.0.1 only
+            status, raw, content_type = resp.status, resp.read(), resp.headers["Content-Type"]
+    except urllib.error.HTTPError as err:
+        status, raw, content_type = err.code, err.read(), err.headers["Content-Type"]
+    assert status in (200, 400), (status, raw, body)
+    if status == 400:
+        out = orjson.loads(raw)
+        assert out["type"] == "error" and out["error"]["type"] == "invalid_request_error"
+        assert isinstance(out["error"]["message"], str) and out["error"]["message"]
+    else:
+        assert content_type.startswith(
+            "text/event-stream" if route == "/v1/messages" and fields.get("stream") is True
+            else "application/json")
