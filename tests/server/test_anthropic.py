@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import anthropic
 import orjson
 import pytest
@@ -313,6 +314,27 @@ async def test_stop_sequence_and_max_tokens_stop_reasons(recorded, client):
         model=server.engine.model_name, max_tokens=3, temperature=0, top_k=904,
         messages=[{"role": "user", "content": f"{uuid.uuid4().hex}"}])
     assert (msg.stop_reason, msg.usage.output_tokens) == ("max_tokens", 3)
+
+
+async def test_a_stream_aborted_by_the_server_ends_with_an_overloaded_error_event(recorded):
+    """Headers are sent: the abort is an in-band ``error`` event (529's type), and the stream
+    ends there (no message_delta / message_stop)."""
+    server, _, _, script = recorded
+    script[905] = server.engine.tokenizer.encode(" word" * 1900)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + "/v1/messages", json={
+                "max_tokens": 1900, "temperature": 0, "top_k": 905, "stream": True,
+                "messages": [{"role": "user", "content": uuid.uuid4().hex}]}) as resp:
+            assert resp.status == 200
+            first = await resp.content.readuntil(b"\n\n")
+            assert first.startswith(b"event: message_start\n")
+            server.loop.call_soon_threadsafe(server.engine.abort_all)
+            raw = first + await resp.read()
+    script.pop(905, None)
+    events = events_of(raw)
+    assert events[-1] == ("error", {"type": "error", "error": {
+        "type": "overloaded_error", "message": "the request was aborted by the server"}})
+    assert "message_delta" not in [n for n, _ in events]
 
 
 # ------------------------------------------------------------------ the agent loop
