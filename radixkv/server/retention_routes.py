@@ -192,19 +192,14 @@ async def _warm(engine: AsyncEngine, ids: list[int], param: str, ttl: str, *, re
     return last
 
 
-async def _created_retention(engine: AsyncEngine, out: RequestOutput, tenant: str | None,
-                             ttl: str) -> RetentionInfo | None:
-    """The live retention the warm request created or refreshed (None: nothing retained)."""
-    if out.num_retained_tokens <= 0:
+async def _created_retention(engine: AsyncEngine, out: RequestOutput, tenant: str | None
+                             ) -> RetentionInfo | None:
+    """The live retention the warm request's breakpoint made or refreshed (None: nothing was
+    retained)."""
+    if not out.retention_ids:
         return None
     live = await _engine_call(engine.list_retentions(tenant))
-    ids = tuple(getattr(out, "retention_ids", ()) or ())
-    if ids:
-        return next((r for r in live if r.retention_id == ids[-1]), None)
-    # The output names no retention: the largest of its TTL class within what it retained,
-    # the latest expiry first (the one this request has just set).
-    fits = [r for r in live if r.ttl_class == ttl and r.num_tokens <= out.num_retained_tokens]
-    return max(fits, key=lambda r: (r.num_tokens, r.expires_in_s), default=None)
+    return next((r for r in live if r.retention_id == out.retention_ids[-1]), None)
 
 
 def add_retention_routes(app: web.Application,
@@ -230,7 +225,7 @@ def add_retention_routes(app: web.Application,
             adapters.require_lora(engine, lora)
             out = await _warm(engine, ids, param, ttl, request_id=f"retain-{uuid.uuid4().hex}",
                               salt=salt, tenant=tenant.name, lora=lora)
-            info = await _created_retention(engine, out, tenant.name, ttl)
+            info = await _created_retention(engine, out, tenant.name)
         finally:
             state.release(tenant.name)
         return json_response({
