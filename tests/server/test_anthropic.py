@@ -92,14 +92,14 @@ def client(server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
 
 
-SAMPLING = ("temperature", "top_p", "top_k", "cache_salt")
+EXTRA_BODY = ("temperature", "top_p", "top_k", "cache_salt", "cache_control")
 
 
 def sdk_args(**kwargs: Any) -> dict[str, Any]:
     """``kwargs`` for the SDK: the sampling fields (which the newest SDK no longer takes as
-    arguments; older ones send them as such) and radixkv's ``cache_salt`` go in
-    ``extra_body``."""
-    extra = {k: kwargs.pop(k) for k in SAMPLING if k in kwargs}
+    arguments; older ones send them as such), the top-level ``cache_control`` (which older
+    SDKs lack) and radixkv's ``cache_salt`` go in ``extra_body``."""
+    extra = {k: kwargs.pop(k) for k in EXTRA_BODY if k in kwargs}
     extra.update(kwargs.pop("extra_body", {}))
     return {**kwargs, **({"extra_body": extra} if extra else {})}
 
