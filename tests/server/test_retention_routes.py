@@ -8,6 +8,7 @@ admin). Every test starts with no retention (the admin releases all).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import re
@@ -18,8 +19,9 @@ import aiohttp
 import orjson
 import pytest
 
+from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server.auth import load_api_keys
-from tests.factories import make_async_engine
+from tests.factories import engine_config
 from tests.server.conftest import RunningServer, run_server_in_thread
 from tests.server.helpers import bearer, cached_tokens, complete, get, post_json
 
@@ -28,6 +30,7 @@ T1_KEY, T2_KEY, ADMIN_KEY = "key-tenant-one", "key-tenant-two", "key-the-admin"
 KEYS = {T1_KEY: {"tenant": "t1", "admin": False}, T2_KEY: {"tenant": "t2", "admin": False},
         ADMIN_KEY: {"tenant": "ops", "admin": True}}
 HOUR_S = 3600.0
+T2_BUDGET_TOKENS = 12
 _fresh = itertools.count(300)
 
 
@@ -41,7 +44,11 @@ def fresh_prompt(length: int) -> list[int]:
 def server(tiny_model, tmp_path_factory) -> Iterator[RunningServer]:
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     path.write_text(json.dumps(KEYS))
-    engine = make_async_engine(tiny_model, block_size=B, num_blocks=128)
+    config = engine_config(block_size=B, num_blocks=128)
+    # t2 may retain 3 blocks (as `radixkv serve` takes max_retained_tokens from the key file).
+    config = dataclasses.replace(config, cache=dataclasses.replace(
+        config.cache, tenant_max_retained_tokens=(("t2", T2_BUDGET_TOKENS),)))
+    engine = AsyncEngine(config, tiny_model, check_integrity_when_idle=True)
     yield from run_server_in_thread(engine, api_keys=load_api_keys(path))
 
 
@@ -173,6 +180,32 @@ async def test_retain_text_prompt_and_admin_release_all(server):
     assert [r["tenant"] for r in await listed(url, ADMIN_KEY)] == ["t1"]
     assert (await delete(url, "/v1/cache/retentions", ADMIN_KEY))[1]["num_released"] == 1
     assert await listed(url, ADMIN_KEY) == []
+
+
+async def test_a_tenant_budget_clips_what_is_retained(server):
+    url, long, other = server.url, fresh_prompt(22), fresh_prompt(9)
+    status, body = await retain(url, T2_KEY, prompt=long, ttl="1h")
+    assert status == 200, body
+    # 20 tokens of full blocks asked for, 12 fit t2's budget: the longest prefix that fits.
+    assert (body["num_retained_tokens"], body["cache_creation_tokens"]) == (12, 12)
+    [ret] = await listed(url, T2_KEY)
+    assert (ret["id"], ret["num_tokens"]) == (body["id"], 12)
+    # The budget is spent: another prefix is not retained, and says so; t1 is unaffected.
+    status, body = await retain(url, T2_KEY, prompt=other, ttl="1h")
+    assert (status, body["id"], body["num_retained_tokens"], body["cache_creation_tokens"],
+            body["expires_in_s"]) == (200, None, 0, 0, None)
+    status, body = await retain(url, T1_KEY, prompt=long, ttl="1h")
+    assert (body["num_retained_tokens"], body["num_cached_tokens"]) == (20, 0)  # t1's salt
+    # A completion with prompt_cache_retention reports the clipped retention too.
+    status, body = await complete(url, other, T2_KEY, max_tokens=2, ignore_eos=True,
+                                  prompt_cache_retention="24h")
+    assert status == 200, body
+    assert body["radixkv"] == {"num_retained_tokens": 0, "cache_creation_tokens": 0}
+    assert await delete(url, "/v1/cache/retentions", T2_KEY) == (
+        200, {"object": "cache.retention.deleted", "deleted": True, "num_released": 1})
+    status, body = await complete(url, other, T2_KEY, max_tokens=2, ignore_eos=True,
+                                  prompt_cache_retention="24h")
+    assert body["radixkv"] == {"num_retained_tokens": 8, "cache_creation_tokens": 0}
 
 
 @pytest.mark.parametrize("body, param", [
