@@ -250,7 +250,7 @@ def replay(trace: Trace, policy_name: str, capacity_blocks: int, shape: CostShap
         cache.tree, capacity_blocks,
         max_retained_fraction=retention.max_retained_fraction if retention is not None else 0.5)
     cache.eviction_policy = policy_name
-    roots = {}
+    roots: dict[str | None, bytes] = {}
     cached = prompt = skipped = 0
     saved = total = 0.0
     step = 0

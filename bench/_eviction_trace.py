@@ -153,7 +153,7 @@ def trace_from_prompts(name: str, fmt: str, block_size: int,
                        prompts: Iterable[tuple]) -> Trace:
     """Build a trace from ``(time_s, salt, packed tokens[, session, duration_s])`` in replay
     order."""
-    ids = {}  # salt -> _BlockIds (blocks of different salts never share)
+    ids: dict[str | None, _BlockIds] = {}  # blocks of different salts never share
     requests = []
     for t, salt, pb, *extra in prompts:
         if not pb:
@@ -336,6 +336,8 @@ def load_trace(fmt: str, path: str | None, block_size: int, *, source: str = "ta
         return load_chat(source, path, block_size, concurrency, itl_ms=itl_ms,
                          sessions=sessions, think_time=think, think_seed=think_seed,
                          **chat_options)
+    if path is None:
+        raise ValueError(f"trace: a path is required for --format {fmt}")
     if fmt == "mooncake":
         trace = load_mooncake(path, block_size, itl_ms=itl_ms, sessions=sessions,
                               max_requests=max_requests)

@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> dict:
                 bar.update(counter.value - bar.n)
 
     if retaining is not None:
-        results = merge_retention(results, share, ttl)
+        results = merge_retention(results, share or 0.0, ttl)
     order = {p: i for i, p in enumerate(policies)}
     results.sort(key=lambda r: (order[r["policy"]], r["capacity_fraction"]))
     report_mod.annotate(results)
