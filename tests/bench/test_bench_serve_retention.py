@@ -193,3 +193,17 @@ def test_bad_retention_flags_exit_2_naming_the_flag(flags, message, capsys) -> N
         cli_main(["bench", "serve", "--url", "http://127.0.0.1:1", *flags])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_open_loop_turn_is_ready_only_after_its_think_time(server, tmp_path) -> None:
+    bench = load_bench("serve")
+    out = tmp_path / "open.json"
+    assert bench.main(["--url", server.url, "--sessions", "2", "--max-turns", "2",
+                       "--request-rate", "1000", "--concurrency", "1", "--max-tokens", "2",
+                       "--think-time-s", "0.4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["per_request"]
+    assert (data["mode"], data["requests"], data["failed_requests"]) == ("poisson", 4, 0)
+    # Both first turns are ready at once; each second turn 0.4 s after its first reply.
+    assert [(r["turn"], r["think_s"]) for r in rows] == [(0, 0.0), (0, 0.0), (1, 0.4), (1, 0.4)]
+    assert data["wall_s"] >= 0.4
