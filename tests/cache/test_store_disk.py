@@ -391,7 +391,7 @@ def test_clear_and_remove_delete_the_files(tmp_path):
 # ---- kill -9 during writes ------------------------------------------------------------------
 
 WRITER = r"""
-import ctypes, random, sys
+import ctypes, os, random, sys, time
 sys.path.insert(0, {repo!r})
 from radixkv.cache.store.backend import PutEntry
 from radixkv.cache.store.disk import DiskStore
@@ -399,6 +399,18 @@ from radixkv.cache.store.value import BlockLayout, encode_header, payload_checks
 layout = BlockLayout(16, 8, 128, "float32", 4, 4)  # 512 KiB payloads: writes take a while
 store = DiskStore({path!r}, 1 << 40, fsync=True)
 root = bytes(16)
+stall_at = {stall_at}  # >= 0: the value written then stops half-way (the parent kills it)
+writes = 0
+real_write = os.write
+def write(fd, data):
+    global writes
+    writes += 1
+    if writes - 1 == stall_at:
+        real_write(fd, bytes(data)[: len(data) // 2])
+        print("stalled", flush=True)
+        time.sleep(120)
+    return real_write(fd, data)
+os.write = write
 print("ready", flush=True)
 for i in range(100000):
     h = i.to_bytes(16, "big")
@@ -410,16 +422,22 @@ for i in range(100000):
 """
 
 
+def _writer(path: Path, stall_at: int = -1) -> subprocess.Popen:
+    repo = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=repo, path=str(path),
+                                                                 stall_at=stall_at)],
+                            stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    while (line := proc.stdout.readline()) != b"ready\n":  # (the store logs its opening)
+        assert line, "the writer exited before it was ready"
+    return proc
+
+
 def test_kill_9_during_writes_never_leaves_a_value_that_verifies_but_is_wrong(tmp_path):
     path = tmp_path / "kv"
     layout = BlockLayout(16, 8, 128, "float32", 4, 4)
-    repo = str(Path(__file__).resolve().parents[2])
-    for round_ in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=repo, path=str(path))],
-                                stdout=subprocess.PIPE)
-        assert proc.stdout is not None
-        while (line := proc.stdout.readline()) != b"ready\n":  # (the store logs its opening)
-            assert line, "the writer exited before it was ready"
+    for round_ in range(2):  # killed wherever it is (often mid-file: the timing decides)
+        proc = _writer(path)
         deadline = time.monotonic() + 60
         while len(list(path.glob("*/rkv*"))) < 5 * (round_ + 1):
             assert time.monotonic() < deadline and proc.poll() is None
@@ -427,11 +445,20 @@ def test_kill_9_during_writes_never_leaves_a_value_that_verifies_but_is_wrong(tm
         time.sleep(random.Random(round_).uniform(0.0, 0.05))
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL
+    # Then surely mid-file: the writer stops half-way through a value's bytes.
+    found = len(list(path.glob("*/rkv*")))
+    proc = _writer(path, stall_at=2)  # two more values, then half of the third
+    assert proc.stdout is not None and proc.stdout.readline() == b"stalled\n"
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    half = list(path.glob("*/.tmp-*"))
+    assert [f.stat().st_size for f in half] == [layout.value_bytes(16) // 2]  # the only one
     store = DiskStore(str(path), 1 << 40)
     try:
         stats = store.stats()
         n = stats["disk_num_blocks"]
-        assert n >= 15 and stats["disk_found_blocks_at_start"] == n
+        assert n == found + 2 and stats["disk_found_blocks_at_start"] == n
+        assert stats["disk_removed_temp_files_at_start"] == 1
         assert list(path.glob("*/.tmp-*")) == []  # unfinished writes cleaned at open
         vb = layout.value_bytes(16)
         for f in path.glob("*/rkv*"):
