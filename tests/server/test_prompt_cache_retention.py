@@ -173,6 +173,18 @@ def test_official_sdk_chat_json_and_stream(server):
     plain = client.chat.completions.create(model=server.engine.model_name, messages=messages,
                                            max_tokens=1, prompt_cache_retention="in_memory")
     assert "radixkv" not in (plain.model_extra or {})
+    # The legacy completions client has no such argument: it goes in extra_body.
+    text = client.completions.create(model=server.engine.model_name, prompt=fresh_prompt(9),
+                                     max_tokens=2, extra_body={"prompt_cache_retention": "24h",
+                                                               "ignore_eos": True})
+    assert text.usage.prompt_tokens_details.cached_tokens == 0
+    assert text.model_extra["radixkv"] == {"num_retained_tokens": retained_tokens(9, 2),
+                                           "cache_creation_tokens": 8}
+    # A refused value raises the SDK's BadRequestError carrying the field.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=server.engine.model_name, messages=messages,
+                                       max_tokens=1, extra_body={"prompt_cache_retention": "1h"})
+    assert refused.value.status_code == 400 and refused.value.param == "prompt_cache_retention"
 
 
 async def test_retained_sequence_survives_pressure_that_evicts_the_rest(server):

@@ -18,6 +18,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server.auth import load_api_keys
@@ -63,6 +65,10 @@ async def listed(url: str, key: str, query: str = "") -> list[dict]:
     assert status == 200, body
     assert body["object"] == "list"
     return body["data"]
+
+
+def health_status(url: str) -> int:
+    return asyncio.run(get(url, "/health"))[0]
 
 
 async def retain(url: str, key: str, **body: Any) -> tuple[int, Any]:
@@ -240,3 +246,41 @@ async def test_routes_need_a_key(server):
     for status, _ in (await get(url, "/v1/cache/retentions"),
                       await post_json(url, "/v1/cache/retain", {"prompt": [1], "ttl": "5m"})):
         assert status == 401
+
+
+_TEXT = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)),
+                max_size=40)
+_JUNK = st.one_of(st.none(), st.booleans(), st.integers(-5, 10 ** 6), _TEXT,
+                  st.lists(st.integers(-1, 60000), max_size=3))
+_RETAIN_BODIES = st.fixed_dictionaries({}, optional={
+    "ttl": st.one_of(st.sampled_from(["5m", "1h", "24h"]), _JUNK),
+    "prompt": st.one_of(st.lists(st.integers(-1, 50000), max_size=30), _TEXT,
+                        st.lists(st.lists(st.integers(0, 100), min_size=1, max_size=6),
+                                 max_size=2), _JUNK),
+    "messages": st.one_of(st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["system", "user", "assistant", "robot"]),
+        "content": st.one_of(_TEXT, st.none())}), max_size=3), _JUNK),
+    "tools": st.one_of(st.just([]), _JUNK),
+    "cache_salt": st.one_of(_TEXT, _JUNK),
+    "n": _JUNK,
+})
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(body=_RETAIN_BODIES)
+def test_any_retain_body_is_honoured_or_refused_in_the_error_shape(server, body):
+    status, out = asyncio.run(retain(server.url, T1_KEY, **body))
+    assert status in (200, 400), (body, out)
+    if status == 400:
+        assert set(out) == {"error"} and set(out["error"]) == {"message", "type", "param",
+                                                               "code"}, out
+        assert out["error"]["type"] == "invalid_request_error" and out["error"]["param"], out
+        return
+    n = out["num_prompt_tokens"]
+    assert 0 <= out["num_retained_tokens"] <= n // B * B and out["num_retained_tokens"] % B == 0
+    assert out["num_cached_tokens"] + out["cache_creation_tokens"] <= n
+    # An id names what the breakpoint retained (none: it retained nothing of its own, e.g.
+    # less than a block, or the pool's retention budget is spent).
+    assert out["id"] is None or out["num_retained_tokens"] > 0, out
+    assert health_status(server.url) == 200
