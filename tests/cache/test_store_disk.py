@@ -703,3 +703,33 @@ def test_another_model_revision_on_the_same_directory_reads_nothing(tiny, tmp_pa
     assert out.num_cached_tokens == 0 and out.output_token_ids == other_cold.output_token_ids
     assert (stats["hit_blocks_total"], stats["disk_rejected_blocks_total"]) == (0, 0)
     assert (stats["disk_found_blocks_at_start"], stats["disk_num_blocks"]) == (11, 22)
+
+
+def test_a_full_file_system_refuses_the_put_and_an_io_error_raises_store_error(tmp_path,
+                                                                               monkeypatch):
+    import errno
+
+    store, bufs = DiskStore(str(tmp_path / "kv"), 100 * VB, fsync=False), Buffers()
+    try:
+        entries, _ = entries_for(chain_hashes(3, seed=14), bufs)
+        failure = OSError(errno.ENOSPC, "No space left on device")
+
+        def failing(*args):
+            raise failure
+
+        monkeypatch.setattr(store, "_write_file", failing)
+        assert store.put(entries[:1]) == [False]
+        stats = store.stats()
+        assert (stats["disk_refused_puts_total"], stats["disk_num_blocks"],
+                stats["disk_used_bytes"]) == (1, 0, 0)
+        failure = OSError(errno.EIO, "Input/output error")
+        with pytest.raises(StoreError, match="kv_store disk: cannot write .*: Input/output error"):
+            store.put(entries[1:2])
+        monkeypatch.undo()
+        assert store.put(entries) == [True] * 3  # the reservations were given back
+        assert store.stats()["disk_used_bytes"] == 3 * VB
+        assert store.healthy()
+    finally:
+        store.close()
+    (tmp_path / "kv").rename(tmp_path / "gone")
+    assert not store.healthy()
