@@ -14,7 +14,10 @@ layouts apart. The value is::
 A reader builds the header it expects from what it knows (root, hashes, tokens, layout) and
 accepts a value only if every header byte but the checksum matches and the checksum of the
 payload it read matches the header's: a corrupt, colliding or stale entry costs a recompute,
-never a wrong answer. Everything here is bytes and ints: no torch.
+never a wrong answer. A backend that keeps values where they can rot (the disk tier) also
+checks each value it reads against itself and its key first (``read_header``,
+``check_stored_value``), without knowing the layout. Everything here is bytes and ints: no
+torch.
 """
 
 from __future__ import annotations
