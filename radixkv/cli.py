@@ -473,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Before any thread allocates: one malloc arena that keeps step buffers mapped.
+    from radixkv.kernels.host_memory import keep_step_buffers_mapped
+    keep_step_buffers_mapped()
     argv = list(sys.argv[1:] if argv is None else argv)
     # Bench drivers own their flags: load the driver before parsing the rest.
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:

@@ -29,10 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.kernels import gemm, native
+from radixkv.kernels import gemm, host_memory, native
 
 from .config import ModelShape
 from .lora import LoRABatch
+
+#: MLP row chunks of a prefill step are multiples of this (whole GEMM row blocks).
+_MLP_ROW_QUANTUM = 256
 
 __all__ = ["LlamaForward", "AttentionFn", "rope_inv_freq"]
 
@@ -191,6 +194,8 @@ class LlamaForward:
             # oneDNN on the plain weight for many rows.
             self._packed[id(self.lm_head)] = gemm.PackedLinear(self.lm_head, pack=drop_plain)
             self._prefill = gemm.prefill_kernels(native_kernels)
+            if self._prefill is not None:
+                host_memory.keep_step_buffers_mapped()
         self.prefill_gemm = gemm.gemm_backend(dtype) if fast else "torch F.linear"
         self.packed_weight_bytes = sum(lin.packed_bytes for lin in self._packed.values())
         # The C RoPE reads fp32 tables whatever the model dtype.
@@ -300,6 +305,10 @@ class LlamaForward:
         assert self._rope_cos32 is not None and self._rope_sin32 is not None
         positions = positions.to(torch.int64).contiguous()
         layers = self.layers
+        gate_up_width = 2 * shape.intermediate_size
+        mlp_rows = max(_MLP_ROW_QUANTUM, host_memory.max_rows_per_buffer(gate_up_width, hidden.element_size())
+                       // _MLP_ROW_QUANTUM * _MLP_ROW_QUANTUM)
+        down_buf: torch.Tensor | None = None
         x = gemm.add_rms_norm(kernels, hidden, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
             assert (layer.qkv_lin is not None and layer.o_lin is not None
@@ -312,7 +321,18 @@ class LlamaForward:
             v = qkv[:, q_dim + kv_dim:].view(num_tokens, num_kv, head_dim)
             attn = attention(i, q, k, v).reshape(num_tokens, q_dim)
             x = gemm.add_rms_norm(kernels, hidden, layer.post_norm, eps, layer.o_lin(attn).contiguous())
-            down = layer.down_lin(gemm.silu_mul(kernels, layer.gate_up_lin(x).contiguous()))
+            if num_tokens <= mlp_rows:
+                down = layer.down_lin(gemm.silu_mul(kernels, layer.gate_up_lin(x).contiguous()))
+            else:
+                # Row chunks keep the gate/up output under the allocator's mmap threshold, so
+                # it is reused from the heap instead of faulted in anew (kernels.host_memory).
+                if down_buf is None:
+                    down_buf = torch.empty_like(hidden)
+                down = down_buf
+                for start in range(0, num_tokens, mlp_rows):
+                    rows = slice(start, start + mlp_rows)
+                    down[rows].copy_(layer.down_lin(
+                        gemm.silu_mul(kernels, layer.gate_up_lin(x[rows]).contiguous())))
             if i + 1 < len(layers):
                 x = gemm.add_rms_norm(kernels, hidden, layers[i + 1].input_norm, eps, down.contiguous())
             else:

@@ -7,7 +7,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from radixkv.kernels import gemm, native
+from radixkv.kernels import gemm, host_memory, native
+from radixkv.model import llama
 from radixkv.model.loader import LoadedModel
 from radixkv.model.runner import ModelRunner
 
@@ -133,3 +134,25 @@ def test_bf16_without_native_dot_products_keeps_prefill_gemms_on_torch(
     assert not model.bf16_native and model._prefill is None and not model._packed
     assert model.prefill_gemm == "torch F.linear" and model.packed_weight_bytes == 0
     assert first.dtype == torch.float32 and bool(torch.isfinite(first).all())
+
+
+def test_mlp_in_row_chunks_matches_one_pass(tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Long steps run the MLP in row chunks (kernels.host_memory); force 16-row chunks on the
+    # tiny model: the 40-token prompt takes chunks of 16, 16 and 8 rows, the suffix 16, 16, 5.
+    runner, first, second = _logits(tiny_model)
+    _require_prefill_path(runner)
+    if runner.forward_model._prefill is None:
+        pytest.skip("no native prefill kernels here")
+    width = 2 * tiny_model.shape.intermediate_size
+    with monkeypatch.context() as patch:
+        patch.setattr(llama, "_MLP_ROW_QUANTUM", 8)
+        patch.setattr(host_memory, "MAX_STEP_BUFFER_BYTES", 16 * width * 4 + 7)
+        assert host_memory.max_rows_per_buffer(width, 4) == 16
+        calls: list[int] = []
+        real = gemm.silu_mul
+        patch.setattr(gemm, "silu_mul", lambda k, gu, **kw: calls.append(gu.shape[0]) or real(k, gu, **kw))
+        _, chunked_first, chunked_second = _logits(tiny_model)
+    num_layers = tiny_model.shape.num_layers
+    assert calls == [16, 16, 8] * num_layers + [16, 16, 5] * num_layers
+    assert _max_diff(chunked_first, first) <= 1e-5
+    assert _max_diff(chunked_second, second) <= 1e-5
