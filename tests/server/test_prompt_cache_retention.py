@@ -200,3 +200,20 @@ async def test_retained_sequence_survives_pressure_that_evicts_the_rest(server):
     assert cached_tokens(body) == 0  # evicted (LRU)
     status, body = await complete(url, kept + [5], max_tokens=1)
     assert cached_tokens(body) == 8  # retained
+
+
+async def test_n_choices_retain_the_prompt_and_the_first_choice(server):
+    url, p = server.url, fresh_prompt(10)
+    status, body = await complete(url, p, max_tokens=3, ignore_eos=True, n=2, seed=7,
+                                  temperature=1.0, return_token_ids=True,
+                                  prompt_cache_retention="24h")
+    assert status == 200, body
+    replies = [c["token_ids"] for c in body["choices"]]
+    assert replies[0][:2] != replies[1][:2], replies  # seeds 7 and 8 sample apart
+    # The prompt once (8 new tokens), then choice 0's 13 tokens (K/V for 12) at its finish:
+    # the engine retains one reply per request, the first choice's.
+    assert body["radixkv"] == {"num_retained_tokens": 12, "cache_creation_tokens": 8}
+    assert sorted(r["num_tokens"] for r in await retentions(url)) == [8, 12]
+    status, out = await complete(url, p + replies[0] + [1, 2], prompt_cache_retention="in_memory")
+    assert cached_tokens(out) == 12
+    assert [r["num_refreshes"] for r in await retentions(url) if r["num_tokens"] == 12] == [1]
