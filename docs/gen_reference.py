@@ -176,6 +176,8 @@ def parameters_page() -> str:
         ("`POST /v1/completions`", t.COMPLETION_PARAMS),
         ("`POST /tokenize`", t.TOKENIZE_PARAMS),
         ("`stream_options` (chat and completions)", t.STREAM_OPTIONS),
+        ("`POST /v1/messages` (Anthropic)", t.MESSAGES_PARAMS),
+        ("`POST /v1/messages/count_tokens` (Anthropic)", t.COUNT_TOKENS_PARAMS),
     ]
     body = []
     for title, params in sections:
@@ -188,6 +190,18 @@ def parameters_page() -> str:
     body.append("## Ignored keys inside `messages[i]`\n\n"
                 "| field | policy | roles | why |\n|---|---|---|---|\n"
                 + "\n".join(message_rows) + "\n")
+    block_rows = [f"| {_code(kind)} | refused | {_cell(why)} |" for kind, why in sorted(t.MESSAGES_REFUSED_BLOCKS.items())]
+    block_rows += [f"| {_code(kind)} | ignored (assistant turns) | {_cell(why)} |"
+                   for kind, why in sorted(t.MESSAGES_IGNORED_BLOCKS.items())]
+    for kind, fields in sorted(t.MESSAGES_BLOCK_FIELDS.items()):
+        for key, param in sorted(fields.items()):
+            block_rows.append(f"| {_code(kind + '.' + key)} | {_policy_name(param.policy)} | {_cell(param.why)} |")
+    body.append("## Anthropic content blocks\n\n"
+                "Block types and block keys of `/v1/messages` that radixkv does not implement: "
+                "refused with a 400 naming the block, or accepted and dropped where they "
+                "cannot change the result (`text`, `tool_use` and `tool_result` blocks are "
+                "supported).\n\n"
+                "| block | policy | why |\n|---|---|---|\n" + "\n".join(block_rows) + "\n")
     return (HEADER.format(source="radixkv/server/param_table.py")
             + "# Request parameters\n\n"
             + "Every request field the server knows, per operation, from the parameter-policy "

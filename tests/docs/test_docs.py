@@ -117,12 +117,15 @@ def test_commands_reference_has_every_subcommand_and_clone_independent_defaults(
 
 
 def test_parameters_reference_lists_every_field() -> None:
-    from radixkv.server.param_table import CHAT_PARAMS, COMPLETION_PARAMS, TOKENIZE_PARAMS
+    from radixkv.server.param_table import (CHAT_PARAMS, COMPLETION_PARAMS, COUNT_TOKENS_PARAMS,
+                                            MESSAGES_PARAMS, MESSAGES_REFUSED_BLOCKS, TOKENIZE_PARAMS)
 
     text = _load("gen_reference").parameters_page()
-    names = set(CHAT_PARAMS) | set(COMPLETION_PARAMS) | set(TOKENIZE_PARAMS)
+    names = (set(CHAT_PARAMS) | set(COMPLETION_PARAMS) | set(TOKENIZE_PARAMS) | set(MESSAGES_PARAMS)
+             | set(COUNT_TOKENS_PARAMS) | set(MESSAGES_REFUSED_BLOCKS))
     assert [n for n in sorted(names) if f"| `{n}` |" not in text] == []
     assert "| `logit_bias` | neutral value only | null or {} |" in text
+    assert "| `image` | refused | images are not supported (text only) |" in text
 
 
 _WORK_ITEM = re.compile(r"\b(issues?|stops?)\s+#?\d+", re.I)
