@@ -212,3 +212,28 @@ def test_a_disk_tier_is_told_which_blocks_are_retained(tiny_model, tmp_path) -> 
         assert (store["disk_num_blocks"], store["disk_retained_blocks"]) == (5 + 2, 5)
     finally:
         engine.store.close()
+
+
+def test_serve_flags_and_key_file_budgets_reach_the_cache_config(tmp_path, capsys) -> None:
+    import json
+
+    from radixkv.cli import build_parser, engine_config_from_args
+    from radixkv.server.auth import load_api_keys
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({
+        "key-one-1": {"tenant": "t1", "max_retained_tokens": 4096},
+        "key-two-2": {"tenant": "t1", "max_retained_tokens": 1024},
+        "key-three": {"tenant": "t2"}, "key-four4": {"tenant": "ops", "admin": True,
+                                       "max_retained_tokens": 0}}))
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--max-retained-fraction",
+                                      "0.25", "--api-keys", str(keys)])
+    cache = engine_config_from_args(args, load_api_keys(keys)).cache
+    assert cache.max_retained_fraction == 0.25
+    assert cache.tenant_max_retained_tokens == (("ops", 0), ("t1", 1024))  # a tenant's least
+    assert engine_config_from_args(args).cache.tenant_max_retained_tokens == ()
+    for bad in ("1.5", "-0.1", "half"):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["serve", "--max-retained-fraction", bad])
+        assert exit_.value.code == 2
+        assert "--max-retained-fraction: expected a number in [0, 1]" in capsys.readouterr().err
