@@ -224,8 +224,8 @@ def test_serve_flags_and_key_file_budgets_reach_the_cache_config(tmp_path, capsy
     keys.write_text(json.dumps({
         "key-one-1": {"tenant": "t1", "max_retained_tokens": 4096},
         "key-two-2": {"tenant": "t1", "max_retained_tokens": 1024},
-        "key-three": {"tenant": "t2"}, "key-four4": {"tenant": "ops", "admin": True,
-                                       "max_retained_tokens": 0}}))
+        "key-three": {"tenant": "t2"},
+        "key-four4": {"tenant": "ops", "admin": True, "max_retained_tokens": 0}}))
     args = build_parser().parse_args(["serve", "--device", "cpu", "--max-retained-fraction",
                                       "0.25", "--api-keys", str(keys)])
     cache = engine_config_from_args(args, load_api_keys(keys)).cache
