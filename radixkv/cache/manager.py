@@ -582,6 +582,13 @@ class CacheManager(CacheGauges):
         """Blocks pinned by live retentions (part of ``num_in_use_blocks``: locked)."""
         return self.tree.num_retained_blocks
 
+    def num_obtainable_blocks(self) -> int:
+        """Blocks an allocation could get now: free, evictable, and retained blocks no
+        request holds (an allocation unpins retentions rather than fail)."""
+        room = self.pool.num_free_blocks + self.tree.num_evictable_blocks
+        return room + self.retention.reclaimable_blocks() if self.tree.num_retained_blocks \
+            else room
+
     def retention_snapshot(self) -> dict[str, Any]:
         """The ``retention`` object of ``/stats`` (:meth:`RetentionTable.snapshot`); expired
         retentions are dropped first."""
@@ -600,6 +607,8 @@ class CacheManager(CacheGauges):
         check_manager(self.pool, self.tree, self._requests, self.block_size,
                       self.enable_prefix_caching, self.hasher.hash_fn if verify_hashes else None)
         self.retention.check()
+        assert self.store is not None or self.retention.num_pinned == len(self.retention), (
+            "retentions demoted without a store tier to hold their blocks")
         assert set(self._tenants) <= set(self._requests), "tenant kept for an ended request"
         if not self.enable_prefix_caching:
             assert not len(self.retention), "prefix caching off but retentions are live"

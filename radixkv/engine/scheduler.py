@@ -145,7 +145,8 @@ class Scheduler:
         start = cache.num_cached_tokens(req.request_id) + loaded * bs
         chunk = self._chunk_size(req, start, budget)
         need = loaded + -(-(start + chunk) // bs) - start // bs
-        return need <= cache.num_free_blocks + cache.num_cached_evictable_blocks
+        return (need <= cache.num_free_blocks + cache.num_cached_evictable_blocks
+                or need <= cache.num_obtainable_blocks())
 
     def _admit(self, scheduled: list[ScheduledChunk], budget: int) -> None:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
