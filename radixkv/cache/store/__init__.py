@@ -1,2 +1,3 @@
 """The KV store tier under the radix tree (torch-free): block values keyed by chained hash,
-a ``host`` and a ``mooncake`` backend, asynchronous loads and writes (see ``tier.py``)."""
+a ``host``, a ``disk`` and a ``mooncake`` backend and a host+disk stack, asynchronous loads and
+writes (see ``tier.py``)."""
