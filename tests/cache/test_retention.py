@@ -271,16 +271,50 @@ def test_retention_id_is_stable_and_distinct() -> None:
     assert isinstance(RetentionTable, type)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+class NoStore:
+    """Stands in for a store tier where the cache only asks whether one is attached."""
+
+    write_mode = "evict"  # publish writes nothing (no trim hook is attached either)
+
+    def cancel(self, request_id: str) -> None:
+        pass
+
+
+def test_pressure_with_a_store_demotes_and_a_returning_prefix_pins_again() -> None:
+    cm, root, clock = make(6, max_retained_fraction=1.0)
+    cm.store = NoStore()  # type: ignore[assignment]
+    run(cm, root, "a", P, [(12, "1h")])
+    cm.begin("b", root, [100 + i for i in range(24)])
+    assert cm.allocate("b", 24)  # all 6 blocks: the retention is demoted, not dropped
+    cm.release("b")
+    snap = cm.retention_snapshot()
+    assert (snap["demoted_retentions"], snap["retentions"], snap["demoted_blocks_total"],
+            snap["preempted_tokens_total"]) == (1, 0, 3, 0)
+    (info,) = cm.list_retentions(None)
+    assert (info.num_tokens, info.expires_in_s) == (12, 3600.0)
+    clock.t = 10.0
+    # The prefix computed again (or loaded back from the store): pinned and refreshed.
+    assert run(cm, root, "c", P + [7], []) == (0, {}, 12)
+    snap = cm.retention_snapshot()
+    assert (snap["repinned_total"], snap["demoted_retentions"], snap["retained_blocks"]) == (
+        1, 0, 3)
+    (info,) = cm.list_retentions(None)
+    assert (info.expires_in_s, info.num_refreshes) == (3600.0, 1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(
     st.sampled_from(["run", "run", "run", "hold", "drop", "tick", "evict", "release"]),
     st.integers(0, 5), st.integers(1, 24), st.sampled_from(sorted(TTL_CLASSES)),
     st.sampled_from([None, "t1", "t2"]), st.integers(0, 4000)), max_size=30),
     policy=st.sampled_from(["lru", "cost", "s3fifo"]),
-    fraction=st.sampled_from([0.0, 0.3, 0.5, 1.0]))
-def test_property_random_retain_evict_expire_keeps_integrity(ops, policy, fraction) -> None:
+    fraction=st.sampled_from([0.0, 0.3, 0.5, 1.0]), with_store=st.booleans())
+def test_property_random_retain_evict_expire_keeps_integrity(ops, policy, fraction,
+                                                             with_store) -> None:
     cm, root, clock = make(12, eviction_policy=policy, max_retained_fraction=fraction,
                            tenant_max_retained_tokens={"t1": 12})
+    if with_store:  # pressure demotes instead of dropping; a returning prefix is pinned again
+        cm.store = NoStore()  # type: ignore[assignment]
     held: list[str] = []
     for i, (op, seed, length, ttl, tenant, dt) in enumerate(ops):
         tokens = [(seed * 7 + j) % 11 + 1 for j in range(length)]
