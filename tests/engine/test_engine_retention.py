@@ -237,3 +237,30 @@ def test_serve_flags_and_key_file_budgets_reach_the_cache_config(tmp_path, capsy
             build_parser().parse_args(["serve", "--max-retained-fraction", bad])
         assert exit_.value.code == 2
         assert "--max-retained-fraction: expected a number in [0, 1]" in capsys.readouterr().err
+
+
+def test_metrics_export_retention_by_ttl_and_tenant(tiny_model) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from radixkv.server.metrics import _retention_families
+
+    engine, _ = make(tiny_model, num_blocks=32, budgets=(("t1", 8),))
+    run(engine, prompt_of(13, 13), (RetentionBreakpoint(12, "1h"),), tenant="t1")
+    snapshot = engine.stats_snapshot()["retention"]
+
+    class Collector:
+        def collect(self):
+            yield from _retention_families(snapshot)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector())
+    lines = set(generate_latest(registry).decode().splitlines())
+    assert {"radixkv_retention_created_total 1.0",
+            "radixkv_retention_refused_tokens_total 4.0",
+            "radixkv_retention_retained_blocks 2.0",
+            "radixkv_retention_max_retained_blocks 16.0",
+            'radixkv_retention_retentions{ttl="1h"} 1.0',
+            'radixkv_retention_retained_tokens{ttl="1h"} 8.0',
+            'radixkv_retention_retained_tokens{ttl="5m"} 0.0',
+            'radixkv_retention_tenant_retained_tokens{tenant="t1"} 8.0',
+            'radixkv_retention_tenant_refused_tokens_total{tenant="t1"} 4.0'} <= lines
