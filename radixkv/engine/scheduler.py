@@ -8,7 +8,9 @@ admitted in arrival order while the budget, ``max_num_seqs`` and the pool allow.
 Admission order (``admission_policy``): preempted requests resume first; then, under ``lpm``,
 the waiting request with the longest cached prefix (a read-only ``peek``), unless some request
 has been overtaken ``max_bypass`` times, in which case the oldest such one goes next; ``fcfs``
-is plain arrival order. Admission matches the prompt against the prefix cache; a request's
+is plain arrival order. Under both, a waiting request whose next uncached block a running
+request is computing right now waits until that request's chunk publishes it (it would compute
+the same blocks otherwise: agents started together share their system prompt). Admission matches the prompt against the prefix cache; a request's
 lookup is recorded in the stats exactly once, at its first admission. Blocks are allocated
 chunk by chunk, so a long prompt holds only what it has computed plus the chunk in flight. A
 waiting request that does not fit waits: admitting never preempts a running request. When a
@@ -118,17 +120,58 @@ class Scheduler:
         remaining = len(req.token_ids) - start
         return min(remaining, self._chunk_tokens, budget)
 
-    def _next_waiting(self) -> Request:
-        """The waiting request to admit next (see the module docstring for the order)."""
+    def _next_waiting(self) -> Request | None:
+        """The waiting request to admit next (see the module docstring for the order), or
+        None when every candidate in the admission window waits for a running request's
+        prefill of the same prefix (:meth:`_waits_for_inflight_prefix`)."""
         head = self.waiting[0]
-        if self.config.admission_policy == "fcfs" or head.status is RequestStatus.PREEMPTED:
+        if head.status is RequestStatus.PREEMPTED:
             return head
         window = [r for _, r in zip(range(self.config.admission_window), self.waiting)]
+        cached = {id(r): self.cache.peek(r.cache_root, bytes(r.token_bytes)) for r in window}
+        window = [r for r in window if not self._waits_for_inflight_prefix(r, cached[id(r)])]
+        if not window:
+            return None
+        if self.config.admission_policy == "fcfs":
+            return window[0]
         for req in window:
             if req.num_bypassed >= self.config.max_bypass:
                 return req
         # Longest cached prefix first; arrival order breaks ties (max keeps the first).
-        return max(window, key=lambda r: self.cache.peek(r.cache_root, bytes(r.token_bytes)))
+        return max(window, key=lambda r: cached[id(r)])
+
+    def _waits_for_inflight_prefix(self, req: Request, num_cached: int) -> bool:
+        """Whether ``req`` should wait for a running request that is computing the same
+        uncached prefix: at least one full block past ``req``'s cached ``num_cached`` tokens
+        (within its hit cap) equal to a running request's prompt under the same cache
+        identity, not computed yet. Admitted now, both would compute those blocks; admitted
+        after the other's prefill chunk publishes them, ``req`` reads them from the cache
+        (SGLang's scheduler defers such requests the same way). The wait ends when the
+        running request's chunk covering them completes; a preempted request never waits.
+        """
+        bs = self.cache.block_size
+        cap_blocks = (req.num_prompt_tokens - 1) // bs
+        first_block = num_cached // bs
+        if cap_blocks <= first_block:
+            return False
+        mine = memoryview(req.token_bytes)
+        for other in self.running:
+            if other.cache_root != req.cache_root or other.num_computed_tokens >= other.num_prompt_tokens:
+                continue
+            limit = min(cap_blocks, other.num_prompt_tokens // bs)
+            if limit <= first_block:
+                continue
+            theirs = memoryview(other.token_bytes)
+            block_bytes = 4 * bs  # token_bytes packs one u32 per token
+            lo = first_block * block_bytes
+            # The blocks before num_cached are equal wherever both hit them; test the next one.
+            if mine[lo:lo + block_bytes] != theirs[lo:lo + block_bytes]:
+                continue
+            if mine[:lo] != theirs[:lo]:
+                continue
+            if other.num_computed_tokens < (first_block + 1) * bs:
+                return True
+        return False
 
     def _next_loaded(self) -> Request | None:
         """The oldest request whose store load is done (or past its deadline)."""
@@ -165,7 +208,8 @@ class Scheduler:
                     continue
                 self.loaded.append(req)
             elif self.waiting:
-                req = self._next_waiting()
+                if (req := self._next_waiting()) is None:
+                    break
                 num_cached = self.cache.begin(req.request_id, req.cache_root,
                                               bytes(req.token_bytes),
                                               session_key=req.session_key, tenant=req.tenant)

@@ -123,15 +123,17 @@ def test_abort_releases_blocks_in_every_phase(tiny):
     reqs = [engine.make_request(prefix + [10 * k + j for j in range(8)], GREEDY) for k in range(4)]
     for r in reqs:
         engine.add_request(r)
-    engine.step()  # reqs 0 and 1 prefill; 2 and 3 wait (max_num_seqs=2)
-    assert [r.status for r in reqs] == [RequestStatus.RUNNING] * 2 + [RequestStatus.WAITING] * 2
+    # req 0 prefills; 1-3 wait for its prefill of their shared prefix (then for max_num_seqs=2)
+    engine.step()
+    assert [r.status for r in reqs] == [RequestStatus.RUNNING] + [RequestStatus.WAITING] * 3
     (out_waiting,) = engine.abort_request(reqs[3].request_id)
     (out_running,) = engine.abort_request(reqs[0].request_id)
     assert out_waiting.finished and out_waiting.finish_reason == "abort"
     assert out_running.finished and out_running.finish_reason == "abort"
     assert engine.abort_request(reqs[0].request_id) == []
-    while engine.has_work:
+    while engine.has_work:  # the waiters are not held by the aborted prefill
         engine.step()
+    assert [r.status for r in reqs[1:3]] == [RequestStatus.FINISHED] * 2
     engine.cache.check_integrity()
     assert engine.cache.num_in_use_blocks == 0
     assert engine.cache.num_free_blocks + engine.cache.num_cached_evictable_blocks == 32

@@ -183,7 +183,7 @@ def test_the_authorization_header_travels_through_the_router(keyed: dict[str, An
     url, model = keyed[router].url, keyed["model"]
     # radixkv's own answer, passed back as is.
     assert chat(url, model, "no key") == (401, {"error": {
-        "message": "You didn't provide an API key: send 'Authorization: Bearer <key>'",
+        "message": "You didn't provide an API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
         "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}})
     status, body = chat(url, model, "a wrong key", "key-not-configured")
     assert status == 401 and body["error"]["message"] == "Incorrect API key provided"
