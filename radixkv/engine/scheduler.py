@@ -10,9 +10,10 @@ the waiting request with the longest cached prefix (a read-only ``peek``), unles
 has been overtaken ``max_bypass`` times, in which case the oldest such one goes next; ``fcfs``
 is plain arrival order. Under both, a waiting request whose next uncached block a running
 request is computing right now waits until that request's chunk publishes it (it would compute
-the same blocks otherwise: agents started together share their system prompt). Admission matches the prompt against the prefix cache; a request's
-lookup is recorded in the stats exactly once, at its first admission. Blocks are allocated
-chunk by chunk, so a long prompt holds only what it has computed plus the chunk in flight. A
+the same blocks otherwise: agents started together share their system prompt). Admission
+matches the prompt against the prefix cache; a request's lookup is recorded in the stats
+exactly once, at its first admission. Blocks are allocated chunk by chunk, so a long prompt
+holds only what it has computed plus the chunk in flight. A
 waiting request that does not fit waits: admitting never preempts a running request. When a
 running request needs a block to grow and none can be freed or evicted, the most recently
 admitted running request is preempted by recompute: its published blocks stay in the tree, so
