@@ -375,6 +375,31 @@ def test_retained_blocks_are_evicted_last_until_their_retention_ends(tmp_path):
         store.close()
 
 
+def test_a_retention_end_at_or_before_now_clears_the_marks(tmp_path):
+    clock, mono, bufs = Clock(), Clock(0.0), Buffers()
+    mono.frozen = True
+    store = DiskStore(str(tmp_path / "kv"), 3 * VB, clock=clock, monotonic=mono, fsync=False)
+    try:
+        entries, _ = entries_for(chain_hashes(5, seed=9), bufs)
+        keys = [e.key for e in entries]
+        for e in entries[:3]:
+            assert store.put([e]) == [True]
+        store.mark_retained(keys[0:2], until_s=100.0)
+        store.mark_retained(keys[3:4], until_s=100.0)  # not stored yet: remembered
+        assert store.stats()["disk_retained_blocks"] == 2
+        # Released: no retention holds keys[0] or keys[3] any more (StoreTier.unmark_retained).
+        store.mark_retained([keys[0], keys[3]], until_s=float("-inf"))
+        assert store.stats()["disk_retained_blocks"] == 1
+        assert store.put([entries[3]]) == [True]  # keys[3] arrives unretained; the oldest
+        assert store.exists(keys[:4]) == [False, True, True, True]  # (keys[0]) went first
+        store.mark_retained(keys[1:2], until_s=0.0)  # an end at now clears too
+        assert store.stats()["disk_retained_blocks"] == 0
+        assert store.put([entries[4]]) == [True]
+        assert store.exists(keys) == [False, False, True, True, True]
+    finally:
+        store.close()
+
+
 def test_clear_and_remove_delete_the_files(tmp_path):
     store, bufs = DiskStore(str(tmp_path / "kv"), 100 * VB, fsync=False), Buffers()
     try:

@@ -143,8 +143,10 @@ class StoreBackend(abc.ABC):
         """Keep ``keys`` longest under pressure until ``until_s`` (seconds on the engine's
         monotonic clock, ``time.monotonic``): a backend with its own capacity evicts them
         only after every block not retained. Keys not stored yet are remembered for when they
-        are. A no-op where the backend has no such notion (``host``: the device tier's policy
-        decides; ``mooncake``: a shared pool).
+        are. ``until_s`` at or before the backend's now (``-inf`` from
+        ``StoreTier.unmark_retained``) clears the keys' marks: no retention holds them any
+        more, they rank as ordinary blocks again. A no-op where the backend has no such notion
+        (``host``: the device tier's policy decides; ``mooncake``: a shared pool).
         """
 
     def on_rejected(self, key: str, reason: str) -> None:  # noqa: B027 - optional hook

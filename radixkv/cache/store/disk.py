@@ -557,8 +557,19 @@ class DiskStore(StoreBackend):
         """Keep ``keys`` out of eviction while any key not retained is left, until ``until_s``
         (``time.monotonic`` seconds, or the injected ``monotonic``); a later end extends an
         earlier one, never the reverse. Keys not stored yet are remembered (the latest
-        ``MAX_PENDING_RETAINED``) and retained when they are written."""
+        ``MAX_PENDING_RETAINED``) and retained when they are written. ``until_s`` at or before
+        now (``-inf``: ``StoreTier.unmark_retained``) clears the keys' marks instead, stored or
+        remembered: they rank by their access time again."""
         with self._lock:
+            if until_s <= self._monotonic():
+                for key in keys:
+                    self._pending_retained.pop(key, None)
+                    entry = self._entries.get(key)
+                    if entry is not None and entry.retained_until_s is not None:
+                        entry.retained_until_s = None
+                        self._retained.pop(key, None)
+                        self._rank(entry)
+                return
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is None:

@@ -58,7 +58,7 @@ _ZERO_CHECKSUM = bytes(CHECKSUM_BYTES)
 
 
 class RetainJob(NamedTuple):
-    """For the writer thread: ``backend.mark_retained(keys, until_s)``."""
+    """For the writer thread: ``backend.mark_retained(keys, until_s)`` (``-inf``: clear)."""
 
     keys: list[str]
     until_s: float
@@ -438,6 +438,12 @@ class StoreTier:
         with self._idle:  # flush() waits for it like a write
             self._pending_writes += 1
         self._writes.put(RetainJob([store_key(self.layout, root, h) for h in hashes], until_s))
+
+    def unmark_retained(self, root: bytes, hashes: Sequence[bytes]) -> None:
+        """No retention holds these blocks any more (released, dropped or expired early):
+        the backend ranks them as ordinary blocks again (``mark_retained`` with an end in the
+        past, ``-inf``, which clears). Queued like :meth:`mark_retained`, behind it."""
+        self.mark_retained(root, hashes, float("-inf"))
 
     def pump(self) -> int:
         """Gather deferred blocks into the slots freed since (engine thread, every step);
