@@ -19,10 +19,13 @@ chat request* (``ChatRequest``), which the chat route's own rendering turns into
   ``disable_parallel_tool_use`` → ``parallel_tool_calls: false``;
 - ``stop_sequences`` → ``stop``, ``metadata.user_id`` → the session hint (``prompt_cache_key``).
 
-``cache_control`` (``{"type": "ephemeral", "ttl": "5m" | "1h"}``) on a tool, a system block or
-a message's content block (or at the top level: the last block of the last message) is a
-breakpoint (``Breakpoint``): the request cut right after that block (``truncated_chat``)
-renders to a prefix of the prompt, whose length in tokens the handler retains for the TTL.
+``cache_control`` (``{"type": "ephemeral", "ttl": "5m" | "1h"}``) on a tool, a system block,
+a message's content block, a text block inside a ``tool_result``'s content, or an ignored
+``thinking`` block (or at the top level: the last block of the last message) is a breakpoint
+(``Breakpoint``): the request cut right after that block (``truncated_chat``) renders to a
+prefix of the prompt, whose length in tokens the handler retains for the TTL. Every marker
+counts towards the limit of 4 and the 1h-before-5m order, each under its own path
+(``messages.1.content.0.content.2.cache_control``).
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class Breakpoint:
         num_messages: Messages kept whole before the cut one (0 for a tool or system
             breakpoint, whose cut keeps no message).
         num_blocks: Blocks kept of message ``num_messages`` (None: no part of it).
+        num_inner_blocks: For a marker inside a ``tool_result``'s content: the text blocks
+            kept of that content (the tool_result is the last kept block); None otherwise.
     """
 
     path: str
@@ -104,6 +109,7 @@ class Breakpoint:
     num_system_blocks: int | None
     num_messages: int
     num_blocks: int | None
+    num_inner_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -307,26 +313,31 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[str, str | None,
     return "function", name, parallel
 
 
-def _tool_result_content(value: Any, path: str, found: PolicyCheck) -> tuple[Any, str | None]:
-    """``(content as a string or list of texts, ttl of its last breakpoint)``."""
+def _tool_result_content(value: Any, path: str, found: PolicyCheck
+                         ) -> tuple[Any, list[tuple[int, str]]]:
+    """``(content as a string or list of texts, [(index, ttl)] of its text blocks' markers)``."""
     if value is None:
-        return "", None
+        return "", []
     if isinstance(value, str):
-        return value, None
+        return value, []
     if not isinstance(value, list):
         raise bad_request(f"'{path}' must be a string or a list of text blocks", path)
     if len(value) > MAX_BLOCKS:
         raise bad_request(f"'{path}' has {len(value)} blocks; at most {MAX_BLOCKS}", path)
-    texts, ttl = [], None
+    texts: list[str] = []
+    markers: list[tuple[int, str]] = []
     for j, block in enumerate(value):
         text, block_ttl = _text_block(block, f"{path}.{j}", found)
         texts.append(text)
-        ttl = block_ttl or ttl
-    return texts, ttl
+        if block_ttl is not None:
+            markers.append((j, block_ttl))
+    return texts, markers
 
 
-def _block(block: Any, role: str, path: str, found: PolicyCheck) -> tuple[dict | None, str | None]:
-    """``(validated block or None for an ignored one, its TTL)``."""
+def _block(block: Any, role: str, path: str, found: PolicyCheck
+           ) -> tuple[dict | None, str | None, list[tuple[int, str]]]:
+    """``(validated block or None for an ignored one, its TTL, [(index, ttl)] of the markers
+    inside a tool_result's content)``."""
     if not isinstance(block, dict) or not isinstance(block.get("type"), str):
         raise bad_request(f"'{path}' must be an object with a 'type'", path)
     kind = block["type"]
@@ -335,7 +346,8 @@ def _block(block: Any, role: str, path: str, found: PolicyCheck) -> tuple[dict |
                           f"{MESSAGES_REFUSED_BLOCKS[kind]}", f"{path}.type")
     if kind in MESSAGES_IGNORED_BLOCKS and role == "assistant":
         found.ignored.append(f"messages[].content[{kind}]")
-        return None, None
+        # Dropped from the prompt, but its marker is checked and counted like any other.
+        return None, _cache_control(block.get("cache_control"), f"{path}.cache_control"), []
     if kind not in _ROLE_BLOCKS[role]:
         allowed = " and ".join(sorted(_ROLE_BLOCKS[role]))
         raise bad_request(f"'{path}.type': a {role} message takes {allowed} blocks, got "
@@ -343,7 +355,7 @@ def _block(block: Any, role: str, path: str, found: PolicyCheck) -> tuple[dict |
     _check_keys(block, _BLOCK_KEYS[kind], MESSAGES_BLOCK_FIELDS.get(kind, {}), path, kind, found)
     ttl = _cache_control(block.get("cache_control"), f"{path}.cache_control")
     if kind == "text":
-        return {"type": "text", "text": _text(block.get("text"), f"{path}.text")}, ttl
+        return {"type": "text", "text": _text(block.get("text"), f"{path}.text")}, ttl, []
     if kind == "tool_use":
         call_id = _text(block.get("id"), f"{path}.id")
         name = block.get("name")
@@ -351,11 +363,12 @@ def _block(block: Any, role: str, path: str, found: PolicyCheck) -> tuple[dict |
             raise bad_request(f"'{path}.name' must be a non-empty string", f"{path}.name")
         if not isinstance(block.get("input"), dict):
             raise bad_request(f"'{path}.input' must be an object", f"{path}.input")
-        return {"type": "tool_use", "id": call_id, "name": name, "input": block["input"]}, ttl
-    content, inner_ttl = _tool_result_content(block.get("content"), f"{path}.content", found)
+        return ({"type": "tool_use", "id": call_id, "name": name, "input": block["input"]},
+                ttl, [])
+    content, markers = _tool_result_content(block.get("content"), f"{path}.content", found)
     return {"type": "tool_result", "tool_use_id": _text(block.get("tool_use_id"),
                                                         f"{path}.tool_use_id"),
-            "content": content}, ttl or inner_ttl
+            "content": content}, ttl, markers
 
 
 def _messages(body: dict, found: PolicyCheck, bps: _Collector
@@ -393,9 +406,14 @@ def _messages(body: dict, found: PolicyCheck, bps: _Collector
                               f"{p}.content")
         blocks: list[dict[str, Any]] = []
         for j, raw in enumerate(content):
-            block, ttl = _block(raw, role, f"{p}.content.{j}", found)
+            block, ttl, markers = _block(raw, role, f"{p}.content.{j}", found)
             if block is not None:
                 blocks.append(block)
+            # Prompt order: the markers inside a tool_result's content, then its own.
+            for k, inner_ttl in markers:
+                bps.add(inner_ttl, f"{p}.content.{j}.content.{k}.cache_control", num_tools=-1,
+                        num_system_blocks=None, num_messages=i, num_blocks=len(blocks),
+                        num_inner_blocks=k + 1)
             bps.add(ttl, f"{p}.content.{j}.cache_control", num_tools=-1,
                     num_system_blocks=None, num_messages=i, num_blocks=len(blocks))
         out.append((role, blocks))
@@ -456,7 +474,12 @@ def truncated_chat(req: MessagesRequest, bp: Breakpoint) -> tuple[list[dict], li
     A tool breakpoint keeps the system prompt and the tools up to it (the fallback tool
     rendering puts them after the system text); a system breakpoint keeps every tool (they
     follow the last system block) and the system blocks up to it; a message breakpoint keeps
-    everything before its block.
+    everything before its block; a marker inside a tool_result's content keeps that
+    tool_result with its content's text blocks up to the marked one.
+
+    Raises:
+        APIError: 400 when the cut chat is not a valid chat request (not seen for a cut of a
+            valid body; the handler treats it as a breakpoint it cannot place).
     """
     tools = req.tools
     if bp.num_tools >= 0 and tools is not None:
@@ -467,7 +490,11 @@ def truncated_chat(req: MessagesRequest, bp: Breakpoint) -> tuple[list[dict], li
     messages = req.messages[:bp.num_messages]
     if bp.num_blocks is not None:
         role, blocks = req.messages[bp.num_messages]
-        messages = [*messages, (role, blocks[:bp.num_blocks])]
+        kept = blocks[:bp.num_blocks]
+        if bp.num_inner_blocks is not None:  # a marker inside the last kept tool_result
+            last = kept[-1]
+            kept = [*kept[:-1], {**last, "content": last["content"][:bp.num_inner_blocks]}]
+        messages = [*messages, (role, kept)]
     cut = _openai_messages(system, messages)
     if not cut:  # a tool breakpoint without a system prompt: the tools make the system turn
         return [{"role": "system", "content": ""}], tools

@@ -127,6 +127,89 @@ def test_tool_breakpoint_without_a_system_prompt_keeps_an_empty_system_turn():
         [{"role": "system", "content": ""}], req.tools)
 
 
+CC5, CC1 = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
+CALL = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get",
+                                          "input": {}}]}
+
+
+def with_result(*texts: dict, own: dict | None = None, thinking: dict | None = None) -> dict:
+    """A body whose message 2 holds one tool_result with ``texts`` as its content blocks
+    (and ``own`` as its cache_control); ``thinking`` is added to the assistant message 1."""
+    call = CALL if thinking is None else {
+        "role": "assistant", "content": [{"type": "thinking", "thinking": "hm",
+                                          "signature": "s", **thinking}, *CALL["content"]]}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": list(texts),
+              **({"cache_control": own} if own is not None else {})}
+    return {"max_tokens": 8, "messages": [{"role": "user", "content": "q"}, call,
+                                          {"role": "user", "content": [result]}]}
+
+
+def text(t: str, cc: dict | None = None) -> dict:
+    return {"type": "text", "text": t, **({"cache_control": cc} if cc is not None else {})}
+
+
+def test_every_marker_inside_a_tool_result_counts_under_its_own_path():
+    err = refused(with_result(*(text(f"r{k}", CC5) for k in range(6))))
+    assert (err.param, err.message) == (
+        "messages.2.content.0.content.4.cache_control",
+        "'messages.2.content.0.content.4.cache_control': at most 4 cache_control breakpoints "
+        "are allowed per request; this is the 5th")
+    # Four inside and the tool_result's own: five.
+    err = refused(with_result(*(text(f"r{k}", CC5) for k in range(4)), own=CC5))
+    assert err.param == "messages.2.content.0.cache_control"
+
+
+def test_the_ttl_order_is_checked_inside_a_tool_result():
+    err = refused(with_result(text("r0", CC5), text("r1", CC1)))
+    assert (err.param, err.message) == (
+        "messages.2.content.0.content.1.cache_control.ttl",
+        "'messages.2.content.0.content.1.cache_control.ttl': a 1h breakpoint cannot follow a "
+        "5m one (longer TTLs come first: tools, then system, then messages)")
+    # The content comes before the end of its tool_result: a 1h on the block after a 5m inside.
+    err = refused(with_result(text("r0", CC5), own=CC1))
+    assert err.param == "messages.2.content.0.cache_control.ttl"
+    err = refused(with_result(text("r0", {"type": "ephemeral", "ttl": "2h"})))
+    assert (err.param, err.message) == (
+        "messages.2.content.0.content.0.cache_control.ttl",
+        "'messages.2.content.0.content.0.cache_control.ttl' must be '5m' or '1h', got '2h'")
+
+
+def test_markers_inside_a_tool_result_cut_its_content():
+    req = parse_messages_request(
+        with_result(text("r0"), text("r1", CC1), text("r2", CC5), own=CC5), MODEL)
+    assert req.breakpoints == (
+        Breakpoint("messages.2.content.0.content.1.cache_control", "1h", -1, None, 2, 1, 2),
+        Breakpoint("messages.2.content.0.content.2.cache_control", "5m", -1, None, 2, 1, 3),
+        Breakpoint("messages.2.content.0.cache_control", "5m", -1, None, 2, 1))
+    head = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [{
+                "id": "t1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]}]
+    cuts = [truncated_chat(req, bp)[0] for bp in req.breakpoints]
+    assert cuts == [
+        [*head, {"role": "tool", "content": "r0\nr1", "tool_call_id": "t1"}],
+        [*head, {"role": "tool", "content": "r0\nr1\nr2", "tool_call_id": "t1"}],
+        req.chat.messages]
+
+
+def test_a_marker_on_an_ignored_thinking_block_is_checked_and_counted():
+    err = refused(with_result(text("r"), thinking={"cache_control": {"type": "ephemeral",
+                                                                      "ttl": "2h"}}))
+    assert (err.param, err.message) == (
+        "messages.1.content.0.cache_control.ttl",
+        "'messages.1.content.0.cache_control.ttl' must be '5m' or '1h', got '2h'")
+    err = refused(with_result(text("r"), thinking={"cache_control": "yes"}))
+    assert err.param == "messages.1.content.0.cache_control"
+    err = refused(with_result(*(text(f"r{k}", CC5) for k in range(4)),
+                              thinking={"cache_control": CC5}))
+    assert err.param == "messages.2.content.0.content.3.cache_control"  # the 5th
+    req = parse_messages_request(with_result(text("r"), thinking={"cache_control": CC1}), MODEL)
+    # The thinking block renders to nothing: its cut keeps an empty assistant turn.
+    assert req.breakpoints == (
+        Breakpoint("messages.1.content.0.cache_control", "1h", -1, None, 1, 0),)
+    assert truncated_chat(req, req.breakpoints[0]) == (
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}], None)
+
+
 def test_count_tokens_takes_the_prompt_fields_only():
     req = parse_count_tokens_request({"messages": HI, "system": "s"}, MODEL)
     assert req.chat.max_tokens is None and req.chat.messages[0] == {"role": "system",
