@@ -11,7 +11,9 @@ prompt token for token.
 
 Retention: each ``cache_control`` breakpoint becomes ``RetentionBreakpoint(n, ttl)``, ``n`` the
 tokens the request cut right after the breakpoint's block renders to in common with the prompt
-(``breakpoint_prefixes``). Usage, from the engine's output:
+(``breakpoint_prefixes``; a cut the template refuses, e.g. Llama 3.x's tools without a user
+turn, is rendered with an empty user turn appended, and a breakpoint neither renders is left
+out: retention never fails a request). Usage, from the engine's output:
 ``cache_read_input_tokens`` = tokens served from the cache, ``cache_creation_input_tokens`` =
 prompt tokens this request newly retained (per TTL in ``cache_creation``),
 ``input_tokens`` = the rest; the three add up to the prompt's tokens.
@@ -46,6 +48,7 @@ from radixkv.engine.tokenize_pool import CONTEXT_KEY, pool_key
 from radixkv.errors import EngineDeadError, QueueFullError
 from radixkv.server import adapters
 from radixkv.server.anthropic_protocol import (
+    Breakpoint,
     MessagesRequest,
     parse_count_tokens_request,
     parse_messages_request,
@@ -254,6 +257,36 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+#: Appended to a cut the template refuses to render on its own (Llama 3.1-3.3 put the tools in
+#: the first user turn and raise when there is none): its tokens differ from the prompt's from
+#: the user turn's content on, so the common prefix still ends at the breakpoint's block.
+PLACEHOLDER_TURN: dict[str, Any] = {"role": "user", "content": ""}
+
+
+def _cut(req: MessagesRequest, bp: Breakpoint) -> tuple[list[dict], list[dict] | None] | None:
+    try:
+        return truncated_chat(req, bp)
+    except APIError as exc:  # not seen for a valid body; the breakpoint is left out
+        log.warning("breakpoint_not_placed", path=bp.path, error=exc.message)
+        return None
+
+
+def _render_cut(tok: Any, cut: tuple[list[dict], list[dict] | None] | None,
+                known_outputs: Any) -> tuple[list[int] | None, bool]:
+    """``(ids, placeholder used)`` of a cut rendered without a generation prompt: as it is,
+    else with ``PLACEHOLDER_TURN`` appended; ids None when the template refuses both."""
+    if cut is None:
+        return None, False
+    messages, tools = cut
+    for placeholder, chat in ((False, messages), (True, [*messages, PLACEHOLDER_TURN])):
+        try:
+            return tok.apply_chat_template(chat, tools, add_generation_prompt=False,
+                                           known_outputs=known_outputs), placeholder
+        except (ValueError, RecursionError):  # the template refused this chat
+            continue
+    return None, False
+
+
 async def breakpoint_prefixes(engine: AsyncEngine, req: MessagesRequest, prompt_ids: list[int],
                               known_outputs: Any) -> list[int]:
     """Per breakpoint of ``req``, the prompt tokens up to the end of its block: the common
@@ -261,24 +294,36 @@ async def breakpoint_prefixes(engine: AsyncEngine, req: MessagesRequest, prompt_
     (``anthropic_protocol.truncated_chat``), rendered without a generation prompt on the
     tokenizer pool, with the same remembered replies (``known_outputs``).
 
+    A cut the template refuses (an exception while rendering: Llama 3.x's template raises for
+    tools without a user turn after the system turn, which a tool or system breakpoint's cut
+    is) is rendered again with ``PLACEHOLDER_TURN`` appended; a breakpoint whose cut renders
+    neither way gets 0 tokens (left out: nothing retained for it). Retention never fails a
+    valid request.
+
+    Returns:
+        One token count per breakpoint, in ``req.breakpoints`` order (0: none).
+
     Raises:
-        APIError: 400 ``messages`` when the template cannot render a cut, 503 ``queue_full``.
+        APIError: 503 ``queue_full`` (the tokenizer pool is full).
     """
     if not req.breakpoints:
         return []
-    chats = [truncated_chat(req, bp) for bp in req.breakpoints]
+    cuts = [_cut(req, bp) for bp in req.breakpoints]
 
-    def render(tok: Any) -> list[list[int]]:
-        return [tok.apply_chat_template(messages, tools, add_generation_prompt=False,
-                                        known_outputs=known_outputs)
-                for messages, tools in chats]
+    def render(tok: Any) -> list[tuple[list[int] | None, bool]]:
+        return [_render_cut(tok, cut, known_outputs) for cut in cuts]
 
-    try:
-        with tokenize_errors():
-            rendered = await engine.tokenize_pool.run(render, key=pool_key(CONTEXT_KEY))
-    except ValueError as exc:
-        raise bad_request(f"could not apply the chat template: {exc}", "messages") from exc
-    return [_lcp(prompt_ids, ids) for ids in rendered]
+    with tokenize_errors():
+        rendered = await engine.tokenize_pool.run(render, key=pool_key(CONTEXT_KEY))
+    out = []
+    for bp, (ids, placeholder) in zip(req.breakpoints, rendered):
+        if ids is None:
+            log.info("breakpoint_left_out", path=bp.path,
+                     reason="the chat template refused its cut")
+        elif placeholder:
+            log.debug("breakpoint_cut_with_placeholder_turn", path=bp.path)
+        out.append(_lcp(prompt_ids, ids) if ids is not None else 0)
+    return out
 
 
 async def _prompt(state: ServerState, req: MessagesRequest, salt: str | None) -> ChatPrompt:
