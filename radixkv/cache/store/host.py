@@ -217,10 +217,7 @@ class HostStore(StoreBackend):
             need -= len(victim.value)
             self._delete(victim)
             self._evicted_total += 1
-            if len(self._pending_evicted) >= self._max_pending:
-                self._pending_evicted.popleft()
-                self._evicted_dropped_total += 1
-            self._pending_evicted.append(victim.key)
+            self._queue_evicted(victim.key)
         entry = _Entry(e.key, parent, value, next(self._uids), e.depth_tokens,
                        self.block_size, self._clock())
         self._entries[e.key] = entry
@@ -274,6 +271,27 @@ class HostStore(StoreBackend):
                     self._delete(entry)
                     removed += 1
         return removed
+
+    def on_rejected(self, key: str, reason: str) -> None:
+        """The tier refused the value read under ``key`` (``reason``: ``size``, ``header``,
+        ``foreign``, ``checksum``): drop it, so that the block, computed again, is written
+        afresh instead of being read and refused on every load (a stack promotes a disk value
+        into this tier before the tier checks it). The key is reported by
+        :meth:`drain_evicted` (its ``BlockRemoved`` event: it was announced when written), not
+        counted as a pressure eviction. A key not held is ignored."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return
+            self._delete(entry)
+            self._queue_evicted(key)
+
+    def _queue_evicted(self, key: str) -> None:
+        """(Under the lock.) Report ``key`` at the next :meth:`drain_evicted`."""
+        if len(self._pending_evicted) >= self._max_pending:
+            self._pending_evicted.popleft()
+            self._evicted_dropped_total += 1
+        self._pending_evicted.append(key)
 
     def clear(self) -> int:
         """Drop every value (``reset_prefix_cache``), each through the policy as a removal,
