@@ -16,7 +16,10 @@ or a loaded LoRA adapter) and ``"cache_salt"``. It runs an ordinary engine reque
 answers ``{"id", "object": "cache.retention", "ttl", "num_prompt_tokens", "num_cached_tokens",
 "num_retained_tokens", "cache_creation_tokens", "expires_in_s"}``: ``num_retained_tokens`` is
 the prompt's block-aligned prefix under a live retention (less than asked when a budget
-refused the rest; ``id`` and ``expires_in_s`` are null when nothing was retained). The request
+refused the rest; ``id`` and ``expires_in_s`` are null when nothing was retained). ``id`` is
+the retention the breakpoint made or refreshed (``RequestOutput.retention_ids``), whatever
+happened to it since; ``expires_in_s`` is read from the live listing, 0 when it already ended
+(released, expired or dropped under pressure before the answer). The request
 is admitted like a completion (503 while draining, 429 at the tenant's concurrency limit, 503
 ``queue_full``) and bad input is a 400 naming the field, with nothing retained.
 
@@ -193,13 +196,17 @@ async def _warm(engine: AsyncEngine, ids: list[int], param: str, ttl: str, *, re
 
 
 async def _created_retention(engine: AsyncEngine, out: RequestOutput, tenant: str | None
-                             ) -> RetentionInfo | None:
-    """The live retention the warm request's breakpoint made or refreshed (None: nothing was
-    retained)."""
+                             ) -> tuple[str | None, float | None]:
+    """``(id, expires_in_s)`` of the retention the warm request's breakpoint made or
+    refreshed: the id from the output (``RequestOutput.retention_ids``), the expiry from the
+    live listing (0.0 when it ended since: released, expired or dropped under pressure);
+    ``(None, None)`` when nothing was retained."""
     if not out.retention_ids:
-        return None
+        return None, None
+    retention_id = out.retention_ids[-1]
     live = await _engine_call(engine.list_retentions(tenant))
-    return next((r for r in live if r.retention_id == out.retention_ids[-1]), None)
+    info = next((r for r in live if r.retention_id == retention_id), None)
+    return retention_id, round(info.expires_in_s, 3) if info is not None else 0.0
 
 
 def add_retention_routes(app: web.Application,
@@ -225,17 +232,17 @@ def add_retention_routes(app: web.Application,
             adapters.require_lora(engine, lora)
             out = await _warm(engine, ids, param, ttl, request_id=f"retain-{uuid.uuid4().hex}",
                               salt=salt, tenant=tenant.name, lora=lora)
-            info = await _created_retention(engine, out, tenant.name)
+            retention_id, expires_in_s = await _created_retention(engine, out, tenant.name)
         finally:
             state.release(tenant.name)
         return json_response({
-            "id": info.retention_id if info is not None else None,
+            "id": retention_id,
             "object": RETENTION_OBJECT, "ttl": ttl,
             "num_prompt_tokens": out.num_prompt_tokens,
             "num_cached_tokens": out.num_cached_tokens,
             "num_retained_tokens": out.num_retained_tokens,
             "cache_creation_tokens": sum(out.cache_creation_tokens_by_ttl.values()),
-            "expires_in_s": round(info.expires_in_s, 3) if info is not None else None})
+            "expires_in_s": expires_in_s})
 
     async def list_retentions(request: web.Request) -> web.Response:
         tenant, all_tenants = _scope(request)

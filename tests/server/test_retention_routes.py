@@ -128,6 +128,29 @@ async def test_retain_token_ids_then_hit_list_release(server):
     assert (status, err["error"]["code"]) == (404, "retention_not_found")
 
 
+async def test_the_retain_answer_names_its_retention_even_if_it_ended_before_the_listing(
+        server, monkeypatch):
+    """The id comes from the output (``RequestOutput.retention_ids``), not from the listing:
+    a retention that ends between the warm request and the listing (released, expired or
+    dropped under pressure; here the listing is made to miss it) is still named, with
+    ``expires_in_s`` 0."""
+    url, p = server.url, fresh_prompt(10)
+
+    async def nothing_live(tenant, *, all_tenants=False):
+        return []
+
+    monkeypatch.setattr(server.engine, "list_retentions", nothing_live)
+    status, body = await retain(url, T1_KEY, prompt=p, ttl="5m")
+    monkeypatch.undo()
+    assert status == 200, body
+    rid = body["id"]
+    assert re.fullmatch(r"ret_[0-9a-f]{24}", rid or ""), body
+    assert body == {"id": rid, "object": "cache.retention", "ttl": "5m", "num_prompt_tokens": 10,
+                    "num_cached_tokens": 0, "num_retained_tokens": 8, "cache_creation_tokens": 8,
+                    "expires_in_s": 0.0}
+    assert [(r["id"], r["num_tokens"]) for r in await listed(url, T1_KEY)] == [(rid, 8)]
+
+
 async def test_retain_messages_renders_like_chat(server):
     url = server.url
     messages = [{"role": "system", "content": "You are the deployment's agent. Be brief."}]
