@@ -115,6 +115,12 @@ def admit_prompts(engine: AsyncEngine, prompts: Sequence[Sequence[int]], params:
         PromptAdmissionError: the engine refused prompt ``p`` (``param_names[p]``; ``prompt``
             when the list as a whole is over the bound); the requests of prompts ``0..p-1``
             are closed (aborted) before this is raised.
+
+    Known limit (docs/retention.md): a prompt retention the engine applied to prompt
+    ``0..p-1`` before its abort (its prompt was cached in between) is not undone: the
+    request's outputs, which name it, are never read, and a refreshed retention is not this
+    request's to release. The route checks every prompt's ids and context first, so the
+    engine refuses a later prompt only when it has stopped (or a pool-size bound).
     """
     if len(prompts) == 1:
         try:
