@@ -167,7 +167,7 @@ class CacheManager(CacheGauges):
             raise ValueError(f"request_id: {request_id!r} is already active")
         pb, num_prompt_tokens, items, cap_blocks, extras = lookup_inputs(
             root, prompt_token_ids, mm_items, self.block_size, self._root_bytes)
-        self.retention.expire()
+        self._expire_retentions()
         if tenant is not None:
             self._tenants[request_id] = tenant
         if not self.enable_prefix_caching:
@@ -235,13 +235,16 @@ class CacheManager(CacheGauges):
         """``num`` private blocks, evicting if the free list is short; None changes nothing.
 
         Retention never blocks an allocation: when free and evictable blocks cannot cover it
-        but unpinning retentions can, retentions are unpinned (soonest expiry first; demoted
-        to the store tier when one is attached, else dropped) before the eviction.
+        but unpinning retentions can, retentions are unpinned (soonest expiry first, those
+        that free no block kept; demoted to the store tier when one is attached and up, else
+        dropped) before the eviction.
         """
         short = num - self.pool.num_free_blocks
         if short > self.tree.num_evictable_blocks and len(self.retention):
             self.retention.expire()
-            self.retention.make_room(short, demote=self.store is not None)
+            self.retention.make_room(short, demote=self.store is not None
+                                     and not self.store.down)
+            self._sync_store_marks()
         return take_blocks(self.pool, self.tree, self._evict, num)
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
@@ -331,10 +334,27 @@ class CacheManager(CacheGauges):
         self.tree.trim_hook = lambda node, take: bridge.write_trimmed(tier, node, take)
         if tier.keeps_retained:
             self.retention.touched = {}
+            self.retention.cleared = []
 
-    def _mark_retained_in_store(self) -> None:
-        """Tell the store tier the chains retentions pinned or refreshed since the last call
-        (their deepest node per TTL class, until its expiry)."""
+    def _expire_retentions(self, now: float | None = None) -> int:
+        """Drop expired retentions and tell the store tier (:meth:`_sync_store_marks`)."""
+        num = self.retention.expire(now)
+        if num:
+            self._sync_store_marks()
+        return num
+
+    def _sync_store_marks(self) -> None:
+        """Tell the store tier the blocks retentions no longer hold (released, expired or
+        dropped since the last call: kept longest no more), then the chains retentions pinned
+        or refreshed since (their deepest node per TTL class, until its expiry). Within one
+        cache call retentions are forgotten before any is pinned or refreshed, so clearing
+        first never undoes a mark."""
+        cleared = self.retention.cleared
+        if cleared and self.store is not None:
+            for root_hash, hashes in cleared:
+                self.store.unmark_retained(root_hash, hashes)
+        if cleared:
+            cleared.clear()
         touched = self.retention.touched
         if not touched or self.store is None:
             return
@@ -492,7 +512,8 @@ class CacheManager(CacheGauges):
 
     # ---- retention (radixkv.cache.retention) ------------------------------------------
     def retain(self, request_id: str, breakpoints: Sequence[tuple[int, str]], *,
-               num_prompt_tokens: int | None = None, refresh: bool = True) -> RetainResult:
+               num_prompt_tokens: int | None = None, refresh: bool = True,
+               num_cached_tokens: int | None = None) -> RetainResult:
         """Refresh the live retentions the request's published path covers (the request's
         tenant's: a hit on a retained prefix), then retain prefixes of that path (its prompt's
         breakpoints once they are cached, or the whole sequence at its end), as far as the
@@ -506,20 +527,30 @@ class CacheManager(CacheGauges):
                 count).
             refresh: Refresh the retentions on the path first (False at a request's end: its
                 prompt did already).
+            num_cached_tokens: The request's cache hit ``m`` as reported to its client (the
+                engine's: its first admission's, which a resume after preemption may not
+                match); None: this cache's ``m`` from the latest ``begin``.
 
         Returns:
             A :class:`RetainResult`: ``created``, tokens newly retained by these breakpoints
             per TTL class (tokens past both the request's cache hit ``m`` and what live
-            retentions already covered; each token under the first breakpoint that reaches
-            it); ``num_retained_tokens``, the tokens of the request's path under a live
+            retentions already covered, and before ``num_prompt_tokens``: so ``m`` +
+            the sum ≤ N; each token under the first breakpoint that reaches it);
+            ``num_retained_tokens``, the tokens of the request's path under a live
             retention now; ``retention_ids``, the id of the retention each breakpoint made or
             refreshed, in the order given (breakpoints that retained nothing have none).
 
+        The cache clock is read once for the whole call: a hit refreshes a retention once,
+        however the clock moves meanwhile.
+
         Raises:
             KeyError: unknown ``request_id``.
-            ValueError: naming ``ttl_class`` for an unknown TTL class (nothing retained).
+            ValueError: naming ``ttl_class`` for an unknown TTL class, or
+                ``num_cached_tokens`` if not an int ≥ 0 (nothing retained).
         """
         req = self._requests[request_id]
+        if num_cached_tokens is not None:
+            check_int("num_cached_tokens", num_cached_tokens)
         bs = self.block_size
         cursor, root = req.cursor, req.root
         if cursor is None or root is None or not (breakpoints or len(self.retention)):
@@ -528,27 +559,30 @@ class CacheManager(CacheGauges):
             if ttl_class not in TTL_CLASSES:
                 raise ValueError(f"ttl_class: must be one of {', '.join(TTL_CLASSES)}, got "
                                  f"{ttl_class!r}")
-        self.retention.expire()
+        now = self.tree.now()
+        self._expire_retentions(now)
         tenant = self._tenants.get(request_id)
         # Demoted retentions whose prefix is back in the pool (a store load, or computed
-        # again) are pinned again; then the tenant's retentions on the path are refreshed.
-        self.retention.on_path(cursor, root.root_hash)
+        # again) are pinned again (or, kept out by the budgets, refreshed); then the tenant's
+        # retentions on the path are refreshed.
+        self.retention.on_path(cursor, root.root_hash, tenant, now=now, refresh=refresh)
         if refresh:
-            self.retention.on_hit(cursor, tenant)
-        prev = max(req.num_cached_tokens, self.retention.retained_depth_blocks(cursor) * bs)
+            self.retention.on_hit(cursor, tenant, now)
+        hit = req.num_cached_tokens if num_cached_tokens is None else num_cached_tokens
+        prev = max(hit, self.retention.retained_depth_blocks(cursor) * bs)
         limit = num_prompt_tokens if num_prompt_tokens is not None else 1 << 62
         created: dict[str, int] = {}
         ids: dict[int, str] = {}
         for i, (num_tokens, ttl_class) in sorted(enumerate(breakpoints), key=lambda b: b[1][0]):
             blocks, rid = self.retention.retain(cursor, root.root_hash, num_tokens // bs,
-                                                ttl_class, tenant)
+                                                ttl_class, tenant, now)
             if rid is not None:
                 ids[i] = rid
             end = min(blocks * bs, limit)
             if end > prev:
                 created[ttl_class] = created.get(ttl_class, 0) + end - prev
                 prev = end
-        self._mark_retained_in_store()
+        self._sync_store_marks()
         return RetainResult(created, self.retention.retained_depth_blocks(cursor) * bs,
                             tuple(ids[i] for i in sorted(ids)))
 
@@ -560,22 +594,24 @@ class CacheManager(CacheGauges):
     def expire_retentions(self) -> int:
         """Drop the retentions whose expiry passed (the engine calls it when idle too);
         returns how many."""
-        return self.retention.expire()
+        return self._expire_retentions()
 
     def list_retentions(self, tenant: str | None, *, all_tenants: bool = False
                         ) -> list[RetentionInfo]:
         """Live retentions of ``tenant`` (all tenants' when ``all_tenants``), soonest expiry
         first."""
-        self.retention.expire()
+        self._expire_retentions()
         return self.retention.list(tenant, all_tenants=all_tenants)
 
     def release_retentions(self, tenant: str | None, retention_id: str | None = None, *,
                            all_tenants: bool = False) -> int:
         """Release ``tenant``'s retentions (only ``retention_id`` when given; any tenant's
         when ``all_tenants``); returns how many were released. Their blocks become ordinary
-        cached blocks."""
-        self.retention.expire()
-        return self.retention.release(tenant, retention_id, all_tenants=all_tenants)
+        cached blocks (a store tier that keeps retained blocks longest is told)."""
+        self._expire_retentions()
+        num = self.retention.release(tenant, retention_id, all_tenants=all_tenants)
+        self._sync_store_marks()
+        return num
 
     @property
     def num_retained_blocks(self) -> int:
@@ -592,7 +628,7 @@ class CacheManager(CacheGauges):
     def retention_snapshot(self) -> dict[str, Any]:
         """The ``retention`` object of ``/stats`` (:meth:`RetentionTable.snapshot`); expired
         retentions are dropped first."""
-        self.retention.expire()
+        self._expire_retentions()
         return self.retention.snapshot()
 
     def check_integrity(self, *, verify_hashes: bool = False) -> None:

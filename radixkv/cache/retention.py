@@ -12,8 +12,15 @@ Bounds: the blocks pinned by all retentions (counted once however many retention
 stay within ``max_retained_fraction`` of the pool, and a tenant's within its
 ``max_retained_tokens``. A retention that does not fit is honoured as far as it fits (a shorter
 prefix). Running requests always get blocks: an allocation that free and evictable blocks
-cannot cover unpins retentions (soonest expiry first) — demoted with a store tier, dropped
-without one — rather than fail or wait.
+cannot cover unpins retentions (soonest expiry first, skipping those whose unpinning frees no
+block: a path a running request holds, a prefix a deeper retention also pins) — demoted with a
+store tier that is up, dropped (counted) otherwise — rather than fail or wait. Demoted blocks
+count against no retention budget: they live in the store under the store's own capacity
+policy (a disk tier evicts blocks marked retained last), and a tenant keeps at most
+``MAX_DEMOTED_PER_TENANT`` demoted retentions (its oldest one is dropped, counted). A demoted
+retention keeps only the chained hash of its prefix's last block, which names the identity
+root, every token and every multimodal extra before it; a returning path is matched by that
+hash.
 
 Time comes from the tree's clock (``RadixTree.now``), so tests and replays move it.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -32,12 +40,16 @@ if TYPE_CHECKING:
     from radixkv.cache.tree.radix_tree import RadixTree
 
 __all__ = ["TTL_CLASSES", "RetentionBreakpoint", "RetentionInfo", "RetentionTable",
-           "check_breakpoints", "retention_id", "MAX_PROMPT_BREAKPOINTS"]
+           "check_breakpoints", "retention_id", "MAX_PROMPT_BREAKPOINTS",
+           "MAX_DEMOTED_PER_TENANT", "clamp_created"]
 
 #: TTL classes a retention may ask for, in seconds.
 TTL_CLASSES: dict[str, float] = {"5m": 300.0, "1h": 3600.0, "24h": 86400.0}
 #: Prompt breakpoints one request may carry (Anthropic's limit), besides one whole-sequence (-1).
 MAX_PROMPT_BREAKPOINTS = 4
+#: Demoted retentions one tenant may keep (beyond: its oldest demoted one is dropped and its
+#: tokens counted in ``preempted_tokens_total``).
+MAX_DEMOTED_PER_TENANT = 256
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,23 @@ def check_breakpoints(retention: object, num_prompt_tokens: int) -> tuple[Retent
     return out
 
 
+def clamp_created(created: Mapping[str, int], max_tokens: int) -> dict[str, int]:
+    """``created`` (tokens newly retained per TTL class, in the order the cache gave them:
+    the class of the shallowest breakpoint first) cut to ``max_tokens`` in all, the last
+    classes first (a class left with 0 is omitted; ``max_tokens`` < 0 counts as 0): with
+    ``max_tokens = N - num_cached_tokens``, ``num_cached_tokens + sum(result) <= N``."""
+    if sum(created.values()) <= max_tokens:
+        return dict(created)
+    out: dict[str, int] = {}
+    left = max(0, max_tokens)
+    for ttl_class, tokens in created.items():
+        take = min(tokens, left)
+        if take > 0:
+            out[ttl_class] = take
+        left -= take
+    return out
+
+
 def retention_id(end_hash: bytes, ttl_class: str, tenant: str | None) -> str:
     """The stable id of a retention: its prefix (the chained hash of its last block, which
     names the identity root and every token before), TTL class and tenant, hashed
@@ -135,7 +164,7 @@ class _Retention:
     """One retention (mutable; the table's)."""
 
     __slots__ = ("retention_id", "root_hash", "tenant", "ttl_class", "expires_s", "num_blocks",
-                 "num_refreshes", "node", "prefix_tokens", "entry")
+                 "num_refreshes", "node", "end_hash", "entry")
 
     def __init__(self, rid: str, root_hash: bytes, tenant: str | None, ttl_class: str,
                  num_blocks: int, node: Node) -> None:
@@ -148,8 +177,9 @@ class _Retention:
         self.num_refreshes = 0
         #: The pinned node (end of the prefix) while in the pool; None once demoted.
         self.node: Node | None = node
-        #: Packed tokens of the prefix while demoted (matched against a returning path).
-        self.prefix_tokens = b""
+        #: Chained hash of the prefix's last block (matched against a returning path while
+        #: demoted: it names the root, every token and every extra before it).
+        self.end_hash = node.end_hash
         self.entry: tuple[float, int, str] | None = None
 
 
@@ -189,6 +219,10 @@ class RetentionTable:
         self._by_id: dict[str, _Retention] = {}
         self._at_node: dict[int, list[_Retention]] = {}  # pinned node uid -> its retentions
         self._demoted: dict[bytes, dict[str, _Retention]] = {}  # root hash -> id -> demoted
+        # tenant -> id -> demoted, oldest demoted first (bounded by max_demoted_per_tenant)
+        self._demoted_by_tenant: dict[str | None, OrderedDict[str, _Retention]] = {}
+        #: Demoted retentions one tenant may keep (:data:`MAX_DEMOTED_PER_TENANT`).
+        self.max_demoted_per_tenant = MAX_DEMOTED_PER_TENANT
         self._expiry: SortedList = SortedList()  # (expires_s, seq, id) of every retention
         self._seq = itertools.count()
         # Pinned retentions and their tokens by TTL class and by tenant (gauges).
@@ -204,6 +238,11 @@ class RetentionTable:
         #: deepest node pinned or refreshed per TTL class since the owner last took it, with
         #: its expiry (the owner tells the store; a chain's deepest node covers the rest).
         self.touched: dict[str, tuple[Node, float]] | None = None
+        #: When not None (as ``touched``): ``(root hash, chained hashes)`` of blocks that a
+        #: released, expired or dropped retention left retained by none, since the owner last
+        #: took them (the owner tells the store to keep them no longer). Not recorded while a
+        #: demoted retention of the same root lives: its blocks in the store may be among them.
+        self.cleared: list[tuple[bytes, list[bytes]]] | None = None
 
     # ---- gauges -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -220,10 +259,14 @@ class RetentionTable:
 
     # ---- making, refreshing, expiring ---------------------------------------------------
     def retain(self, cursor: Node, root_hash: bytes, num_blocks: int, ttl_class: str,
-               tenant: str | None) -> tuple[int, str | None]:
+               tenant: str | None, now: float | None = None) -> tuple[int, str | None]:
         """Retain the first ``num_blocks`` blocks of the path ending at ``cursor`` (a request's
         cursor: the path is in the tree and locked) for ``ttl_class``, as far as the budgets
-        allow; the same prefix, class and tenant retained again is refreshed.
+        allow; the same prefix, class and tenant retained again is refreshed (not when
+        :meth:`on_hit` refreshed it already at the same ``now``: once per request).
+
+        ``now``: the cache clock's reading for the caller's whole operation (None: read it);
+        one reading per request keeps the once-per-request guard exact on a clock that moves.
 
         Returns:
             ``(blocks retained (≤ num_blocks; 0: nothing), its retention id or None)``.
@@ -249,7 +292,8 @@ class RetentionTable:
             if allowed <= 0:
                 return 0, None
             node = tree.node_at(node, allowed)
-        now = self.now()
+        if now is None:
+            now = self.now()
         rid = retention_id(node.end_hash, ttl_class, tenant)
         ret = self._by_id.get(rid)
         if ret is None:
@@ -314,8 +358,12 @@ class RetentionTable:
         self._expiry.add(ret.entry)
         self._touch(ret)
 
-    def _touch(self, ret: _Retention) -> None:
-        touched, node = self.touched, ret.node
+    def _touch(self, ret: _Retention, node: Node | None = None) -> None:
+        """Record ``ret``'s chain (ending at ``node``, default its pinned node) for the store
+        (``touched``)."""
+        touched = self.touched
+        if node is None:
+            node = ret.node
         if touched is None or node is None:
             return
         seen = touched.get(ret.ttl_class)
@@ -331,26 +379,42 @@ class RetentionTable:
         self._set_expiry(ret, now)
 
     def _forget(self, ret: _Retention) -> None:
-        """Drop ``ret`` wholly (unpinned first when pinned)."""
-        if ret.node is not None:
+        """Drop ``ret`` wholly (unpinned first when pinned; the blocks it leaves retained by
+        none are recorded in ``cleared``)."""
+        node = ret.node
+        if node is not None:
             self._unpin(ret)
+            self._note_cleared(ret.root_hash, node)
         else:
-            demoted = self._demoted[ret.root_hash]
-            del demoted[ret.retention_id]
-            if not demoted:
-                del self._demoted[ret.root_hash]
+            self._undemote(ret)
         if ret.entry is not None:
             self._expiry.remove(ret.entry)
             ret.entry = None
         del self._by_id[ret.retention_id]
 
-    def on_hit(self, node: Node, tenant: str | None) -> int:
+    def _note_cleared(self, root_hash: bytes, node: Node) -> None:
+        """``node``'s path was just unpinned: record the chained hashes of its blocks that no
+        retention holds any more (a suffix of the path) in ``cleared``."""
+        if self.cleared is None or self._demoted.get(root_hash):
+            return
+        parts: list[bytes] = []
+        n: Node | None = node
+        while n is not None and n.parent is not None and n.retain_refs is None:
+            parts.append(bytes(n.hash_bytes))
+            n = n.parent
+        if parts:
+            buf = b"".join(reversed(parts))
+            w = node.hash_size
+            self.cleared.append((root_hash, [buf[i : i + w] for i in range(0, len(buf), w)]))
+
+    def on_hit(self, node: Node, tenant: str | None, now: float | None = None) -> int:
         """A request of ``tenant`` holds the path ending at ``node`` (its prompt's cached
-        blocks): refresh the tenant's retentions whose prefix the path covers. Returns how
-        many."""
+        blocks): refresh the tenant's retentions whose prefix the path covers (``now``: the
+        caller's clock reading, None: read it). Returns how many."""
         if not self._at_node:
             return 0
-        now = self.now()
+        if now is None:
+            now = self.now()
         num = 0
         n: Node | None = node
         while n is not None and n.parent is not None:
@@ -362,13 +426,16 @@ class RetentionTable:
             n = n.parent
         return num
 
-    def expire(self) -> int:
-        """Drop every retention whose expiry has passed (its blocks become ordinary cached
-        blocks); returns how many."""
+    def expire(self, now: float | None = None) -> int:
+        """Drop every retention whose expiry has passed at ``now`` (None: the clock now; its
+        blocks become ordinary cached blocks); returns how many."""
         expiry = self._expiry
-        if not expiry or expiry[0][0] > self.now():
+        if not expiry:
             return 0
-        now = self.now()
+        if now is None:
+            now = self.now()
+        if expiry[0][0] > now:
+            return 0
         num = 0
         while expiry and expiry[0][0] <= now:
             ret = self._by_id[expiry[0][2]]
@@ -399,79 +466,149 @@ class RetentionTable:
         return total
 
     def make_room(self, num_evictable: int, *, demote: bool) -> int:
-        """Unpin retentions, soonest expiry first, until the tree has ``num_evictable``
-        evictable blocks — only when that is reachable (else nothing changes: the request
-        would wait for running requests anyway). ``demote``: keep them (the store tier has or
-        gets their blocks as they are evicted; a later hit pins them again); else drop them.
-        Returns the retentions unpinned."""
+        """Unpin retentions until the tree has ``num_evictable`` evictable blocks — only when
+        that is reachable (else nothing changes: the request would wait for running requests
+        anyway). Soonest expiry first, each retention whose unpinning alone makes a block
+        evictable (:meth:`_gain`); one that frees nothing (its path held by a running request,
+        or its prefix pinned by a deeper retention too) is kept. Only when no single retention
+        frees a block (two retentions ending at one node) is the soonest-expiring one whose
+        path no request holds unpinned, and the walk starts again.
+
+        ``demote``: keep them (the store tier, up, has or gets their blocks as they are
+        evicted; they live there under the store's own capacity policy, and a later hit pins
+        them again), except a path holding multimodal blocks (the store never holds those):
+        dropped; else drop them. Dropped retentions' tokens are counted in
+        ``preempted_tokens_total``. Returns the retentions unpinned."""
         tree = self.tree
         if (not self._at_node or tree.num_evictable_blocks >= num_evictable
                 or tree.num_evictable_blocks + self.reclaimable_blocks() < num_evictable):
             return 0
+        expiry = self._expiry
         num = 0
-        for _, _, rid in list(self._expiry):
-            if tree.num_evictable_blocks >= num_evictable:
-                break
-            ret = self._by_id[rid]
-            if ret.node is None:
+        while tree.num_evictable_blocks < num_evictable:
+            freed = False
+            i = 0
+            while i < len(expiry) and tree.num_evictable_blocks < num_evictable:
+                entry = expiry[i]
+                ret = self._by_id[entry[2]]
+                if ret.node is not None and self._gain(ret.node) > 0:
+                    self._give_up(ret, demote)
+                    num += 1
+                    freed = True
+                i = expiry.bisect_right(entry)  # entries before it may have gone meanwhile
+            if freed or tree.num_evictable_blocks >= num_evictable:
                 continue
-            num += 1
-            if demote and ret.node.extras is None:
-                self._demote(ret)
+            for entry in expiry:
+                ret = self._by_id[entry[2]]
+                if ret.node is not None and self._held_only_by_retentions(ret.node):
+                    break
             else:
-                self.counters["preempted_tokens_total"] += ret.num_blocks * self.block_size
-                self._forget(ret)
+                break  # nothing left that could free a block
+            self._give_up(ret, demote)
+            num += 1
         return num
 
-    def _demote(self, ret: _Retention) -> None:
+    @staticmethod
+    def _gain(node: Node) -> int:
+        """Blocks that unpinning the one retention pinned at ``node`` would make evictable:
+        the nodes of its path that nothing else holds (``lock_ref`` 1: neither a request nor
+        another retention at or below; locks only grow towards the root)."""
+        total = 0
+        n: Node | None = node
+        while n is not None and n.parent is not None and n.lock_ref == 1:
+            total += len(n.block_ids)
+            n = n.parent
+        return total
+
+    @staticmethod
+    def _held_only_by_retentions(node: Node) -> bool:
+        """No request holds ``node`` or a node below it (its locks are all retention pins)."""
+        refs = node.retain_refs
+        return refs is not None and node.lock_ref == sum(refs.values())
+
+    def _give_up(self, ret: _Retention, demote: bool) -> None:
+        """Unpin ``ret`` under pressure: demoted when ``demote`` and its path holds no
+        multimodal block, else dropped (counted)."""
         node = ret.node
         assert node is not None
-        parts: list[bytes] = []
+        if demote and not self._has_extras(node):
+            self._demote(ret)
+        else:
+            self.counters["preempted_tokens_total"] += ret.num_blocks * self.block_size
+            self._forget(ret)
+
+    @staticmethod
+    def _has_extras(node: Node) -> bool:
         n: Node | None = node
         while n is not None and n.parent is not None:
-            parts.append(bytes(n.tokens))
+            if n.extras is not None:
+                return True
             n = n.parent
-        ret.prefix_tokens = b"".join(reversed(parts))
+        return False
+
+    def _demote(self, ret: _Retention) -> None:
+        """Unpin ``ret`` and keep it listed (its blocks go to the store); the tenant's oldest
+        demoted retentions past ``max_demoted_per_tenant`` are dropped, counted."""
         self._unpin(ret)
         self._demoted.setdefault(ret.root_hash, {})[ret.retention_id] = ret
+        mine = self._demoted_by_tenant.setdefault(ret.tenant, OrderedDict())
+        mine[ret.retention_id] = ret
         self.counters["demoted_blocks_total"] += ret.num_blocks
+        while len(mine) > self.max_demoted_per_tenant:
+            oldest = next(iter(mine.values()))
+            self.counters["preempted_tokens_total"] += oldest.num_blocks * self.block_size
+            self._forget(oldest)  # removes it from ``mine``
+
+    def _undemote(self, ret: _Retention) -> None:
+        """Remove demoted ``ret`` from the demoted indexes."""
+        demoted = self._demoted[ret.root_hash]
+        del demoted[ret.retention_id]
+        if not demoted:
+            del self._demoted[ret.root_hash]
+        mine = self._demoted_by_tenant[ret.tenant]
+        del mine[ret.retention_id]
+        if not mine:
+            del self._demoted_by_tenant[ret.tenant]
 
     def _repin(self, ret: _Retention, node: Node) -> None:
-        del self._demoted[ret.root_hash][ret.retention_id]
-        if not self._demoted[ret.root_hash]:
-            del self._demoted[ret.root_hash]
-        ret.prefix_tokens = b""
+        self._undemote(ret)
         self._pin(ret, node)
         self.counters["repinned_total"] += 1
 
-    def on_path(self, cursor: Node, root_hash: bytes) -> int:
+    def on_path(self, cursor: Node, root_hash: bytes, tenant: str | None = None, *,
+                now: float | None = None, refresh: bool = False) -> int:
         """A request's path (ending at ``cursor``) is in the pool: pin again the demoted
-        retentions of its root whose prefix it holds (budgets allowing; not refreshed here:
-        :meth:`on_hit` does that for the request's tenant). Returns how many."""
+        retentions of its root whose prefix it holds (the chained hash of the path's block at
+        the retention's end equals the retention's; budgets allowing; not refreshed here:
+        :meth:`on_hit` does that for the request's ``tenant``). With ``refresh``, a demoted
+        retention of ``tenant`` on the path that the budgets keep from being pinned again is
+        refreshed here (expiry = ``now`` + TTL). One walk up the path: O(path nodes +
+        demoted retentions of the root). Returns how many were pinned again."""
         demoted = self._demoted.get(root_hash)
         if not demoted:
             return 0
-        bb = 4 * self.block_size
-        depth = (cursor.depth_tokens + cursor.num_tokens) // self.block_size
-        path: bytes | None = None
+        bs = self.block_size
+        depth = (cursor.depth_tokens + cursor.num_tokens) // bs
+        rets = sorted((r for r in demoted.values() if r.num_blocks <= depth),
+                      key=lambda r: -r.num_blocks)
+        matched: list[_Retention] = []
+        n = cursor
+        for ret in rets:  # deepest first: the walk only goes up
+            end = ret.num_blocks * bs
+            while n.parent is not None and n.depth_tokens >= end:
+                n = n.parent
+            if n.parent is not None and n.block_hash((end - n.depth_tokens) // bs - 1) \
+                    == ret.end_hash:
+                matched.append(ret)
         num = 0
-        for ret in list(demoted.values()):
-            if ret.num_blocks > depth:
-                continue
-            if path is None:
-                parts: list[bytes] = []
-                n: Node | None = cursor
-                while n is not None and n.parent is not None:
-                    parts.append(bytes(n.tokens))
-                    n = n.parent
-                path = b"".join(reversed(parts))
-            if path[: ret.num_blocks * bb] != ret.prefix_tokens:
-                continue
+        for ret in matched:  # after the walk: node_at may split nodes of the path
             node = self.tree.node_at(cursor, ret.num_blocks)
-            if self._fits(node, ret.num_blocks, ret.tenant) < ret.num_blocks:
-                continue
-            self._repin(ret, node)
-            num += 1
+            if self._fits(node, ret.num_blocks, ret.tenant) >= ret.num_blocks:
+                self._repin(ret, node)
+                num += 1
+            elif refresh and ret.tenant == tenant:
+                self._refresh(ret, self.now() if now is None else now)
+                self._touch(ret, node)
         return num
 
     # ---- operator -----------------------------------------------------------------------
@@ -550,12 +687,19 @@ class RetentionTable:
         nodes: dict[int, Node] = {}
         pins: dict[int, int] = {}
         demoted = {rid for d in self._demoted.values() for rid in d}
+        by_tenant = {rid for d in self._demoted_by_tenant.values() for rid in d}
+        assert by_tenant == demoted, f"demoted by tenant {by_tenant} != by root {demoted}"
+        for tenant, theirs in self._demoted_by_tenant.items():
+            assert 0 < len(theirs) <= self.max_demoted_per_tenant, (
+                f"tenant {tenant!r}: {len(theirs)} demoted retentions")
+            assert all(r.tenant == tenant for r in theirs.values()), (
+                "demoted under another tenant")
         for rid, ret in self._by_id.items():
             node = ret.node
             if node is None:
                 assert rid in demoted, f"{rid}: neither pinned nor demoted"
-                assert len(ret.prefix_tokens) == 4 * bs * ret.num_blocks, (
-                    f"{rid}: demoted prefix of {len(ret.prefix_tokens)} bytes")
+                assert retention_id(ret.end_hash, ret.ttl_class, ret.tenant) == rid, (
+                    f"{rid}: demoted with an end hash that is not its prefix's")
                 continue
             assert rid not in demoted, f"{rid}: pinned and demoted"
             assert ret in self._at_node.get(node.uid, ()), f"{rid}: not indexed at its node"
@@ -563,6 +707,7 @@ class RetentionTable:
                 f"{rid}: pinned at {node!r}, not at {ret.num_blocks} blocks")
             assert retention_id(node.end_hash, ret.ttl_class, ret.tenant) == rid, (
                 f"{rid}: id does not match its prefix")
+            assert ret.end_hash == node.end_hash, f"{rid}: end hash is not its node's"
             pins[node.uid] = pins.get(node.uid, 0) + 1
             n: Node | None = node
             while n is not None and n.parent is not None:

@@ -18,7 +18,12 @@ import torch
 
 from radixkv.cache.hashing import CacheIdentity
 from radixkv.cache.manager import CacheManager
-from radixkv.cache.retention import RetentionBreakpoint, RetentionInfo, check_breakpoints
+from radixkv.cache.retention import (
+    RetentionBreakpoint,
+    RetentionInfo,
+    check_breakpoints,
+    clamp_created,
+)
 from radixkv.cache.store.backend import StoreBackend
 from radixkv.config import GIB, EngineConfig, check_token_ids
 from radixkv.engine.adapters import LoRAAdapters
@@ -427,13 +432,20 @@ class LLMEngine:
     def _retain_prompt(self, req: Request) -> None:
         """The prompt's blocks are all cached: refresh the retentions it covers and apply its
         breakpoints (a ``-1`` retains the prompt now and the whole sequence at finish), before
-        its first output (once per request)."""
+        its first output (once per request).
+
+        Creation is counted past the request's reported hit (``num_cached_tokens``, its first
+        admission's), not the cache's latest lookup (a resume after preemption may have found
+        less), and clamped to the prompt's rest: ``num_cached_tokens`` + created ≤ N always.
+        """
         req.retention_applied = True
         n = req.num_prompt_tokens
+        m = req.num_cached_tokens
         result = self.cache.retain(
             req.request_id, [(n if bp.num_tokens == -1 else bp.num_tokens, bp.ttl_class)
-                             for bp in req.retention], num_prompt_tokens=n)
-        req.cache_creation_tokens_by_ttl = result.created
+                             for bp in req.retention], num_prompt_tokens=n,
+            num_cached_tokens=m)
+        req.cache_creation_tokens_by_ttl = clamp_created(result.created, n - m)
         req.num_retained_tokens = result.num_retained_tokens
         req.retention_ids = result.retention_ids
 

@@ -273,7 +273,8 @@ class Scheduler:
             if whole:
                 result = self.cache.retain(req.request_id, whole,
                                            num_prompt_tokens=req.num_prompt_tokens,
-                                           refresh=False)
+                                           refresh=False,
+                                           num_cached_tokens=req.num_cached_tokens)
                 req.num_retained_tokens = result.num_retained_tokens
                 req.retention_ids = req.retention_ids + tuple(
                     rid for rid in result.retention_ids if rid not in req.retention_ids)

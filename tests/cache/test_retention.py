@@ -5,17 +5,20 @@ and a property test keeping ``check_integrity`` green over random retain/evict/e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixkv.cache.hashing import CacheIdentity
+from radixkv.cache.hashing import CacheIdentity, pack_tokens
 from radixkv.cache.manager import CacheManager
 from radixkv.cache.retention import (
     TTL_CLASSES,
     RetentionBreakpoint,
     RetentionTable,
     check_breakpoints,
+    clamp_created,
     retention_id,
 )
 
@@ -40,7 +43,7 @@ def make(num_blocks: int = 8, **kwargs) -> tuple[CacheManager, bytes, Clock]:
 
 
 def run(cm: CacheManager, root: bytes, rid: str, tokens: list[int],
-        breakpoints: list[tuple[int, str]] = (), tenant: str | None = None
+        breakpoints: Sequence[tuple[int, str]] = (), tenant: str | None = None
         ) -> tuple[int, dict[str, int], int]:
     """Begin, allocate, publish, retain, release; returns (m, created, num_retained_tokens)."""
     m = cm.begin(rid, root, tokens, tenant=tenant)
@@ -272,9 +275,10 @@ def test_retention_id_is_stable_and_distinct() -> None:
 
 
 class NoStore:
-    """Stands in for a store tier where the cache only asks whether one is attached."""
+    """Stands in for a store tier where the cache only asks whether one is attached (and up)."""
 
     write_mode = "evict"  # publish writes nothing (no trim hook is attached either)
+    down = False
 
     def cancel(self, request_id: str) -> None:
         pass
@@ -353,3 +357,205 @@ def test_property_random_retain_evict_expire_keeps_integrity(ops, policy, fracti
     cm.expire_retentions()
     cm.check_integrity()
     assert cm.num_retained_blocks == 0 and cm.num_in_use_blocks == 0
+
+
+# ---- creation against the reported hit; what pressure unpins; demoted retentions ----------
+
+
+def test_creation_counts_past_the_engines_hit_when_a_resume_found_less() -> None:
+    cm, root, _ = make(16)
+    tokens = list(range(1, 25))  # 24 tokens: 6 blocks
+    run(cm, root, "a", tokens[:16])
+    assert cm.begin("b", root, tokens) == 16  # m0: the first admission's hit (reported)
+    assert cm.allocate("b", 24)
+    cm.publish("b", tokens, 20)  # one prefill chunk, then preempted
+    cm.release("b")
+    assert cm.evict(cm.num_cached_evictable_blocks) == 5  # its cached prefix evicted meanwhile
+    assert cm.begin("b", root, tokens) == 0  # the resume finds nothing
+    assert cm.allocate("b", 24)
+    cm.publish("b", tokens, 24)
+    with pytest.raises(ValueError, match="^num_cached_tokens: "):
+        cm.retain("b", [(24, "5m")], num_prompt_tokens=24, num_cached_tokens=-4)
+    result = cm.retain("b", [(24, "5m")], num_prompt_tokens=24, num_cached_tokens=16)
+    # 24 - 16: never the 16 tokens the client was told came from the cache.
+    assert (result.created, result.num_retained_tokens) == ({"5m": 8}, 24)
+    cm.check_integrity()
+    cm.release("b")
+
+
+def test_clamp_created_cuts_the_last_classes_first() -> None:
+    assert clamp_created({"1h": 8, "5m": 12}, 20) == {"1h": 8, "5m": 12}
+    assert clamp_created({"1h": 8, "5m": 12}, 10) == {"1h": 8, "5m": 2}
+    assert clamp_created({"1h": 8, "5m": 12}, 8) == {"1h": 8}
+    assert clamp_created({"1h": 8}, -4) == {}
+
+
+def test_pressure_keeps_a_retention_whose_path_a_running_request_holds() -> None:
+    cm, root, _ = make(8, max_retained_fraction=1.0)
+    a = [10 + i for i in range(8)]
+    cm.begin("a", root, a)  # session A: running, its prompt retained for 5 minutes
+    assert cm.allocate("a", 8)
+    cm.publish("a", a, 8)
+    assert cm.retain("a", [(8, "5m")], num_prompt_tokens=8).created == {"5m": 8}
+    run(cm, root, "b", [40 + i for i in range(8)], [(8, "1h")])  # session B: idle, 1 hour
+    cm.begin("c", root, [100 + i for i in range(24)])
+    assert cm.allocate("c", 24)  # 6 blocks: the 4 free ones and B's 2
+    assert sorted(cm.block_table("c")) == [2, 3, 4, 5, 6, 7]
+    # A's retention frees nothing while A runs: kept (it expires first, so it was dropped too).
+    assert [(r.ttl_class, r.num_tokens) for r in cm.list_retentions(None)] == [("5m", 8)]
+    assert cm.retention_snapshot()["preempted_tokens_total"] == 8
+    cm.check_integrity()
+    cm.release("c")
+    cm.release("a")
+
+
+def test_pressure_keeps_a_prefix_a_deeper_retention_also_pins() -> None:
+    cm, root, _ = make(8, max_retained_fraction=1.0)
+    run(cm, root, "a", P, [(4, "5m"), (12, "1h")])  # S: 1 block, D: 3 blocks on one path
+    cm.begin("c", root, [100 + i for i in range(28)])
+    assert cm.allocate("c", 28)  # 7 blocks: the 5 free ones and D's last 2
+    assert [(r.ttl_class, r.num_tokens) for r in cm.list_retentions(None)] == [("5m", 4)]
+    snap = cm.retention_snapshot()
+    assert (snap["preempted_tokens_total"], snap["retained_blocks"]) == (12, 1)
+    assert cm.block_states()[0] == "cached_locked"  # S's block, still pinned
+    cm.check_integrity()
+    cm.release("c")
+
+
+def test_pressure_unpins_two_retentions_ending_at_one_node() -> None:
+    cm, root, _ = make(8, max_retained_fraction=1.0)
+    run(cm, root, "a", P[:8], [(8, "5m"), (8, "1h")])  # neither frees a block alone
+    cm.begin("c", root, [100 + i for i in range(28)])
+    assert cm.allocate("c", 28)  # 7 blocks: the 6 free ones and 1 of theirs
+    assert cm.list_retentions(None) == []
+    assert cm.retention_snapshot()["preempted_tokens_total"] == 16
+    cm.check_integrity()
+    cm.release("c")
+
+
+def test_a_demoted_retention_is_matched_by_its_chained_hash_not_its_tokens() -> None:
+    cm, root, _ = make(6, max_retained_fraction=1.0)
+    cm.store = NoStore()  # type: ignore[assignment]
+    run(cm, root, "a", P, [(12, "1h")])
+    cm.begin("b", root, [100 + i for i in range(24)])
+    assert cm.allocate("b", 24)  # demoted
+    cm.release("b")
+    # The same tokens with an image over the first block: another prefix, not pinned.
+    image = [(0, 4, b"image-digest")]
+    cm.begin("c", root, P + [7], mm_items=image)
+    assert cm.allocate("c", 13)
+    cm.publish("c", P + [7], 13)
+    assert cm.retain("c", [], num_prompt_tokens=13) == ({}, 0, ())
+    snap = cm.retention_snapshot()
+    assert (snap["repinned_total"], snap["demoted_retentions"]) == (0, 1)
+    cm.check_integrity()
+    cm.release("c")
+    # It keeps the chained hash of its last block, not its tokens.
+    (rid,) = [r.retention_id for r in cm.list_retentions(None)]
+    assert cm.retention._by_id[rid].end_hash == cm.hasher.hash_blocks(root, pack_tokens(P), B)[-1]
+    assert run(cm, root, "d", P + [7]) == (0, {}, 12)  # the text prefix: pinned again
+    assert cm.retention_snapshot()["repinned_total"] == 1
+
+
+def test_demoted_retentions_are_bounded_per_tenant_oldest_dropped() -> None:
+    cm, root, _ = make(8, max_retained_fraction=1.0)
+    cm.store = NoStore()  # type: ignore[assignment]
+    cm.retention.max_demoted_per_tenant = 1
+    run(cm, root, "a", P[:8], [(8, "5m")], tenant="t")
+    run(cm, root, "b", [40 + i for i in range(8)], [(8, "1h")], tenant="t")
+    cm.begin("c", root, [100 + i for i in range(32)])
+    assert cm.allocate("c", 32)  # all 8 blocks: both demoted, the older one then dropped
+    snap = cm.retention_snapshot()
+    assert (snap["demoted_retentions"], snap["demoted_blocks_total"],
+            snap["preempted_tokens_total"]) == (1, 4, 8)
+    assert [(r.ttl_class, r.num_tokens) for r in cm.list_retentions("t")] == [("1h", 8)]
+    cm.check_integrity()
+    cm.release("c")
+
+
+def test_a_store_tier_that_is_down_gets_nothing_demoted() -> None:
+    cm, root, _ = make(6, max_retained_fraction=1.0)
+    store = NoStore()
+    store.down = True
+    cm.store = store  # type: ignore[assignment]
+    run(cm, root, "a", P, [(12, "1h")])
+    cm.begin("b", root, [100 + i for i in range(24)])
+    assert cm.allocate("b", 24)
+    snap = cm.retention_snapshot()
+    assert (snap["demoted_retentions"], snap["demoted_blocks_total"],
+            snap["preempted_tokens_total"]) == (0, 0, 12)
+    assert cm.list_retentions(None) == []
+    cm.check_integrity()
+    cm.release("b")
+
+
+class TickingClock:
+    """A clock that moves 1 ms every time it is read (a real clock's effect)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+def test_a_hit_refreshes_once_on_a_clock_that_moves() -> None:
+    cm = CacheManager(16, B, clock=TickingClock())
+    root = cm.identity_root(CacheIdentity("r1", B, "float32", ROPE))
+    run(cm, root, "a", P, [(12, "5m")])
+    run(cm, root, "b", P, [(12, "5m")])  # a hit on it, and the same breakpoint again
+    (info,) = cm.list_retentions(None)
+    assert (info.num_refreshes, cm.retention_snapshot()["refreshes_total"]) == (1, 1)
+
+
+def test_a_hit_refreshes_a_demoted_retention_the_budget_keeps_unpinned() -> None:
+    cm, root, clock = make(6, max_retained_fraction=0.5)  # 3 blocks
+    cm.store = NoStore()  # type: ignore[assignment]
+    run(cm, root, "a", P, [(12, "1h")])
+    cm.begin("b", root, [100 + i for i in range(24)])
+    assert cm.allocate("b", 24)  # demoted
+    cm.release("b")
+    clock.t = 100.0
+    run(cm, root, "x", [60 + i for i in range(8)], [(8, "5m")])  # 2 of the 3 blocks
+    clock.t = 200.0
+    assert run(cm, root, "c", P + [7]) == (0, {}, 0)  # P is back, but does not fit
+    snap = cm.retention_snapshot()
+    assert (snap["repinned_total"], snap["demoted_retentions"], snap["refreshes_total"]) == (
+        0, 1, 1)
+    info = {r.ttl_class: r for r in cm.list_retentions(None)}["1h"]
+    assert (info.expires_in_s, info.num_refreshes) == (3600.0, 1)
+
+
+class MarkStore(NoStore):
+    """Records what the cache tells a store tier that keeps retained blocks longest."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def mark_retained(self, root: bytes, hashes: list[bytes], until_s: float) -> None:
+        self.calls.append(("mark", root, list(hashes), until_s))
+
+    def unmark_retained(self, root: bytes, hashes: list[bytes]) -> None:
+        self.calls.append(("unmark", root, list(hashes)))
+
+
+def test_release_and_expiry_clear_store_marks_of_blocks_no_retention_holds() -> None:
+    cm, root, clock = make(16)
+    store = MarkStore()
+    cm.store = store  # type: ignore[assignment]
+    cm.retention.touched, cm.retention.cleared = {}, []  # as attach_store for such a tier
+    h = cm.hasher.hash_blocks(root, pack_tokens(P), B)
+    run(cm, root, "a", P, [(4, "5m"), (12, "1h")])
+    assert store.calls == [("mark", root, h[:1], 300.0), ("mark", root, h, 3600.0)]
+    store.calls.clear()
+    (deep,) = [r.retention_id for r in cm.list_retentions(None) if r.ttl_class == "1h"]
+    assert cm.release_retentions(None, deep) == 1
+    assert store.calls == [("unmark", root, h[1:])]  # block 0: still the 5m one's
+    store.calls.clear()
+    clock.t = 300.0
+    assert cm.expire_retentions() == 1
+    assert store.calls == [("unmark", root, h[:1])]
+    store.calls.clear()
+    run(cm, root, "b", P, [(12, "1h")])  # pinned again: marked, nothing cleared
+    assert [c[0] for c in store.calls] == ["mark"]

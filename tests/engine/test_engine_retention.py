@@ -264,3 +264,41 @@ def test_metrics_export_retention_by_ttl_and_tenant(tiny_model) -> None:
             'radixkv_retention_retained_tokens{ttl="5m"} 0.0',
             'radixkv_retention_tenant_retained_tokens{tenant="t1"} 8.0',
             'radixkv_retention_tenant_refused_tokens_total{tenant="t1"} 4.0'} <= lines
+
+
+def test_creation_never_counts_the_reported_hit_after_a_preemption_in_prefill(tiny_model) -> None:
+    engine, _ = make(tiny_model, num_blocks=32, prefill_chunk_tokens=8)
+    prompt = prompt_of(20, 32)
+    run(engine, prompt[:16] + [3])  # caches the prompt's first 16 tokens
+    req = engine.make_request(prompt, GREEDY, retention=(RetentionBreakpoint(32, "5m"),))
+    engine.add_request(req)
+    assert engine.step() == []  # admitted with 16 cached tokens; computes tokens 16..24
+    assert (req.num_cached_tokens, req.num_computed_tokens) == (16, 24)
+    engine.scheduler._preempt(req)  # preempted during its prefill ...
+    engine.reset_prefix_cache()  # ... and its cached prefix evicted before it resumes
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    engine.cache.check_integrity()
+    # The resume found nothing (the cache's m is 0), but the client was told 16 came from the
+    # cache: only the other 16 are newly retained, so the usage still adds up to 32.
+    assert [(o.num_prompt_tokens, o.num_cached_tokens, o.cache_creation_tokens_by_ttl,
+             o.num_retained_tokens) for o in outputs] == [(32, 16, {"5m": 16}, 32)] * 3
+    assert engine.stats_snapshot()["retention"]["created_total"] == 1
+
+
+def test_releasing_a_retention_clears_the_disk_tiers_marks(tiny_model, tmp_path) -> None:
+    engine = LLMEngine(engine_config(block_size=B, num_blocks=32,
+                                     kv_store=f"disk:{tmp_path / 'kv'}"), tiny_model)
+    tier = engine.store
+    assert tier is not None
+    try:
+        run(engine, prompt_of(11, 21), (RetentionBreakpoint(20, "1h"),))
+        assert tier.flush()
+        assert engine.stats_snapshot()["store"]["disk_retained_blocks"] == 5
+        assert engine.release_retentions(None) == 1
+        assert tier.flush()
+        store = engine.stats_snapshot()["store"]
+        assert (store["disk_num_blocks"], store["disk_retained_blocks"]) == (5, 0)
+    finally:
+        tier.close()
