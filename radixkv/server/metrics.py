@@ -227,6 +227,8 @@ _DISK_COUNTERS = (
      "Block values the disk tier deleted for room."),
     ("radixkv_kv_store_disk_refused_puts", "disk_refused_puts_total",
      "Block values the disk tier refused to take (no room)."),
+    ("radixkv_kv_store_disk_errors", "disk_errors_total",
+     "Disk tier calls that failed while the memory tier in front of it went on (host,disk stack)."),
 )
 
 

@@ -320,6 +320,8 @@ class StoreTier:
                 with self.lock:
                     self.counters["rejected_blocks_total"] += 1
                     self.rejected_by_reason[reason] += 1
+                    # Forget it was stored, so the block computed again is written afresh.
+                    self._present.pop(keys[i], None)
                 log.warning("kv_store_value_rejected", reason=reason,
                             block_hash=job.hashes[i].hex(), request_id=job.request_id)
                 try:  # a backend that keeps values may drop it (the block is written afresh)
