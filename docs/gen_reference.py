@@ -190,12 +190,14 @@ def parameters_page() -> str:
     body.append("## Ignored keys inside `messages[i]`\n\n"
                 "| field | policy | roles | why |\n|---|---|---|---|\n"
                 + "\n".join(message_rows) + "\n")
-    block_rows = [f"| {_code(kind)} | refused | {_cell(why)} |" for kind, why in sorted(t.MESSAGES_REFUSED_BLOCKS.items())]
+    block_rows = [f"| {_code(kind)} | refused | {_cell(why)} |"
+                  for kind, why in sorted(t.MESSAGES_REFUSED_BLOCKS.items())]
     block_rows += [f"| {_code(kind)} | ignored (assistant turns) | {_cell(why)} |"
                    for kind, why in sorted(t.MESSAGES_IGNORED_BLOCKS.items())]
     for kind, fields in sorted(t.MESSAGES_BLOCK_FIELDS.items()):
         for key, param in sorted(fields.items()):
-            block_rows.append(f"| {_code(kind + '.' + key)} | {_policy_name(param.policy)} | {_cell(param.why)} |")
+            block_rows.append(f"| {_code(kind + '.' + key)} | {_policy_name(param.policy)} "
+                              f"| {_cell(param.why)} |")
     body.append("## Anthropic content blocks\n\n"
                 "Block types and block keys of `/v1/messages` that radixkv does not implement: "
                 "refused with a 400 naming the block, or accepted and dropped where they "

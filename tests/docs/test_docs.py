@@ -117,8 +117,14 @@ def test_commands_reference_has_every_subcommand_and_clone_independent_defaults(
 
 
 def test_parameters_reference_lists_every_field() -> None:
-    from radixkv.server.param_table import (CHAT_PARAMS, COMPLETION_PARAMS, COUNT_TOKENS_PARAMS,
-                                            MESSAGES_PARAMS, MESSAGES_REFUSED_BLOCKS, TOKENIZE_PARAMS)
+    from radixkv.server.param_table import (
+        CHAT_PARAMS,
+        COMPLETION_PARAMS,
+        COUNT_TOKENS_PARAMS,
+        MESSAGES_PARAMS,
+        MESSAGES_REFUSED_BLOCKS,
+        TOKENIZE_PARAMS,
+    )
 
     text = _load("gen_reference").parameters_page()
     names = (set(CHAT_PARAMS) | set(COMPLETION_PARAMS) | set(TOKENIZE_PARAMS) | set(MESSAGES_PARAMS)
