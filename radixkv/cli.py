@@ -471,11 +471,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # Before any thread allocates: one malloc arena that keeps step buffers mapped.
+def _keep_step_buffers_mapped() -> None:
+    """Before any thread allocates (after parsing, so ``--help`` imports nothing heavy): one
+    malloc arena that keeps step buffers mapped (``radixkv.kernels.host_memory``)."""
     from radixkv.kernels.host_memory import keep_step_buffers_mapped
     keep_step_buffers_mapped()
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = list(sys.argv[1:] if argv is None else argv)
     # Bench drivers own their flags: load the driver before parsing the rest.
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
@@ -483,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         bp = argparse.ArgumentParser(prog=f"radixkv bench {argv[1]}", description=BENCHES[argv[1]])
         module.add_arguments(bp)
         args = bp.parse_args(argv[2:])
+        _keep_step_buffers_mapped()
         from radixkv.log import configure_logging
         configure_logging("warning")
         from radixkv.tools.data import SharedDataMissing
@@ -496,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if failed else 0
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        _keep_step_buffers_mapped()
     from radixkv.log import configure_logging
     configure_logging(getattr(args, "log_level", "info"))
     if args.command == "serve":
