@@ -59,10 +59,11 @@ class KVFormat:
     @property
     def tag(self) -> str:
         """Stable identity of the format (cache identity, store value header and key):
-        e.g. ``int8/scale=f32:token-head/v1``; for unquantized formats just the dtype name."""
+        e.g. ``int8-tokhead-f32-v1`` (one fp32 scale per token and KV head, layout version 1);
+        for unquantized formats just the dtype name. No ``:`` or ``.`` (store keys use both)."""
         if not self.quantized:
             return self.name
-        return f"{self.name}/scale=f32:token-head/v{KV_FORMAT_VERSION}"
+        return f"{self.name}-tokhead-f32-v{KV_FORMAT_VERSION}"
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         """K+V bytes of one token over all layers, scales included."""
