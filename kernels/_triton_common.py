@@ -18,6 +18,22 @@ Softmax runs in base 2 (``exp2``): scores are pre-multiplied by ``log2(e) = 1.44
 and every LSE a kernel stores internally is in base-2 units; public ``return_lse`` values are
 natural-log (times ``ln 2 = 0.6931471805599453``). The constants are literals inside the kernels:
 a plain Python global is not readable from ``@triton.jit`` code.
+
+Quantized KV (int8, fp8_e4m3; ``kv_quant.py`` is the formula): :func:`quantize_tile` reproduces
+``kv_quant.quantize_kv`` bit for bit on the GPU and under the interpreter, with no libdevice
+(the interpreter has none) and no reliance on Triton's float casts (the interpreter's fp32 ->
+fp8 conversion rounds ties away and drops mantissa carries):
+
+- divisions are ``tl.math.div_rn`` (IEEE round to nearest; Triton's ``/`` on fp32 is the
+  approximate ``div.full.f32`` on NVIDIA GPUs);
+- int8 rounds half to even by adding and subtracting ``1.5 * 2**23`` (exact for ``|x| < 2**22``);
+  the value is clamped to ``[-127, 127]`` *before* (equal to clamping after: rounding is monotone
+  and the bounds are integers), so the addition never directly follows the ``x * inv`` product
+  and cannot be contracted into an FMA (which would round the exact product instead);
+- fp8_e4m3 rounds the fp32 bit pattern to 3 mantissa bits (ties to even) for normals
+  (``|x| >= 2**-6``) and to multiples of ``2**-9`` for subnormals, giving the e4m3fn value as
+  fp32 (:func:`e4m3_round`); :func:`e4m3_bits` encodes it, and pools are written through a
+  uint8 view. Reading fp8 pools uses Triton's fp8 -> fp32 cast (exact, interpreter included).
 """
 
 from __future__ import annotations
@@ -136,3 +152,118 @@ def online_softmax_step(acc, l_i, m_i, s, v, UPCAST: tl.constexpr, DOT_PRECISION
     else:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+def kv_quant_params(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale_pool: torch.Tensor | None,
+                    v_scale_pool: torch.Tensor | None) -> tuple[bool, bool, float]:
+    """``(quantized, is_fp8, qmax)`` of a pool pair, validated against its scale pools.
+
+    The format is inferred from the pool dtype: ``torch.int8`` -> int8 (QMAX 127),
+    ``torch.float8_e4m3fn`` -> fp8_e4m3 (QMAX 448); any other dtype is unquantized and takes no
+    scale pools.
+
+    Args:
+        k_pool: ``[M, B, Hkv, D]`` key pool.
+        v_pool: ``[M, B, Hkv, D]`` value pool (same dtype as ``k_pool``).
+        k_scale_pool: ``[M, B, Hkv]`` fp32 key scales (quantized pools only), or None.
+        v_scale_pool: ``[M, B, Hkv]`` fp32 value scales, or None.
+
+    Raises:
+        ValueError: naming the field: pools of different dtypes, a quantized pool without scale
+            pools, scale pools with an unquantized pool, only one of the two scale pools, or a
+            scale pool of the wrong shape, dtype, device or stride.
+    """
+    if v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"v_pool: dtype {v_pool.dtype} differs from k_pool {k_pool.dtype}")
+    quantized = k_pool.dtype in (torch.int8, torch.float8_e4m3fn)
+    if (k_scale_pool is None) != (v_scale_pool is None):
+        missing = "k_scale_pool" if k_scale_pool is None else "v_scale_pool"
+        raise ValueError(f"{missing}: required when the other scale pool is given")
+    if not quantized:
+        if k_scale_pool is not None:
+            raise ValueError(f"k_scale_pool: given for an unquantized {k_pool.dtype} pool "
+                             "(scale pools go with int8 or float8_e4m3fn pools)")
+        return False, False, 0.0
+    if k_scale_pool is None or v_scale_pool is None:
+        raise ValueError(f"k_scale_pool: required for a {k_pool.dtype} pool (one fp32 scale per "
+                         "token slot and KV head, [M, B, Hkv])")
+    for name, scales in (("k_scale_pool", k_scale_pool), ("v_scale_pool", v_scale_pool)):
+        if tuple(scales.shape) != tuple(k_pool.shape[:3]):
+            raise ValueError(f"{name}: shape {tuple(scales.shape)}, expected {tuple(k_pool.shape[:3])} "
+                             "(the pool's [M, B, Hkv])")
+        if scales.dtype != torch.float32:
+            raise ValueError(f"{name}: dtype {scales.dtype}, expected torch.float32")
+        if scales.device != k_pool.device:
+            raise ValueError(f"{name}: on {scales.device}, the pools on {k_pool.device}")
+    is_fp8 = k_pool.dtype == torch.float8_e4m3fn
+    return True, is_fp8, 448.0 if is_fp8 else 127.0
+
+
+@triton.jit
+def round_half_even(x):
+    """Round fp32 to the nearest integer, ties to even (exact for ``|x| < 2**22``).
+
+    ``x`` must not be the direct result of a multiply (the add could be contracted into an FMA).
+    """
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def e4m3_round(s):
+    """fp32 ``s`` in ``[-448, 448]`` -> the nearest float8_e4m3fn value (ties to even), as fp32.
+
+    The sign (of -0.0 too) is kept, as torch's cast keeps it.
+    """
+    bits = s.to(tl.int32, bitcast=True)
+    mag_bits = bits & 0x7FFFFFFF
+    a = mag_bits.to(tl.float32, bitcast=True)
+    # Normals (a >= 2**-6): round the 23-bit mantissa to 3 bits, ties to even; a carry into the
+    # exponent is the right result (a <= 448 cannot round past 448).
+    normal = ((mag_bits + (0x7FFFF + ((mag_bits >> 20) & 1))) >> 20) << 20
+    # Subnormals: multiples of 2**-9 (a * 512 is exact, so a contracted FMA rounds the same).
+    sub = round_half_even(a * 512.0) * 0.001953125
+    r = tl.where(mag_bits >= 0x3C800000, normal.to(tl.float32, bitcast=True), sub)
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_bits(r):
+    """A float8_e4m3fn value held in fp32 (from :func:`e4m3_round`) -> its bit pattern, int32 0..255."""
+    bits = r.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag_bits = bits & 0x7FFFFFFF
+    exponent = mag_bits >> 23
+    normal = ((exponent - 120) << 3) | ((mag_bits >> 20) & 7)
+    sub = (mag_bits.to(tl.float32, bitcast=True) * 512.0).to(tl.int32)
+    return sign | tl.where(exponent >= 121, normal, sub)
+
+
+@triton.jit
+def quantize_tile(x, AXIS: tl.constexpr, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
+    """Quantize an fp32 tile per row along ``AXIS`` (the head-dim axis), as ``kv_quant.quantize_kv``.
+
+    Args:
+        x: 2-D fp32 tile; entries outside the head dim (and masked rows) must be 0.
+        AXIS: the head-dim axis of ``x`` (1: rows are tokens; 0: columns are tokens).
+        QMAX: 127.0 (int8) or 448.0 (fp8_e4m3).
+        IS_FP8: fp8_e4m3 rounding instead of int8.
+
+    Returns:
+        ``(q, scale)``: ``q`` the quantized values as fp32 (integers for int8, e4m3fn values for
+        fp8), ``scale`` fp32 per token (0 where the token's amax is 0; then q is ±0).
+    """
+    amax = tl.max(tl.abs(x), AXIS)
+    nonzero = amax > 0.0
+    qmax = tl.full(amax.shape, QMAX, tl.float32)
+    scale = tl.where(nonzero, tl.math.div_rn(amax, qmax), 0.0)
+    inv = tl.where(nonzero, tl.math.div_rn(qmax, tl.where(nonzero, amax, 1.0)), 0.0)
+    if AXIS == 1:
+        s = x * inv[:, None]
+    else:
+        s = x * inv[None, :]
+    s = tl.minimum(tl.maximum(s, -QMAX), QMAX)
+    if IS_FP8:
+        q = e4m3_round(s)
+    else:
+        q = round_half_even(s)
+    return q, scale
