@@ -40,6 +40,14 @@ pools): no gather, no padding, no mask, and no SDPA group is left for those rows
 Every sequence's keys, its own suffix included, are read back from the pool after the write,
 so the pool is the only source of K/V and the result equals the reference's within SDPA's
 floating-point reordering (tests: ``tests/kernels/test_paged_sdpa.py``).
+
+Quantized pools (``radixkv.kernels.kv_quant``: int8 / float8_e4m3fn values with ``[M, B, Hkv]``
+fp32 scale pools, passed to :meth:`AttentionPlan.attend`): the write quantizes
+(``kv_quant.quantize_kv``); a group gathers whole blocks of values and their scale rows and
+dequantizes them to the queries' dtype; a ``causal_own`` group attends over the step's K/V as
+stored (quantized, then dequantized), so every path reads what the pool holds. The C kernels
+take quantized pools only where they say so (``native.KV_QUANT_FORMATS``; the caller decides:
+:func:`native_quant_formats`), and are then passed the scale pools.
 """
 
 from __future__ import annotations
@@ -51,8 +59,19 @@ import torch
 import torch.nn.functional as F
 
 from . import native, native_attention
+from .kv_quant import dequantize_kv, quantize_kv
+from .reference import pool_kv_format
 
-__all__ = ["AttentionPlan", "plan_attention", "DEFAULT_CHUNK_KV_BYTES"]
+__all__ = ["AttentionPlan", "plan_attention", "DEFAULT_CHUNK_KV_BYTES", "native_quant_formats"]
+
+
+def native_quant_formats() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(decode, extend)``: the quantized KV formats (``kv_quant`` names) the C decode and
+    extend kernels read, from their modules' ``KV_QUANT_FORMATS`` (missing: none). A runner
+    hands a quantized pool to a C kernel only when its format is listed here."""
+    decode = tuple(getattr(native, "KV_QUANT_FORMATS", ()))
+    extend = tuple(getattr(native_attention, "KV_QUANT_FORMATS", decode))
+    return decode, extend
 
 # Gathered K+V per group: half a 32 MiB L3. On 2 cores 2, 4, 16 and 64 MiB were within noise
 # of each other at batch 4-16 and 512-8k context; the budget only matters on larger batches.
@@ -156,37 +175,67 @@ class AttentionPlan:
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                 v_pool: torch.Tensor) -> None:
-        """Write the step's ``[T, Hkv, D]`` K/V rows into their pool slots, in place."""
+                 v_pool: torch.Tensor, k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's ``[T, Hkv, D]`` K/V rows into their pool slots, in place.
+
+        A quantized pool (int8 / float8_e4m3fn, with its ``[M, B, Hkv]`` fp32 ``k_scales`` /
+        ``v_scales``) stores ``kv_quant.quantize_kv`` of the rows and their scales.
+
+        Returns:
+            ``(k, v)`` as attention must read them back: the rows themselves for an
+            unquantized pool, else their dequantized values in k's dtype.
+
+        Raises:
+            ValueError: naming ``k_scales`` when a quantized pool comes without scale pools.
+        """
         # 2-D row views ([M*B, Hkv*D]): torch's row copy is several times faster than on 3-D.
         flat, row = k_pool.shape[0] * k_pool.shape[1], k_pool.shape[2] * k_pool.shape[3]
-        k_pool.view(flat, row).index_copy_(0, self.slot_mapping, k.reshape(-1, row).to(k_pool.dtype))
-        v_pool.view(flat, row).index_copy_(0, self.slot_mapping, v.reshape(-1, row).to(v_pool.dtype))
+        fmt = pool_kv_format(k_pool)
+        if fmt is None:
+            k_pool.view(flat, row).index_copy_(0, self.slot_mapping, k.reshape(-1, row).to(k_pool.dtype))
+            v_pool.view(flat, row).index_copy_(0, self.slot_mapping, v.reshape(-1, row).to(v_pool.dtype))
+            return k, v
+        if k_scales is None or v_scales is None:
+            raise ValueError(f"k_scales: a {k_pool.dtype} pool needs its [M, B, Hkv] fp32 scale pools")
+        stored = []
+        for x, pool, scales in ((k, k_pool, k_scales), (v, v_pool, v_scales)):
+            values, scale = quantize_kv(x, fmt)
+            raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool  # no fp8 index_copy_
+            raw.view(flat, row).index_copy_(0, self.slot_mapping,
+                                            values.reshape(-1, row).view(raw.dtype))
+            scales.view(flat, scales.shape[2]).index_copy_(0, self.slot_mapping, scale)
+            stored.append(dequantize_kv(values, scale, x.dtype))
+        return stored[0], stored[1]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-               v_pool: torch.Tensor) -> torch.Tensor:
+               v_pool: torch.Tensor, k_scales: torch.Tensor | None = None,
+               v_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Write K/V, then attend every query row over its sequence's keys.
 
         Args:
             q: ``[T, Hq, D]`` queries; k / v: ``[T, Hkv, D]`` the same rows' keys and values.
             k_pool / v_pool: ``[M, B, Hkv, D]`` this layer's pools (written in place).
+            k_scales / v_scales: ``[M, B, Hkv]`` fp32 scale pools of a quantized (int8 /
+                float8_e4m3fn) pool, written in place; None for an unquantized pool.
 
         Returns:
             ``[T, Hq, D]`` in q's dtype.
         """
-        self.write_kv(k, v, k_pool, v_pool)
+        k, v = self.write_kv(k, v, k_pool, v_pool, k_scales, v_scales)
+        scales = {} if k_scales is None else {"k_scales": k_scales, "v_scales": v_scales}
         if self._whole:
-            return self._run(self.groups[0], q, k, v, k_pool, v_pool)
+            return self._run(self.groups[0], q, k, v, k_pool, v_pool, k_scales, v_scales)
         ne = self.native_extend
         if ne is not None and ne.rows is None and q.dtype == torch.float32:
             # Every row is an extend row: the kernel writes the layer's output directly, reading
             # q in place when it is a row-strided view (the fused qkv projection's output).
             return self._run_native_extend(ne, q if native_attention.rows_packed(q) else q.contiguous(),
-                                           k_pool, v_pool)
+                                           k_pool, v_pool, scales)
         out = torch.empty_like(q)
         if ne is not None:
             queries = q if ne.rows is None else q.index_select(0, ne.rows)
-            result = self._run_native_extend(ne, queries.float().contiguous(), k_pool, v_pool)
+            result = self._run_native_extend(ne, queries.float().contiguous(), k_pool, v_pool, scales)
             if ne.rows is None:
                 out.copy_(result)
             else:
@@ -195,24 +244,28 @@ class AttentionPlan:
         if nd is not None:  # decode rows: read in place from the pool, written straight to out
             native.paged_decode(nd.kernels, q.contiguous(), nd.rows, k_pool, v_pool, nd.block_tables,
                                 nd.kv_lens, sm_scale=self.sm_scale, window_left=nd.window_left,
-                                out=out)
+                                out=out, **scales)
         for group, rows in zip(self.groups, self._out_rows):
-            out.index_copy_(0, rows, self._run(group, q, k, v, k_pool, v_pool))
+            out.index_copy_(0, rows, self._run(group, q, k, v, k_pool, v_pool, k_scales, v_scales))
         return out
 
     def _run_native_extend(self, ne: _NativeExtend, q: torch.Tensor, k_pool: torch.Tensor,
-                           v_pool: torch.Tensor) -> torch.Tensor:
+                           v_pool: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[R, Hq, D]`` fp32 outputs of the extend rows (``q``: those rows, fp32, each
-        token's ``[Hq, D]`` contiguous)."""
+        token's ``[Hq, D]`` contiguous; ``scales``: ``k_scales`` / ``v_scales`` of a quantized
+        pool, else empty)."""
         out = torch.empty(q.shape, dtype=torch.float32)
         native_attention.launch(ne.kernels, q, ne.qo_indptr, ne.prefix_lens, k_pool, v_pool,
                                 ne.block_tables, sm_scale=self.sm_scale, window_left=ne.window_left,
-                                out=out)
+                                out=out, **scales)
         return out
 
     def _run(self, group: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        """``[rows of the group, Hq, D]`` outputs in packed order of ``group.rows[valid]``."""
+             k_pool: torch.Tensor, v_pool: torch.Tensor, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """``[rows of the group, Hq, D]`` outputs in packed order of ``group.rows[valid]``
+        (``k`` / ``v``: the step's rows as the pool holds them, dequantized for a quantized
+        pool; ``k_scales`` / ``v_scales``: its scale pools)."""
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
         g, lq, skv = group.num_seqs, group.max_q_len, group.max_kv_len
@@ -234,6 +287,15 @@ class AttentionPlan:
         # Whole blocks (B * Hkv * D contiguous values each): far faster than per-token rows.
         keys = torch.index_select(k_pool.view(num_blocks, block_row), 0, kv_blocks, out=buffers[0])
         values = torch.index_select(v_pool.view(num_blocks, block_row), 0, kv_blocks, out=buffers[1])
+        if k_scales is not None and v_scales is not None:
+            # Each gathered block dequantized with its own scale rows ([B, Hkv] per block).
+            scale_row = k_scales.shape[1] * num_kv_heads
+            keys = dequantize_kv(keys.view(g * skv, num_kv_heads, head_dim),
+                                 k_scales.view(num_blocks, scale_row).index_select(0, kv_blocks)
+                                 .view(g * skv, num_kv_heads), q.dtype)
+            values = dequantize_kv(values.view(g * skv, num_kv_heads, head_dim),
+                                   v_scales.view(num_blocks, scale_row).index_select(0, kv_blocks)
+                                   .view(g * skv, num_kv_heads), q.dtype)
         keys, values = keys.view(g * skv, -1), values.view(g * skv, -1)
         if group.pad_rows is not None:
             # Masked keys still meet a zero weight in P @ V: a stale NaN there would leak.

@@ -14,6 +14,13 @@ Masking is explicit and bottom-right aligned: suffix query ``j`` sits at absolut
 wrong whenever ``P > 0``; it is used only for a sequence with no prefix and no sliding window,
 where both alignments coincide. A logits soft cap or a requested LSE take an explicit fp32
 path (scores, cap, mask, ``logsumexp``), since SDPA offers neither.
+
+Quantized pools (``radixkv.kernels.kv_quant``): int8 or float8_e4m3fn value pools come with
+``[M, B, Hkv]`` fp32 scale pools (``k_scale_pool`` / ``v_scale_pool``). The write quantizes with
+:func:`kv_quant.quantize_kv` (the format inferred from the pool dtype); attention dequantizes
+every gathered block (:func:`kv_quant.dequantize_kv`, to the queries' dtype) and attends over
+the suffix's K/V as they were stored (quantized then dequantized), never the unrounded rows,
+so a prefix hit reads exactly the K/V a cold run attended over.
 """
 
 from __future__ import annotations
@@ -22,7 +29,54 @@ import math
 
 import torch
 
-__all__ = ["paged_kv_write", "extend_attention", "decode_attention"]
+from .kv_quant import KVFormat, dequantize_kv, quantize_kv, resolve_kv_format
+
+__all__ = ["paged_kv_write", "extend_attention", "decode_attention", "pool_kv_format",
+           "stored_kv"]
+
+#: Quantized pool storage dtype -> ``--kv-cache-dtype`` name.
+_QUANT_POOL_DTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
+
+
+def pool_kv_format(pool: torch.Tensor) -> KVFormat | None:
+    """The quantized format a value pool of this dtype stores (int8, float8_e4m3fn), or None
+    for an unquantized pool."""
+    name = _QUANT_POOL_DTYPES.get(pool.dtype)
+    return None if name is None else resolve_kv_format(name, torch.float32)
+
+
+def _check_scale_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale_pool: torch.Tensor | None,
+                       v_scale_pool: torch.Tensor | None) -> KVFormat | None:
+    """The pools' quantized format (None: unquantized), the scale pools checked against it.
+
+    Raises:
+        ValueError: naming ``k_scale_pool`` / ``v_scale_pool``: given for an unquantized pool,
+            missing for a quantized one, or not ``[M, B, Hkv]`` fp32; ``v_pool`` when the two
+            value pools differ in dtype.
+    """
+    if v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"v_pool: dtype {v_pool.dtype} differs from k_pool's {k_pool.dtype}")
+    fmt = pool_kv_format(k_pool)
+    if fmt is None:
+        if k_scale_pool is not None or v_scale_pool is not None:
+            raise ValueError(f"k_scale_pool: scale pools given for an unquantized {k_pool.dtype} pool")
+        return None
+    for name, scales in (("k_scale_pool", k_scale_pool), ("v_scale_pool", v_scale_pool)):
+        if scales is None:
+            raise ValueError(f"{name}: a {k_pool.dtype} pool needs its [M, B, Hkv] fp32 scale pool")
+        if scales.dtype != torch.float32 or scales.shape != k_pool.shape[:3]:
+            raise ValueError(f"{name}: need float32 {tuple(k_pool.shape[:3])}, got {scales.dtype} "
+                             f"{tuple(scales.shape)}")
+    return fmt
+
+
+def stored_kv(x: torch.Tensor, fmt: KVFormat | None, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[T, Hkv, D]`` as attention reads them back from a pool of format ``fmt``:
+    quantized then dequantized to ``dtype`` (quantized formats), else just cast to ``dtype``."""
+    if fmt is None:
+        return x.to(dtype)
+    q, scale = quantize_kv(x, fmt)
+    return dequantize_kv(q, scale, dtype)
 
 
 def paged_kv_write(
@@ -31,25 +85,33 @@ def paged_kv_write(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale_pool: torch.Tensor | None = None,
+    v_scale_pool: torch.Tensor | None = None,
 ) -> None:
     """Scatter per-token K/V rows into the paged pools, in place.
 
     Args:
-        k: ``[T, Hkv, D]`` keys of the packed tokens (pool dtype or castable to it).
+        k: ``[T, Hkv, D]`` keys of the packed tokens (pool dtype or castable to it; fp32 or
+            bf16 for a quantized pool).
         v: ``[T, Hkv, D]`` values of the packed tokens.
-        k_pool: ``[M, B, Hkv, D]`` key pool of one layer; modified in place.
+        k_pool: ``[M, B, Hkv, D]`` key pool of one layer; modified in place. An int8 or
+            float8_e4m3fn pool is quantized (``kv_quant.quantize_kv``, format from the dtype).
         v_pool: ``[M, B, Hkv, D]`` value pool of one layer; modified in place.
         slot_mapping: ``[T]`` integer slots ``block_id * B + offset``; rows with a negative
             slot are skipped (padding).
+        k_scale_pool / v_scale_pool: ``[M, B, Hkv]`` fp32 scale pools of a quantized pool
+            (row ``slot`` gets the token's per-head scales); None for an unquantized one.
 
     Raises:
-        ValueError: if shapes disagree (the message names the field) or a slot is
-            ``>= M * B``.
+        ValueError: if shapes disagree (the message names the field), a slot is
+            ``>= M * B``, or the scale pools do not match the pool format.
     """
     if k.shape != v.shape:
         raise ValueError(f"v: shape {tuple(v.shape)} differs from k {tuple(k.shape)}")
     if k_pool.shape != v_pool.shape:
         raise ValueError(f"v_pool: shape {tuple(v_pool.shape)} differs from k_pool {tuple(k_pool.shape)}")
+    fmt = _check_scale_pools(k_pool, v_pool, k_scale_pool, v_scale_pool)
     if k.dim() != 3 or k.shape[1:] != k_pool.shape[2:]:
         raise ValueError(f"k: shape {tuple(k.shape)} does not match pool heads/dim {tuple(k_pool.shape[2:])}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
@@ -66,8 +128,23 @@ def paged_kv_write(
     if int(slots.max()) >= num_slots:
         raise ValueError(f"slot_mapping: slot {int(slots.max())} out of range for {num_slots} pool slots")
     # Views over the pool storage: index_copy_ on the flat view writes the pool itself.
-    k_pool.view(num_slots, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
-    v_pool.view(num_slots, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
+    if fmt is None:
+        k_pool.view(num_slots, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
+        v_pool.view(num_slots, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
+        return
+    assert k_scale_pool is not None and v_scale_pool is not None  # checked with fmt
+    for x, pool, scales in ((k, k_pool, k_scale_pool), (v, v_pool, v_scale_pool)):
+        q, scale = quantize_kv(x, fmt)
+        _copy_rows(pool.view(num_slots, *pool.shape[2:]), slots, q)
+        scales.view(num_slots, scales.shape[2]).index_copy_(0, slots, scale)
+
+
+def _copy_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``flat[slots] = rows``; float8 (no CPU index_copy_ kernel) through its byte view."""
+    if flat.dtype == torch.float8_e4m3fn:
+        flat.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    else:
+        flat.index_copy_(0, slots, rows)
 
 
 def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -80,14 +157,22 @@ def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _gather_prefix(pool: torch.Tensor, block_row: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """Return ``[P, Hkv, D]`` rows of one sequence's cached prefix from a pool."""
+def _gather_prefix(pool: torch.Tensor, block_row: torch.Tensor, prefix_len: int,
+                   dtype: torch.dtype, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Return ``[P, Hkv, D]`` rows of one sequence's cached prefix from a pool, as ``dtype``
+    (a quantized pool's blocks dequantized with their ``scales`` rows, block by block)."""
     block_size = pool.shape[1]
     num_blocks = -(-prefix_len // block_size)
     blocks = block_row[:num_blocks].to(device=pool.device, dtype=torch.int64)
     if num_blocks and int(blocks.min()) < 0:
         raise ValueError(f"block_tables: negative block id inside the first {num_blocks} entries")
-    return pool.index_select(0, blocks).reshape(num_blocks * block_size, *pool.shape[2:])[:prefix_len]
+    if scales is None:
+        rows = pool.index_select(0, blocks)
+    else:
+        raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+        gathered = raw.index_select(0, blocks).view(pool.dtype)
+        rows = dequantize_kv(gathered, scales.index_select(0, blocks), dtype)
+    return rows.reshape(num_blocks * block_size, *pool.shape[2:])[:prefix_len].to(dtype)
 
 
 def _attend(
@@ -167,6 +252,8 @@ def extend_attention(
     logits_soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    k_scale_pool: torch.Tensor | None = None,
+    v_scale_pool: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed suffix queries over (cached prefix from the pool + own suffix).
 
@@ -193,6 +280,10 @@ def extend_attention(
         out: optional ``[T, Hq, D]`` tensor of q's dtype to write the result into (returned).
         return_lse: also return the natural-log log-sum-exp of each row's scaled (capped)
             logits, ``[T, Hq]`` fp32 (for merging attention states).
+        k_scale_pool / v_scale_pool: ``[M, B, Hkv]`` fp32 scales of an int8 / float8_e4m3fn
+            pool (None for an unquantized one): the prefix is dequantized per gathered block
+            and the suffix's ``k`` / ``v`` are quantized and dequantized as the write stores
+            them.
 
     Returns:
         ``out`` ``[T, Hq, D]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
@@ -208,6 +299,7 @@ def extend_attention(
         raise ValueError(f"q: {num_q_heads} heads not a multiple of {num_kv_heads} kv heads")
     if k_pool.shape[2:] != k.shape[1:] or v_pool.shape != k_pool.shape:
         raise ValueError(f"k_pool: shape {tuple(k_pool.shape)} does not match k {tuple(k.shape)}")
+    fmt = _check_scale_pools(k_pool, v_pool, k_scale_pool, v_scale_pool)
     num_seqs = prefix_lens.shape[0]
     if qo_indptr.shape != (num_seqs + 1,):
         raise ValueError(f"qo_indptr: shape {tuple(qo_indptr.shape)}, expected [{num_seqs + 1}]")
@@ -221,6 +313,8 @@ def extend_attention(
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     out = _check_out(out, q)
     lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device) if return_lse else None
+    if fmt is not None:  # the suffix as the pool holds it
+        k, v = stored_kv(k, fmt, q.dtype), stored_kv(v, fmt, q.dtype)
     for i, prefix_len in enumerate(prefix_lens.tolist()):
         start, end = indptr[i], indptr[i + 1]
         num_q = end - start
@@ -235,8 +329,8 @@ def extend_attention(
         keys, values = k[start:end], v[start:end]
         if prefix_len:
             row = block_tables[i]
-            keys = torch.cat([_gather_prefix(k_pool, row, prefix_len).to(k.dtype), keys])
-            values = torch.cat([_gather_prefix(v_pool, row, prefix_len).to(v.dtype), values])
+            keys = torch.cat([_gather_prefix(k_pool, row, prefix_len, k.dtype, k_scale_pool), keys])
+            values = torch.cat([_gather_prefix(v_pool, row, prefix_len, v.dtype, v_scale_pool), values])
         rows, rows_lse = _attend(q[start:end], keys, values, prefix_len, scale, window_left,
                                  logits_soft_cap, return_lse)
         out[start:end] = rows
@@ -258,6 +352,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     num_kv_splits: int | None = None,
+    k_scale_pool: torch.Tensor | None = None,
+    v_scale_pool: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence attending over its whole KV (already in the pool).
 
@@ -274,6 +370,8 @@ def decode_attention(
         return_lse: also return the natural-log LSE ``[N, Hq]`` fp32.
         num_kv_splits: accepted for signature parity with the Triton kernel (which splits
             each sequence's KV into this many chunks); the reference ignores it.
+        k_scale_pool / v_scale_pool: ``[M, B, Hkv]`` fp32 scales of an int8 / float8_e4m3fn
+            pool (None for an unquantized one); every gathered block is dequantized.
 
     Returns:
         ``out`` ``[N, Hq, D]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
@@ -285,14 +383,15 @@ def decode_attention(
         raise ValueError(f"kv_lens: shape {tuple(kv_lens.shape)} does not match q {tuple(q.shape)}")
     if logits_soft_cap < 0:
         raise ValueError(f"logits_soft_cap: must be >= 0, got {logits_soft_cap}")
+    _check_scale_pools(k_pool, v_pool, k_scale_pool, v_scale_pool)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     out = _check_out(out, q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     for i, kv_len in enumerate(kv_lens.tolist()):
         if kv_len < 1:
             raise ValueError(f"kv_lens: sequence {i} has {kv_len} keys, need >= 1")
-        keys = _gather_prefix(k_pool, block_tables[i], kv_len).to(q.dtype)
-        values = _gather_prefix(v_pool, block_tables[i], kv_len).to(q.dtype)
+        keys = _gather_prefix(k_pool, block_tables[i], kv_len, q.dtype, k_scale_pool)
+        values = _gather_prefix(v_pool, block_tables[i], kv_len, q.dtype, v_scale_pool)
         # The query is the last key's position: a causal mask over all S keys with P = S - 1.
         row, row_lse = _attend(q[i : i + 1], keys, values, kv_len - 1, scale, window_left,
                                logits_soft_cap, return_lse)

@@ -1,4 +1,4 @@
-"""Command line: ``radixkv serve``, ``radixkv chat`` and ``radixkv bench …``.
+"""Command line: ``radixkv serve``, ``radixkv chat``, ``radixkv verify`` and ``radixkv bench …``.
 
 Benchmark drivers live in the repository's top-level ``bench/`` folder (not an installed
 package, so ``python bench/<name>.py`` runs from a source tree); the CLI loads them by path.
@@ -20,11 +20,13 @@ from types import ModuleType
 
 from radixkv.config import (
     GIB,
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
     eviction_policy_problem,
     int_problem,
+    kv_cache_dtype_problem,
     online_eviction_policies,
 )
 
@@ -78,6 +80,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights, activations and KV pool; bfloat16 halves the bytes a decoded "
                         "token reads (accuracy: docs/performance.md)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache format: auto (the --dtype), float32 / bfloat16 (only the "
+                        "--dtype), int8 or fp8_e4m3 (one fp32 scale per token and KV head "
+                        "stored in the block: ~3.8x the blocks of fp32 per GiB); a value the "
+                        "backend or device cannot run exits 2 before the model loads")
     p.add_argument("--num-threads", type=positive_int, default=None,
                    help="torch threads of the forward (default: the CPUs this process may run "
                         "on; replicas sharing a machine: one each)")
@@ -292,7 +299,32 @@ def engine_config_from_args(args: argparse.Namespace, api_keys: dict | None = No
                                   prefill_chunk_tokens=args.prefill_chunk_tokens,
                                   admission_policy=args.admission_policy),
         lora_adapters=tuple(args.lora), dtype=args.dtype,
-        num_threads=args.num_threads or default_num_threads(), compile=args.compile)
+        num_threads=args.num_threads or default_num_threads(), compile=args.compile,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+
+
+def kv_cache_dtype_flag_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--kv-cache-dtype`` cannot run with the other flags (``--dtype``, the attention
+    backend, the device), as a message naming the flag, or None. Checked before the model
+    loads (imports torch and, for ``--attention-backend triton``, the Triton kernels)."""
+    value = getattr(args, "kv_cache_dtype", "auto")
+    problem = kv_cache_dtype_problem(value, args.dtype)
+    if problem is None:
+        from radixkv.model.runner import kv_format_problem
+
+        config = EngineConfig(device=resolve_device(args.device),
+                              attention_backend=args.attention_backend, dtype=args.dtype)
+        problem = kv_format_problem(value, _torch_dtype(args.dtype),
+                                    config.resolved_attention_backend(), config.device)
+    if problem is None:
+        return None
+    return f"--kv-cache-dtype {value}: {problem} (choices: {', '.join(KV_CACHE_DTYPES)})"
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
 
 
 def default_num_threads() -> int:
@@ -361,6 +393,9 @@ def _serve(args: argparse.Namespace) -> int:
         kv_events = kv_events_config_from_args(args)
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        kv_problem = kv_cache_dtype_flag_problem(args)  # before the model loads
+        if kv_problem is not None:
+            raise ValueError(kv_problem)
     except ValueError as exc:  # bad flag values, key file
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
@@ -451,6 +486,27 @@ BENCHES = {
 }
 
 
+VERIFY_HELP = ("run prompts through every cache path (full recompute, contiguous cache, paged "
+               "cache, prefix hit, each quantized KV dtype) and report where logits and tokens "
+               "part")
+
+
+def _verify(argv: list[str]) -> int:
+    """``radixkv verify``: its flags and run are ``radixkv.tools.verify``'s (imported now)."""
+    try:
+        from radixkv.tools import verify
+    except ImportError as exc:
+        print(f"radixkv verify: not available in this build ({exc})", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog="radixkv verify", description=VERIFY_HELP)
+    verify.add_arguments(parser)
+    args = parser.parse_args(argv)
+    _keep_step_buffers_mapped()
+    from radixkv.log import configure_logging
+    configure_logging(getattr(args, "log_level", "warning"))
+    return int(verify.main(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -464,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--model", default=None,
                         help="Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     export.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    # Its flags are the verify module's (radixkv.tools.verify.add_arguments), added by main()
+    # when the command runs, so building this parser imports neither it nor torch.
+    sub.add_parser("verify", help=VERIFY_HELP, add_help=False)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHES.items():
         bp = bench.add_parser(name, help=help_text)
@@ -499,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         # A driver reports failed checks in its result (bench kernels: all_checks_ok / error).
         failed = isinstance(result, dict) and (result.get("error") or result.get("all_checks_ok") is False)
         return 1 if failed else 0
+    if argv and argv[0] == "verify":
+        return _verify(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":

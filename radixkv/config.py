@@ -18,11 +18,27 @@ from radixkv.eviction import available_policies, make_policy
 GIB = 1 << 30
 MAX_BLOCK_SIZE = 1024  # tokens per KV block (B), the largest accepted
 DTYPES = ("float32", "bfloat16")  # --dtype: the model's weights, activations and KV pool
+#: ``--kv-cache-dtype`` values (``radixkv.kernels.kv_quant.KV_CACHE_DTYPES``, kept equal by a
+#: test; repeated here so the CLI's parser imports no torch).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 
 
 def _require(cond: bool, field: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{field}: {msg}")
+
+
+def kv_cache_dtype_problem(kv_cache_dtype: object, dtype: str) -> str | None:
+    """Why ``kv_cache_dtype`` cannot be the KV pool format of a ``dtype`` model (no field
+    prefix), or None if it can (the rule of ``radixkv.kernels.kv_quant.resolve_kv_format``,
+    without torch): a value of :data:`KV_CACHE_DTYPES`, and an unquantized one only the
+    model's own dtype (``auto`` is that)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        return f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+    if kv_cache_dtype in DTYPES and kv_cache_dtype != dtype:
+        return (f"{kv_cache_dtype} with a {dtype} model is not supported (unquantized K/V are "
+                f"kept in the model dtype); use one of auto, {dtype}, int8, fp8_e4m3")
+    return None
 
 
 def int_problem(value: object, *, minimum: int = 0, maximum: int | None = None) -> str | None:
@@ -244,6 +260,10 @@ class EngineConfig:
             read per decoded token; part of the cache identity, so the two never share KV).
         num_threads: torch intra-op threads of the forward; None leaves torch's setting.
         compile: ``torch.compile`` the decoder layers' dense math (attention stays eager).
+        kv_cache_dtype: KV pool format, one of :data:`KV_CACHE_DTYPES`: ``auto`` = ``dtype``;
+            ``int8`` / ``fp8_e4m3`` store K/V quantized with one fp32 scale per (token, KV
+            head) inside the block (``radixkv.kernels.kv_quant``); ``float32`` / ``bfloat16``
+            only when equal to ``dtype``. Part of the cache identity (its format tag).
     """
 
     model: str | None = None
@@ -256,6 +276,7 @@ class EngineConfig:
     dtype: str = "float32"
     num_threads: int | None = None
     compile: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_adapters", tuple(tuple(p) for p in self.lora_adapters))
@@ -269,6 +290,8 @@ class EngineConfig:
         _require(self.attention_backend in ("auto", "torch", "reference", "triton"), "attention_backend",
                  f"must be one of auto, torch, reference, triton, got {self.attention_backend!r}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        problem = kv_cache_dtype_problem(self.kv_cache_dtype, self.dtype)
+        _require(problem is None, "kv_cache_dtype", problem or "")
         _require(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
                  "num_threads", f"must be an integer >= 1, got {self.num_threads!r}")
 

@@ -104,6 +104,9 @@ class AsyncEngine(AsyncLoRAMixin):
         self.model_name = self._engine.model_name
         self.max_model_len = self._engine.max_model_len
         self.block_size = self._engine.block_size
+        #: The KV pool dtype actually allocated and one token's K+V bytes (scales included).
+        self.kv_cache_dtype = self._engine.runner.kv_cache_dtype
+        self.kv_bytes_per_token = self._engine.runner.kv_bytes_per_token
         self.vocab_size = self._engine.model.shape.vocab_size  # token ids lie in [0, vocab_size)
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_queue = max_queue

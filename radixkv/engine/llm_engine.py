@@ -106,12 +106,15 @@ class LLMEngine:
         self.tokenizer = self.model.tokenizer
         shape = self.model.shape
         block_size = config.cache.block_size
-        bytes_per_block = ModelRunner.bytes_per_block_for(shape, block_size, self.model.dtype)
+        # Pool capacity from the bytes of a block in the KV format (scales included): int8 K/V
+        # gets ~3.8x the blocks of fp32 in the same --kv-cache-memory.
+        bytes_per_block = ModelRunner.bytes_per_block_for(shape, block_size, self.model.dtype,
+                                                          config.kv_cache_dtype)
         num_blocks = _num_blocks_for(config, bytes_per_block)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size,
                                   device=config.device,
                                   attention_backend=config.resolved_attention_backend(),
-                                  compile=config.compile)
+                                  compile=config.compile, kv_cache_dtype=config.kv_cache_dtype)
         if config.compile:
             log.info("model_compiled", compile_s=round(self.runner.warm_up(), 2))
         self.prefix_caching_disabled_reason = _prefix_caching_refusal(config, shape)
@@ -136,7 +139,10 @@ class LLMEngine:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._rope = shape.rope_description()
-        self._kv_dtype = str(self.model.dtype).removeprefix("torch.")
+        # The KV format's tag in the cache identity: the dtype name for unquantized pools (as
+        # before, so their roots are unchanged), e.g. ``int8-tokhead-f32-v1`` for quantized
+        # ones, so blocks of different formats never match.
+        self._kv_dtype = self.runner.kv_format.tag
         self.adapters = LoRAAdapters(shape, base_model_name=self.model_name,
                                      device=self.runner.device, dtype=self.model.dtype)
         for name, path in config.lora_adapters:
@@ -146,6 +152,8 @@ class LLMEngine:
                  num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
                  prefix_caching=config.cache.enable_prefix_caching,
                  eviction_policy=config.cache.eviction_policy, dtype=config.dtype,
+                 kv_cache_dtype=self.runner.kv_cache_dtype,
+                 kv_bytes_per_token=self.runner.kv_bytes_per_token,
                  num_threads=torch.get_num_threads(), compile=config.compile)
 
     # ------------------------------------------------------------------ requests
@@ -545,7 +553,9 @@ class LLMEngine:
                 "waiting": len(sched.waiting) + len(sched.loading) + len(sched.loaded)}
 
     def stats_snapshot(self) -> dict:
-        out = self.stats.snapshot(self.cache, self.runner.bytes_per_block)
+        out = self.stats.snapshot(self.cache, self.runner.bytes_per_block,
+                                  kv_cache_dtype=self.runner.kv_cache_dtype,
+                                  kv_bytes_per_token=self.runner.kv_bytes_per_token)
         if self.prefix_caching_disabled_reason is not None:
             out["prefix_caching_disabled_reason"] = self.prefix_caching_disabled_reason
         return out

@@ -272,8 +272,13 @@ class EngineStats:
         with self._lock:
             return self.totals.counts()
 
-    def snapshot(self, cache: _CacheGauges, bytes_per_block: int) -> dict[str, Any]:
-        """The ``/stats`` JSON object: counters plus pool and tree gauges."""
+    def snapshot(self, cache: _CacheGauges, bytes_per_block: int, *,
+                 kv_cache_dtype: str | None = None,
+                 kv_bytes_per_token: int | None = None) -> dict[str, Any]:
+        """The ``/stats`` JSON object: counters plus pool and tree gauges; ``kv_cache_dtype``
+        (the KV pool dtype actually allocated: float32, bfloat16, int8, fp8_e4m3) and
+        ``kv_bytes_per_token`` (K+V bytes of one token over all layers, scales included)
+        are reported at the top level when given."""
         with self._lock:
             out = self.totals.counts()
             out["preemptions_total"] = self.preemptions_total
@@ -306,4 +311,8 @@ class EngineStats:
             out["pool"]["retained_blocks"] = out["retention"]["retained_blocks"]
         out["eviction_policy"] = cache.eviction_policy
         out["prefix_caching"] = cache.enable_prefix_caching
+        if kv_cache_dtype is not None:
+            out["kv_cache_dtype"] = kv_cache_dtype
+        if kv_bytes_per_token is not None:
+            out["kv_bytes_per_token"] = kv_bytes_per_token
         return out

@@ -11,6 +11,7 @@ the runner never writes a slot outside the new tokens' own positions.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import os
 import time
@@ -24,14 +25,15 @@ import torch
 
 from radixkv.config import check_block_size, check_int
 from radixkv.kernels import gemm, native, native_attention, reference
-from radixkv.kernels.paged_sdpa import plan_attention
+from radixkv.kernels.kv_quant import KVFormat, resolve_kv_format
+from radixkv.kernels.paged_sdpa import native_quant_formats, plan_attention
 
 from .config import ModelShape
 from .llama import LlamaForward
 from .loader import LoadedModel
 from .lora import LoRAAdapter, LoRABatch
 
-__all__ = ["ForwardBatch", "ModelRunner"]
+__all__ = ["ForwardBatch", "ModelRunner", "kv_format_problem"]
 
 log = structlog.get_logger(__name__)
 
@@ -96,26 +98,40 @@ class ModelRunner:
             projections and decode attention over the pool) on the ``torch`` backend with fp32
             CPU weights and no ``compile``; None = wherever they build and run
             (``RADIXKV_NATIVE_KERNELS=0`` turns them off), False = never.
+        kv_cache_dtype: KV pool format (``radixkv.kernels.kv_quant``): ``auto`` (the model
+            dtype), ``float32`` / ``bfloat16`` (the model dtype only), ``int8`` or
+            ``fp8_e4m3`` (quantized with one fp32 scale per token and KV head, stored in
+            scale pools beside the values).
 
     Attributes:
-        k_pools / v_pools: per layer ``[M, B, Hkv, D]`` tensors of the model dtype.
-        bytes_per_block: K+V bytes of one block over all layers.
+        kv_format: the resolved ``KVFormat``.
+        k_pools / v_pools: per layer ``[M, B, Hkv, D]`` contiguous tensors of
+            ``kv_format.storage_dtype`` (the model dtype, int8 or float8_e4m3fn).
+        k_scales / v_scales: per layer ``[M, B, Hkv]`` contiguous fp32 scale pools (block
+            ``b``'s scales are row ``b``) for a quantized format; None otherwise.
+        bytes_per_block: K+V bytes of one block over all layers, scales included.
 
     Raises:
         ValueError: on a ``num_blocks`` < 1, a ``block_size`` outside ``[1, MAX_BLOCK_SIZE]``
-            (``radixkv.config``), an unknown backend, or ``"triton"`` where it cannot run
-            (triton missing, or CPU without TRITON_INTERPRET=1).
+            (``radixkv.config``), an unknown backend, ``"triton"`` where it cannot run
+            (triton missing, or CPU without TRITON_INTERPRET=1), or a ``kv_cache_dtype`` this
+            model, backend or device cannot run (:func:`kv_format_problem`; naming
+            ``kv_cache_dtype``).
     """
 
     def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int,
                  device: str = "cpu", attention_backend: str = "torch", compile: bool = False,
-                 native_kernels: bool | None = None) -> None:
+                 native_kernels: bool | None = None, kv_cache_dtype: str = "auto") -> None:
         check_int("num_blocks", num_blocks, minimum=1)
         check_block_size(block_size)
         if attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend: must be one of {_BACKENDS}, got {attention_backend!r}")
         self.device = torch.device(device)
         self.attention_backend, self._attn_ops = _select_attention_backend(attention_backend, self.device)
+        self.kv_format: KVFormat = resolve_kv_format(kv_cache_dtype, model.dtype)
+        problem = _backend_kv_problem(self.kv_format, self.attention_backend, self._attn_ops, self.device)
+        if problem is not None:
+            raise ValueError(f"kv_cache_dtype: {problem}")
         self.model = model
         self.shape: ModelShape = model.shape
         self.dtype = model.dtype
@@ -130,9 +146,15 @@ class ModelRunner:
         # The C decode kernels take fp32 and bf16 weights / pools (bf16 widened in registers).
         decode_ok = self.dtype in native.DTYPES and native.decode_supported(
             shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
-        self._native_decode = kernels if kernels is not None and decode_ok else None
         # Extend rows (prefills, prefix-hit suffixes) on the C extend kernel, fp32 or bf16 pools.
         extend_ok = native_attention.extend_supported(shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+        if self.kv_format.quantized:
+            # Quantized pools go to a C kernel only where it says it reads them; else the torch
+            # gather path dequantizes them (kernels.paged_sdpa).
+            decode_formats, extend_formats = native_quant_formats()
+            decode_ok = decode_ok and self.kv_format.name in decode_formats
+            extend_ok = extend_ok and self.kv_format.name in extend_formats
+        self._native_decode = kernels if kernels is not None and decode_ok else None
         self._native_extend = kernels if kernels is not None and extend_ok else None
         self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
                                           compile=compile, native_kernels=kernels)
@@ -142,11 +164,22 @@ class ModelRunner:
                                "stay on torch (F.linear); decode steps and extend attention still "
                                "take the C kernels where they loaded (fp32 arithmetic on bf16 data)")
         pool_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
-        self.k_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
-        self.v_pools = [_zeroed(pool_shape, self.dtype, self.device) for _ in range(self.shape.num_layers)]
-        self.bytes_per_block = self.bytes_per_block_for(self.shape, block_size, self.dtype)
-        self._kv_bytes_per_token = self.bytes_per_block // (block_size * self.shape.num_layers)  # one layer
+        num_layers = self.shape.num_layers
+        storage = self.kv_format.storage_dtype
+        self.k_pools = [_zeroed(pool_shape, storage, self.device) for _ in range(num_layers)]
+        self.v_pools = [_zeroed(pool_shape, storage, self.device) for _ in range(num_layers)]
+        self.k_scales: list[torch.Tensor] | None = None
+        self.v_scales: list[torch.Tensor] | None = None
+        if self.kv_format.quantized:
+            self.k_scales = [_zeroed(pool_shape[:3], torch.float32, self.device) for _ in range(num_layers)]
+            self.v_scales = [_zeroed(pool_shape[:3], torch.float32, self.device) for _ in range(num_layers)]
+        self.bytes_per_block = self.bytes_per_block_for(self.shape, block_size, self.dtype,
+                                                        self.kv_format.name)
+        # K+V of one token in one layer as attention gathers it (dequantized: the model dtype),
+        # the paged_sdpa plan's group budget.
+        self._kv_bytes_per_token = 2 * self.shape.num_kv_heads * self.shape.head_dim * _itemsize(self.dtype)
         log.info("model_runner_ready", model=model.name, num_blocks=num_blocks, block_size=block_size,
+                 kv_cache_dtype=self.kv_cache_dtype, kv_bytes_per_token=self.kv_bytes_per_token,
                  kv_pool_bytes=self.bytes_per_block * num_blocks, device=str(self.device),
                  attention_backend=self.attention_backend, native_kernels=kernels is not None,
                  prefill_gemm=self.forward_model.prefill_gemm,
@@ -154,10 +187,30 @@ class ModelRunner:
                  bf16_native=self.device.type == "cpu" and gemm.cpu_bf16_native())
 
     @staticmethod
-    def bytes_per_block_for(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
-        """K+V bytes of one block over all layers: ``2 * layers * B * Hkv * D * itemsize``."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * itemsize
+    def bytes_per_block_for(shape: ModelShape, block_size: int, dtype: torch.dtype,
+                            kv_cache_dtype: str = "auto") -> int:
+        """K+V bytes of one block over all layers, scales included:
+        ``B * KVFormat.bytes_per_token(layers, Hkv, D)`` (unquantized:
+        ``2 * layers * B * Hkv * D * itemsize``; int8: ``2 * layers * B * Hkv * (D + 4)``).
+
+        Raises:
+            ValueError: naming ``kv_cache_dtype`` (``kv_quant.resolve_kv_format``).
+        """
+        fmt = resolve_kv_format(kv_cache_dtype, dtype)
+        return block_size * fmt.bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K+V bytes of one cached token over all layers, scales included (SmolLM2: 46,080
+        fp32, 12,240 int8)."""
+        return self.kv_format.bytes_per_token(self.shape.num_layers, self.shape.num_kv_heads,
+                                              self.shape.head_dim)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV dtype actually allocated, read from the pool tensors: ``float32``,
+        ``bfloat16``, ``int8`` or ``fp8_e4m3`` (what ``/stats`` and ``/v1/models`` report)."""
+        return _POOL_DTYPE_NAMES.get(self.k_pools[0].dtype, str(self.k_pools[0].dtype))
 
     def build_batch(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
                     adapters: Sequence[LoRAAdapter | None] | None = None) -> ForwardBatch:
@@ -235,12 +288,20 @@ class ModelRunner:
         self.forward(self.build_batch([([0], 0, [0])]))
         return time.perf_counter() - started
 
+    def _pool_tensors(self) -> list[torch.Tensor]:
+        """Every pool tensor in :meth:`kv_segments` order: K0, V0, …, then Ks0, Vs0, …"""
+        tensors = [pool for pair in zip(self.k_pools, self.v_pools) for pool in pair]
+        if self.k_scales is not None and self.v_scales is not None:
+            tensors += [s for pair in zip(self.k_scales, self.v_scales) for s in pair]
+        return tensors
+
     @torch.inference_mode()
-    def kv_segment_bases(self) -> list[int]:
-        """Host addresses of every layer's K and V pool (K0, V0, K1, V1, …): block ``b``'s K/V
-        in pool ``i`` is the ``segment_bytes = B * Hkv * D * itemsize`` bytes at
-        ``bases[i] + b * segment_bytes`` (the pools are contiguous ``[M, B, Hkv, D]``). The
-        store tier moves block bytes through them.
+    def kv_segments(self) -> list[tuple[int, int]]:
+        """``(host base address, bytes per block)`` of every pool tensor, in the fixed order
+        K0, V0, K1, V1, …, K_{L-1}, V_{L-1}, then for a quantized format the scale pools
+        Ks0, Vs0, Ks1, Vs1, … (``B * Hkv * 4`` bytes per block). Block ``b`` of segment ``i``
+        is the ``bytes`` at ``base + b * bytes`` (every pool is contiguous, block-major); the
+        sizes sum to :attr:`bytes_per_block`. The store tier moves block bytes through them.
 
         Raises:
             ValueError: naming ``kv_store`` when the pools are not in host memory (a device
@@ -249,10 +310,29 @@ class ModelRunner:
         if self.device.type != "cpu":
             raise ValueError(f"kv_store: the store tier needs the KV pool in host memory; this "
                              f"runner's pool is on {self.device}")
-        return [int(pool.data_ptr()) for pair in zip(self.k_pools, self.v_pools) for pool in pair]
+        return [(int(t.data_ptr()), t[0].numel() * t.element_size()) for t in self._pool_tensors()]
+
+    @torch.inference_mode()
+    def kv_segment_bases(self) -> list[int]:
+        """Host addresses of every layer's K and V pool (K0, V0, K1, V1, …) of an unquantized
+        format: block ``b``'s K/V in pool ``i`` is the ``segment_bytes = B * Hkv * D *
+        itemsize`` bytes at ``bases[i] + b * segment_bytes`` (the pools are contiguous
+        ``[M, B, Hkv, D]``). Quantized formats: :meth:`kv_segments` (it has the scales).
+
+        Raises:
+            ValueError: naming ``kv_store`` when the pools are not in host memory (a device
+                pool needs device copies, which the store tier does not do yet), or the format
+                is quantized (these bases leave out the scale pools, so a block stored through
+                them would lose its scales).
+        """
+        if self.kv_format.quantized:
+            raise ValueError(f"kv_store: the {self.kv_format.name} KV pool keeps scale pools "
+                             f"beside its values; the store tier must move kv_segments()")
+        return [base for base, _ in self.kv_segments()]
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy the K/V of whole blocks ``src -> dst`` in every layer's pools.
+        """Copy the K/V of whole blocks ``src -> dst`` in every layer's pools, and their scale
+        rows for a quantized format.
 
         Used for copy-on-write of a partial tail block when a sequence forks (``n > 1``).
 
@@ -264,7 +344,9 @@ class ModelRunner:
         device = self.k_pools[0].device
         src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=device)
-        for pool in (*self.k_pools, *self.v_pools):
+        for pool in self._pool_tensors():
+            if pool.dtype == torch.float8_e4m3fn:  # no float8 index_copy_: copy the bytes
+                pool = pool.view(torch.uint8)
             pool.index_copy_(0, dst, pool.index_select(0, src))
 
     @torch.inference_mode()
@@ -296,12 +378,19 @@ class ModelRunner:
                     and self.forward_model.native is not None
                     and batch.num_tokens <= native.MAX_LINEAR_ROWS):
                 # A pure decode step: every layer is one C call (rows = sequences, in order).
+                # (_native_decode is set for a quantized format only where the C kernels read it.)
+                scales = ({} if self.k_scales is None
+                          else {"k_scales": self.k_scales, "v_scales": self.v_scales})
                 return self.forward_model.decode_native(
                     batch.input_ids, batch.positions, self.k_pools, self.v_pools, plan.slot_mapping,
-                    nd.block_tables, nd.kv_lens, window_left=window_left)
+                    nd.block_tables, nd.kv_lens, window_left=window_left, **scales)
+            k_scales, v_scales = self.k_scales, self.v_scales
 
             def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return plan.attend(q, k, v, self.k_pools[layer], self.v_pools[layer])
+                if k_scales is None or v_scales is None:
+                    return plan.attend(q, k, v, self.k_pools[layer], self.v_pools[layer])
+                return plan.attend(q, k, v, self.k_pools[layer], self.v_pools[layer],
+                                   k_scales[layer], v_scales[layer])
         else:
             attention = self._kernel_attention(batch, window_left)
         rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
@@ -317,17 +406,75 @@ class ModelRunner:
         # is written first, so the sequence's keys are exactly its first P + 1 pool slots.
         kv_lens = batch.prefix_lens + 1 if max_q_len == 1 and self.attention_backend == "triton" else None
 
+        k_scales, v_scales = self.k_scales, self.v_scales
+
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
-            ops.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping)
+            # Quantized pools: the layer's scale pools (kv_quant); unquantized calls unchanged.
+            scales = ({} if k_scales is None or v_scales is None
+                      else {"k_scale_pool": k_scales[layer], "v_scale_pool": v_scales[layer]})
+            ops.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping, **scales)
             if kv_lens is not None:
                 return ops.decode_attention(q, k_pool, v_pool, batch.block_tables, kv_lens,
-                                            window_left=window_left)
+                                            window_left=window_left, **scales)
             return ops.extend_attention(
                 q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens, batch.qo_indptr,
-                max_q_len=max_q_len, window_left=window_left)
+                max_q_len=max_q_len, window_left=window_left, **scales)
 
         return attention
+
+
+#: Pool storage dtype -> ``--kv-cache-dtype`` name (``ModelRunner.kv_cache_dtype``).
+_POOL_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8",
+                     torch.float8_e4m3fn: "fp8_e4m3"}
+#: The attention ops a backend module must take ``k_scale_pool`` / ``v_scale_pool`` in to run
+#: a quantized pool.
+_SCALED_OPS = ("paged_kv_write", "extend_attention", "decode_attention")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _backend_kv_problem(fmt: KVFormat, backend: str, ops: ModuleType, device: torch.device) -> str | None:
+    """Why a pool of ``fmt`` cannot run on this resolved backend and device, or None.
+
+    The torch and reference backends take every format (torch dequantizes per gathered block;
+    the C kernels only take what they list). Triton needs kernels that accept scale pools
+    (``k_scale_pool`` in the signatures of its three ops) and, for fp8_e4m3, a CUDA device
+    with e4m3 conversions (compute capability 8.9+; the CPU interpreter emulates them).
+    """
+    if not fmt.quantized or backend != "triton":
+        return None
+    lacking = [name for name in _SCALED_OPS
+               if "k_scale_pool" not in inspect.signature(getattr(ops, name)).parameters]
+    if lacking:
+        return (f"{fmt.name} is not supported by the triton attention backend here (its "
+                f"{', '.join(lacking)} take no scale pools); use --attention-backend torch, or "
+                f"--kv-cache-dtype auto")
+    if fmt.name == "fp8_e4m3" and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return (f"fp8_e4m3 needs a GPU of compute capability 8.9 or newer for the triton "
+                    f"kernels, this one is {major}.{minor}; use --kv-cache-dtype int8")
+    return None
+
+
+def kv_format_problem(kv_cache_dtype: str, dtype: torch.dtype, attention_backend: str,
+                      device: str) -> str | None:
+    """Why ``--kv-cache-dtype`` cannot run for a ``dtype`` model on this backend and device
+    (no field prefix), or None: what :class:`ModelRunner` would refuse, checked before a
+    model is loaded (``radixkv serve``). Imports the Triton kernels for ``triton``."""
+    try:
+        fmt = resolve_kv_format(kv_cache_dtype, dtype)
+    except ValueError as exc:
+        return str(exc).removeprefix("kv_cache_dtype: ")
+    torch_device = torch.device(device)
+    try:
+        backend, ops = _select_attention_backend(attention_backend, torch_device)
+    except ValueError:  # the backend's own problem: the runner names attention_backend
+        return None
+    return _backend_kv_problem(fmt, backend, ops, torch_device)
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -216,9 +216,12 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """The served model and its adapters, each with the KV pool dtype actually allocated
+    (``kv_cache_dtype``) and one token's K+V bytes over all layers (``kv_bytes_per_token``)."""
     engine = _state(request).engine
-    return json_response({"object": "list",
-                          "data": adapters.model_entries(engine, request.app[STARTED_KEY])})
+    kv = {"kv_cache_dtype": engine.kv_cache_dtype, "kv_bytes_per_token": engine.kv_bytes_per_token}
+    data = [{**entry, **kv} for entry in adapters.model_entries(engine, request.app[STARTED_KEY])]
+    return json_response({"object": "list", "data": data})
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
