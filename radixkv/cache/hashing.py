@@ -1,7 +1,7 @@
 """Cache identity, its typed encoding, and chained block hashes.
 
 Two requests may share KV only when they run under the same *cache identity* (model revision,
-KV layout, RoPE config, cache salt, adapter) and start with the same tokens. Each identity gets
+KV layout and format, RoPE config, cache salt, adapter) and start with the same tokens. Each identity gets
 a root hash and every full block of B tokens a chained hash::
 
     root = H(b"radixkv/v1" || enc(identity))
@@ -209,7 +209,12 @@ class CacheIdentity:
     Attributes:
         model_revision: Digest of the model weight files (non-empty).
         block_size: Tokens per KV block (> 0).
-        kv_dtype: KV pool dtype name, e.g. ``"float32"``.
+        kv_dtype: The KV cache format tag (``radixkv.kernels.kv_quant.KVFormat.tag``): the
+            pool dtype name for unquantized K/V (``"float32"``, ``"bfloat16"``: the roots of
+            earlier releases, unchanged), the quantized format with its scale layout and
+            version otherwise (``"int8-tokhead-f32-v1"``, ``"fp8_e4m3-tokhead-f32-v1"``), so
+            blocks of different formats never share a root, a chained hash, a KV event or a
+            store key.
         rope: Canonical text of the RoPE config, e.g. ``"theta=100000.0;scaling=None"``.
         cache_salt: Tenant / client namespace; ``None`` (no salt) differs from ``""``.
         adapter: ``(name, weights digest)`` of a LoRA adapter (both non-empty), or ``None`` for

@@ -60,10 +60,16 @@ class StoreBackend(abc.ABC):
         name: ``"host"`` or ``"mooncake"``.
         kv_event_medium: The ``medium`` its blocks are published with in KV events, or None
             when they are not published (a shared pool has no single owner).
+        too_small_result: What ``get_into`` answers for a value larger than the room given
+            (None: it does not tell that from a miss). The tier refuses such a value
+            (``"size"``: a value of another layout or KV format under the key) instead of
+            taking it for a miss, so the block computed again replaces it where the backend
+            drops refused values (``on_rejected``).
     """
 
     name = ""
     kv_event_medium: str | None = None
+    too_small_result: int | None = None
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Memory the tier will pass as ``ptr`` to ``put`` / ``get_into`` (its staging

@@ -23,7 +23,8 @@ digest matches the file name's (so a flipped bit in the tokens or the parent has
 length is the header's plus its payload's, and the payload's checksum matches. A value that
 fails is reported missing, its file deleted, and counted by reason: ``size`` (truncated or
 extended), ``header`` (not a header of this format, or not the one the name records),
-``foreign`` (a well-formed value of another key) or ``checksum`` (corrupt payload). The tier
+``foreign`` (a well-formed value of another key), ``format`` (the key's layout in another KV
+format: written under another ``--kv-cache-dtype``) or ``checksum`` (corrupt payload). The tier
 above then checks what it expects (parent hash and tokens) as for any backend.
 
 **Capacity.** The sum of the stored files' sizes stays within ``capacity_bytes``; a put that
@@ -58,7 +59,7 @@ import xxhash
 from sortedcontainers import SortedList
 
 from radixkv.cache.store.backend import PutEntry, StoreBackend
-from radixkv.cache.store.value import payload_checksum, read_header
+from radixkv.cache.store.value import foreign_reason, payload_checksum, read_header
 from radixkv.errors import StoreError
 from radixkv.log import get_logger
 
@@ -68,7 +69,7 @@ log = get_logger(__name__)
 MISSING = -1
 TOO_SMALL = -2
 #: Reasons a value read back is refused (``disk_rejected_blocks_by_reason``).
-REJECT_REASONS = ("size", "header", "foreign", "checksum", "io")
+REJECT_REASONS = ("size", "header", "foreign", "format", "checksum", "io")
 #: Default capacity: the bytes found at start plus this share of the file system's free space.
 DEFAULT_FREE_SHARE = 0.9
 #: Retentions remembered for keys not stored yet (oldest dropped beyond).
@@ -131,6 +132,7 @@ class DiskStore(StoreBackend):
 
     name = "disk"
     kv_event_medium = "DISK"
+    too_small_result = TOO_SMALL
 
     def __init__(self, path: str, capacity_bytes: int = 0, *,
                  clock: Callable[[], float] = time.time,
@@ -418,7 +420,7 @@ class DiskStore(StoreBackend):
         if isinstance(header, str):
             return header
         if header.key != entry.key:
-            return "foreign"
+            return foreign_reason(entry.key, header)
         if header_digest(value[: header.header_bytes]) != entry.name.rsplit(".h", 1)[1]:
             return "header"
         if len(value) != header.header_bytes + header.payload_bytes:
@@ -633,7 +635,7 @@ class DiskStore(StoreBackend):
         ``disk_refused_puts_total`` (no room), ``disk_invalid_puts_total``,
         ``disk_missing_files_total`` (indexed files found gone), ``disk_rejected_blocks_total``
         and ``disk_rejected_blocks_by_reason`` (values refused when read: ``size``,
-        ``header``, ``foreign``, ``checksum``, ``io``), ``disk_evicted_dropped_total``."""
+        ``header``, ``foreign``, ``format``, ``checksum``, ``io``), ``disk_evicted_dropped_total``."""
         with self._lock:
             out: dict[str, object] = {
                 "disk_path": self.path,

@@ -95,6 +95,7 @@ class HostStore(StoreBackend):
 
     name = "host"
     kv_event_medium = "CPU"
+    too_small_result = TOO_SMALL
 
     def __init__(self, capacity_bytes: int, *, block_size: int, eviction_policy: str = "lru",
                  model_shape: object = None, clock: Callable[[], float] = time.monotonic,
@@ -274,7 +275,7 @@ class HostStore(StoreBackend):
 
     def on_rejected(self, key: str, reason: str) -> None:
         """The tier refused the value read under ``key`` (``reason``: ``size``, ``header``,
-        ``foreign``, ``checksum``): drop it, so that the block, computed again, is written
+        ``format``, ``checksum``): drop it, so that the block, computed again, is written
         afresh instead of being read and refused on every load (a stack promotes a disk value
         into this tier before the tier checks it). The key is reported by
         :meth:`drain_evicted` (its ``BlockRemoved`` event: it was announced when written), not

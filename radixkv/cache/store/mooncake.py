@@ -195,6 +195,7 @@ class MooncakeStore(StoreBackend):
 
     name = "mooncake"
     kv_event_medium = None
+    too_small_result = INVALID_PARAMS  # batch_get_into: the buffer is too small
 
     def __init__(self, spec: KVStoreSpec, *, connect_timeout_s: float = 0.0) -> None:
         if spec.kind != "mooncake":

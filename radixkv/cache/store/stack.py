@@ -58,6 +58,8 @@ class StackStore(StoreBackend):
         self.tiers = list(tiers)
         self.name = "+".join(t.name for t in self.tiers)
         self.kv_event_medium = self.tiers[0].kv_event_medium
+        answers = {tier.too_small_result for tier in self.tiers}
+        self.too_small_result = answers.pop() if len(answers) == 1 else None
         self.promoted_blocks_total = 0
         self._lock = threading.Lock()
         self.errors_total = {tier.name: 0 for tier in self.tiers[1:]}

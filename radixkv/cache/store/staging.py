@@ -6,9 +6,11 @@ gathered from the pool into slots (the engine thread) and stored from there (the
 so a block may be evicted and reused as soon as it is gathered. The mapping is registered with
 the backend once (Mooncake transfers only from registered memory).
 
-The pool side is described by *segment bases*: for every layer its K and its V pool tensor's
-address (2·L integers, K0, V0, K1, …); block ``b``'s segment ``i`` is at
-``bases[i] + b * segment_bytes``. The runner supplies them; this module only moves bytes.
+The pool side is described by *segments* ``(base, bytes per block)``: for every layer its K
+and its V pool tensor (K0, V0, K1, …), then for a quantized KV format every layer's K and V
+scale pool (Ks0, Vs0, Ks1, …; ``runner.kv_segments()``); block ``b`` of segment ``i`` is the
+``size_i`` bytes at ``base_i + b * size_i``, and a block's payload is its segments back to back.
+The runner supplies them; this module only moves bytes.
 """
 
 from __future__ import annotations
@@ -80,15 +82,17 @@ class StagingArena:
         return self.view[start : start + (self.slot_bytes if nbytes is None else nbytes)]
 
 
-def gather_block(dst_ptr: int, bases: Sequence[int], block_id: int, segment_bytes: int) -> None:
-    """Copy block ``block_id``'s 2·L pool segments, in order, to ``dst_ptr`` (contiguous)."""
-    offset = block_id * segment_bytes
-    for i, base in enumerate(bases):
-        _memmove(dst_ptr + i * segment_bytes, base + offset, segment_bytes)
+def gather_block(dst_ptr: int, segments: Sequence[tuple[int, int]], block_id: int) -> None:
+    """Copy block ``block_id`` of every pool segment ``(base, bytes per block)``, in order, to
+    ``dst_ptr`` (contiguous: the payload)."""
+    for base, size in segments:
+        _memmove(dst_ptr, base + block_id * size, size)
+        dst_ptr += size
 
 
-def scatter_block(src_ptr: int, bases: Sequence[int], block_id: int, segment_bytes: int) -> None:
-    """Copy a contiguous payload at ``src_ptr`` into block ``block_id``'s 2·L pool segments."""
-    offset = block_id * segment_bytes
-    for i, base in enumerate(bases):
-        _memmove(base + offset, src_ptr + i * segment_bytes, segment_bytes)
+def scatter_block(src_ptr: int, segments: Sequence[tuple[int, int]], block_id: int) -> None:
+    """Copy a contiguous payload at ``src_ptr`` into block ``block_id`` of every pool segment
+    ``(base, bytes per block)``, in order."""
+    for base, size in segments:
+        _memmove(base + block_id * size, src_ptr, size)
+        src_ptr += size

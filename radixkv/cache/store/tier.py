@@ -5,14 +5,15 @@ backend. Two daemon threads do the backend calls:
 
 * **loader**: for a request whose device match ended early, ``exists`` on the next blocks' keys
   (the longest run present), ``get_into`` staging slots, then the header and checksum check of
-  every value (``value.check_value``); the first block that fails ends the run. The engine thread
-  copies the verified blocks into pool blocks and inserts them into the tree; a load still
-  running at its deadline is abandoned (the request computes instead; the slots come back when
-  the backend call returns).
-* **writer**: the engine thread gathers a block's K/V out of the pool into a staging slot at
-  once (the block may be evicted and reused right after); the writer builds the header and
-  checksum, skips keys already present, and puts the rest. No free slot → the block waits for
-  one (or its eviction), then is dropped, counted: back-pressure never blocks a step.
+  every value (``value.check_value``; a value in another KV format is refused as ``format``);
+  the first block that fails ends the run. The engine thread copies the verified blocks into
+  pool blocks and inserts them into the tree; a load still running at its deadline is
+  abandoned (the request computes instead; the slots come back when the backend call returns).
+* **writer**: the engine thread gathers a block's K/V (and scales, for a quantized KV format)
+  out of the pool into a staging slot at once (the block may be evicted and reused right
+  after); the writer builds the header and checksum, skips keys already present, and puts the
+  rest. No free slot → the block waits for one (or its eviction), then is dropped, counted:
+  back-pressure never blocks a step.
 
 A backend call that raises ``StoreError`` marks the tier *down* (so does a backend reporting
 itself unhealthy): loads are skipped (counted) and the writer tries ``reconnect`` once per
@@ -107,7 +108,7 @@ class StoreTier:
         backend.register_buffer(self.read_arena.base_ptr, self.read_arena.nbytes)
         backend.register_buffer(self.write_arena.base_ptr, self.write_arena.nbytes)
         self.max_blocks_per_load = read_slots
-        self._bases: list[int] | None = None
+        self._bases: list[tuple[int, int]] | None = None  # (address, bytes per block)
         self._jobs: dict[str, LoadJob] = {}  # engine thread only
         self._present: OrderedDict[str, None] = OrderedDict()
         self._deferred: dict[int, WriteItem] = {}  # block id -> its write (engine thread)
@@ -128,7 +129,7 @@ class StoreTier:
             "errors_total",
             "load_timeouts_total", "loads_skipped_down_total", "reconnects_total",
             "reset_blocks_total"), 0)
-        self.rejected_by_reason = {"header": 0, "checksum": 0, "size": 0}
+        self.rejected_by_reason = {"header": 0, "checksum": 0, "size": 0, "format": 0}
         #: Runs the tier stored, for KV events (a per-replica backend only): ``(root, parent
         #: hash, hashes, token bytes)``; appended by the writer, drained by the engine thread.
         self.stored_runs: deque = deque(maxlen=1 << 16)
@@ -142,16 +143,30 @@ class StoreTier:
             t.start()
 
     # ---- set-up ---------------------------------------------------------------------------
-    def attach_pool(self, segment_bases: Sequence[int]) -> None:
-        """Tell the tier where the pool's segments are (2·L addresses, K0, V0, K1, …).
+    def attach_pool(self, segments: Sequence[tuple[int, int]] | Sequence[int]) -> None:
+        """Tell the tier where the pool's segments are: ``runner.kv_segments()``, ``(host
+        address, bytes per block)`` of K0, V0, K1, …, then for a quantized format the scale
+        pools Ks0, Vs0, … (``layout.segment_sizes``); or, for unquantized K/V, only the 2·L
+        addresses (``runner.kv_segment_bases()``).
 
         Raises:
-            ValueError: naming ``segment_bases`` when there are not 2·L of them.
+            ValueError: naming ``segments`` when their number or sizes are not the layout's,
+                or addresses alone are given for a quantized layout.
         """
-        if len(segment_bases) != self.layout.num_segments:
-            raise ValueError(f"segment_bases: expected {self.layout.num_segments} addresses, "
-                             f"got {len(segment_bases)}")
-        self._bases = [int(b) for b in segment_bases]
+        sizes = self.layout.segment_sizes
+        if len(segments) != len(sizes):
+            raise ValueError(f"segments: the layout {self.layout.tag} has {len(sizes)} pool "
+                             f"segments per block, got {len(segments)}")
+        if self.layout.scale_itemsize and any(isinstance(s, int) for s in segments):
+            raise ValueError(f"segments: the layout {self.layout.tag} has scale segments; give "
+                             f"(address, bytes per block) pairs (runner.kv_segments())")
+        pairs = [(int(s), size) if isinstance(s, int) else (int(s[0]), int(s[1]))
+                 for s, size in zip(segments, sizes)]
+        got = tuple(size for _, size in pairs)
+        if got != sizes:
+            raise ValueError(f"segments: bytes per block {list(got)} are not the layout "
+                             f"{self.layout.tag}'s {list(sizes)}")
+        self._bases = pairs
 
     @property
     def down(self) -> bool:
@@ -245,10 +260,10 @@ class StoreTier:
     def copy_into(self, job: LoadJob, block_ids: Sequence[int]) -> None:
         """Copy the job's first ``len(block_ids)`` verified values into pool blocks (one per
         slot, in order); every slot goes back and the copied keys are remembered as stored."""
-        bases, seg, arena = self._bases, self.layout.segment_bytes, self.read_arena
-        assert bases is not None and len(block_ids) <= len(job.slots)
+        segments, arena = self._bases, self.read_arena
+        assert segments is not None and len(block_ids) <= len(job.slots)
         for slot, block_id in zip(job.slots, block_ids):
-            scatter_block(arena.ptr(slot) + self.header_bytes, bases, block_id, seg)
+            scatter_block(arena.ptr(slot) + self.header_bytes, segments, block_id)
         arena.give(job.slots)
         with self.lock:
             if job.reset_epoch == self._reset_epoch:  # else a reset emptied the store since
@@ -280,7 +295,9 @@ class StoreTier:
         The run served is the longest prefix of the candidate blocks that is present, fetched
         whole and verified; the first value that fails its check ends it (a chain past a bad
         block is useless), and its reason is counted (``header``: stale, colliding or foreign
-        entry; ``size``; ``checksum``: corrupt payload).
+        entry; ``format``: the block's layout in another KV format, written by a replica with
+        another ``--kv-cache-dtype``; ``size``: another length, or larger than the room;
+        ``checksum``: corrupt payload).
         """
         layout, vb = self.layout, self.value_bytes
         keys = [store_key(layout, job.root, h) for h in job.hashes]
@@ -309,13 +326,18 @@ class StoreTier:
         bb = 4 * layout.block_size
         verified = 0
         parent = job.parent_hash
+        too_large = self.backend.too_small_result
         for i, slot in enumerate(slots):
-            if got[i] < 0:  # gone since exists(): a plain miss from here on
+            if got[i] < 0 and got[i] != too_large:  # gone since exists(): a plain miss from here on
                 break
-            expected = encode_header(layout, job.root, job.hashes[i], parent,
-                                     job.token_bytes[i * bb : (i + 1) * bb], _ZERO_CHECKSUM)
-            reason = "size" if got[i] != vb else check_value(
-                expected, self.read_arena.slot_view(slot, vb))
+            if got[i] < 0:  # larger than this layout's values: never the block wanted
+                reason: str | None = "size"
+            else:
+                expected = encode_header(layout, job.root, job.hashes[i], parent,
+                                         job.token_bytes[i * bb : (i + 1) * bb], _ZERO_CHECKSUM)
+                # (a value of another length is checked as read: one of another KV format
+                # is told apart by its header)
+                reason = check_value(expected, self.read_arena.slot_view(slot, min(got[i], vb)))
             if reason is not None:
                 with self.lock:
                     self.counters["rejected_blocks_total"] += 1
@@ -406,7 +428,7 @@ class StoreTier:
         if not slots:
             return False
         gather_block(self.write_arena.ptr(slots[0]) + self.header_bytes, self._bases,  # type: ignore[arg-type]  # set: write() queued it
-                     block_id, self.layout.segment_bytes)
+                     block_id)
         items.append(item._replace(slot=slots[0]))
         return True
 

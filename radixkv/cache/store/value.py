@@ -9,7 +9,14 @@ layouts apart. The value is::
                                   block hash | parent hash | block tokens (uint32-LE) |
                                   payload bytes u64 | payload checksum (xxh3-128)
     payload                       K of layer 0, V of layer 0, K of layer 1, … (2·L segments of
-                                  B·Hkv·D·itemsize bytes each, the runner's pool layout)
+                                  B·Hkv·D·itemsize bytes each, the runner's pool layout), then
+                                  for a quantized KV format the scales: Ks0, Vs0, Ks1, … (2·L
+                                  segments of B·Hkv·4 bytes, one fp32 per token and KV head)
+
+The layout tag names the KV format (``BlockLayout.dtype``: the dtype for unquantized K/V, the
+format tag ``kernels.kv_quant.KVFormat.tag`` for quantized ones, e.g.
+``L30.H3.D64.int8-tokhead-f32-v1.B16``), so keys and headers differ by format; a value whose
+header names another format than the reader's is refused as ``"format"``.
 
 A reader builds the header it expects from what it knows (root, hashes, tokens, layout) and
 accepts a value only if every header byte but the checksum matches and the checksum of the
@@ -23,6 +30,7 @@ torch.
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 
 import xxhash
@@ -36,23 +44,31 @@ CHECKSUM_BYTES = 16
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+#: What a layout's ``dtype`` (the KV format) may hold: no ``.`` (tag) or ``:`` (key) in it.
+_FORMAT_RE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockLayout:
-    """How one block's K/V sits in the runner's pools (and so in a store value).
+    """How one block's K/V (and, for a quantized KV format, its scales) sits in the runner's
+    pools, and so in a store value.
 
     Attributes:
         num_layers: L, transformer layers.
         num_kv_heads: Hkv, KV heads per layer.
         head_dim: D.
-        dtype: KV dtype name (``"float32"``, ``"bfloat16"``, …).
-        itemsize: Bytes per element of ``dtype``.
+        dtype: The KV format: the dtype name for unquantized K/V (``"float32"``,
+            ``"bfloat16"``), the format tag for quantized ones (``"int8-tokhead-f32-v1"``,
+            ``"fp8_e4m3-tokhead-f32-v1"``: ``KVFormat.tag``).
+        itemsize: Bytes per K/V element (1 for int8 and fp8).
         block_size: B, tokens per block.
+        scale_itemsize: Bytes of one scale (per token slot and KV head): 4 (fp32) for a
+            quantized format, 0 (no scale segments) for unquantized K/V.
 
     Raises:
-        ValueError: naming the field that is not a positive int (``dtype``: not a non-empty
-            str without ``:``).
+        ValueError: naming the field that is not a positive int (``scale_itemsize``: not an
+            int >= 0; ``dtype``: not a non-empty str of letters, digits, ``_`` and ``-``,
+            which keeps it apart in the ``.``-separated tag and the ``:``-separated key).
     """
 
     num_layers: int
@@ -61,33 +77,54 @@ class BlockLayout:
     dtype: str
     itemsize: int
     block_size: int
+    scale_itemsize: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "itemsize", "block_size"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
-        if not isinstance(self.dtype, str) or not self.dtype or ":" in self.dtype:
-            raise ValueError(f"dtype: must be a non-empty str without ':', got {self.dtype!r}")
+        if type(self.scale_itemsize) is not int or self.scale_itemsize < 0:
+            raise ValueError(f"scale_itemsize: must be an int >= 0, got {self.scale_itemsize!r}")
+        if not isinstance(self.dtype, str) or not _FORMAT_RE.fullmatch(self.dtype):
+            raise ValueError(f"dtype: must be a non-empty str of letters, digits, '_' and '-', "
+                             f"got {self.dtype!r}")
 
     @property
     def segment_bytes(self) -> int:
-        """Bytes of one layer's K (or V) of one block: ``B * Hkv * D * itemsize``."""
+        """Bytes of one layer's K (or V) values of one block: ``B * Hkv * D * itemsize``."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
+    def scale_segment_bytes(self) -> int:
+        """Bytes of one layer's K (or V) scales of one block: ``B * Hkv * scale_itemsize``
+        (0 for unquantized K/V)."""
+        return self.block_size * self.num_kv_heads * self.scale_itemsize
+
+    @property
+    def segment_sizes(self) -> tuple[int, ...]:
+        """Bytes of each payload segment, in payload (and ``runner.kv_segments()``) order:
+        K0, V0, K1, V1, … (``segment_bytes`` each), then for a quantized format Ks0, Vs0, Ks1,
+        … (``scale_segment_bytes`` each)."""
+        values = (self.segment_bytes,) * (2 * self.num_layers)
+        if not self.scale_itemsize:
+            return values
+        return values + (self.scale_segment_bytes,) * (2 * self.num_layers)
+
+    @property
     def num_segments(self) -> int:
-        """2·L: K and V of every layer."""
-        return 2 * self.num_layers
+        """2·L (K and V of every layer), 4·L with the scale segments of a quantized format."""
+        return (4 if self.scale_itemsize else 2) * self.num_layers
 
     @property
     def payload_bytes(self) -> int:
-        """K and V of every layer of one block."""
-        return self.num_segments * self.segment_bytes
+        """K and V (and their scales) of every layer of one block."""
+        return sum(self.segment_sizes)
 
     @property
     def tag(self) -> str:
-        """Short layout tag used in keys and headers, e.g. ``L30.H3.D64.float32.B16``."""
+        """Short layout tag used in keys and headers, e.g. ``L30.H3.D64.float32.B16`` or
+        ``L30.H3.D64.int8-tokhead-f32-v1.B16`` (the KV format sits between ``D`` and ``B``)."""
         return (f"L{self.num_layers}.H{self.num_kv_heads}.D{self.head_dim}.{self.dtype}"
                 f".B{self.block_size}")
 
@@ -146,23 +183,56 @@ def payload_checksum(payload: bytes | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
+def tag_format(tag: str) -> str | None:
+    """The KV format a layout tag names (``BlockLayout.dtype``: ``"float32"``,
+    ``"int8-tokhead-f32-v1"``, …), or None when ``tag`` is not ``L<n>.H<n>.D<n>.<format>.B<n>``."""
+    parts = tag.split(".")
+    if len(parts) != 5 or not _FORMAT_RE.fullmatch(parts[3]):
+        return None
+    return parts[3]
+
+
+def other_format(expected_tag: str, tag: str) -> bool:
+    """Whether layout tag ``tag`` is ``expected_tag`` with another KV format (the same L, Hkv,
+    D and B): a block written under another ``--kv-cache-dtype``."""
+    mine, theirs = tag_format(expected_tag), tag_format(tag)
+    if mine is None or theirs is None or mine == theirs:
+        return False
+    a, b = expected_tag.split("."), tag.split(".")
+    return a[:3] == b[:3] and a[4] == b[4]
+
+
+def _mismatch_reason(expected_header: bytes, value: memoryview, reason: str) -> str:
+    """``"format"`` when ``value``'s header parses and names the expected layout in another
+    KV format, else ``reason``."""
+    header = read_header(value)
+    if isinstance(header, str):
+        return reason
+    (tag_len,) = _U16.unpack_from(expected_header, 6)
+    expected_tag = bytes(expected_header[8 : 8 + tag_len]).decode("ascii")
+    return "format" if other_format(expected_tag, header.tag) else reason
+
+
 def check_value(expected_header: bytes, value: memoryview) -> str | None:
     """Why ``value`` must be rejected, or None when it is the block the reader expects.
 
     Args:
         expected_header: ``encode_header(...)`` with a zero checksum for the block wanted.
-        value: The bytes read: header then payload (exactly ``value_bytes`` long).
+        value: The bytes read: header then payload (``value_bytes`` long when it is the
+            block wanted; any length is checked).
 
     Returns:
-        ``"header"`` (magic, version, layout, identity, hashes or tokens differ: a stale or
-        colliding entry), ``"size"`` (wrong length) or ``"checksum"`` (corrupt payload).
+        ``"format"`` (a well-formed value of this layout in another KV format: written under
+        another ``--kv-cache-dtype``), ``"header"`` (magic, version, layout, identity, hashes
+        or tokens differ: a stale or colliding entry), ``"size"`` (wrong length) or
+        ``"checksum"`` (corrupt payload).
     """
     h = len(expected_header)
     if len(value) < h:
-        return "size"
+        return _mismatch_reason(expected_header, value, "size")
     cut = _checksum_offset(expected_header)
     if value[:cut] != expected_header[:cut]:
-        return "header"
+        return _mismatch_reason(expected_header, value, "header")
     end = cut + CHECKSUM_BYTES
     if value[end:h] != expected_header[end:h]:
         return "header"
@@ -283,6 +353,7 @@ def check_stored_value(key: str, value: bytes | memoryview) -> str | None:
         None when the header parses, names ``key`` (layout tag, identity root, block hash), the
         length is the header's plus its payload's and the payload's checksum matches; otherwise
         ``"size"`` (truncated or extended), ``"header"`` (not a header of this format),
+        ``"format"`` (a well-formed value of this key's block in another KV format),
         ``"foreign"`` (a well-formed value of another key: another layout, identity —
         model revision, adapter, salt — or block) or ``"checksum"`` (corrupt payload).
     """
@@ -290,10 +361,20 @@ def check_stored_value(key: str, value: bytes | memoryview) -> str | None:
     if isinstance(header, str):
         return header
     if header.key != key:
-        return "foreign"
+        return foreign_reason(key, header)
     view = memoryview(value).cast("B") if not isinstance(value, bytes) else memoryview(value)
     if len(view) != header.header_bytes + header.payload_bytes:
         return "size"
     if payload_checksum(view[header.header_bytes:]) != header.checksum:
         return "checksum"
     return None
+
+
+def foreign_reason(key: str, header: ValueHeader) -> str:
+    """Why a well-formed value whose header names another key than ``key`` is refused:
+    ``"format"`` when its layout tag is the key's layout in another KV format (written under
+    another ``--kv-cache-dtype``; as :func:`check_value` tells it), else ``"foreign"``."""
+    parts = key.split(":")
+    if len(parts) == 4 and other_format(parts[1], header.tag):
+        return "format"
+    return "foreign"
