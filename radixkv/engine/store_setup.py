@@ -1,13 +1,15 @@
 """Build the store tier an engine's ``CacheConfig.kv_store`` asks for and put it under the cache.
 
-Here the engine's knowledge (the runner's pool addresses, the model's KV layout, the stats
-object) meets the torch-free tier of ``radixkv.cache.store``. The tier is built only with
+Here the engine's knowledge (the runner's pool segments, the model's KV layout and format, the
+stats object) meets the torch-free tier of ``radixkv.cache.store``. The tier is built only with
 prefix caching on (a store keyed by chained hashes needs the tree's hashes).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 from radixkv.cache.store.backend import StoreBackend, parse_kv_store
 from radixkv.cache.store.factory import make_backend
@@ -24,11 +26,27 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+def block_layout(runner: ModelRunner) -> BlockLayout:
+    """The store layout of ``runner``'s blocks: its model shape, block size and KV format
+    (``runner.kv_format``: the dtype name for unquantized K/V, the format tag with one fp32
+    scale per token slot and KV head for int8 / fp8_e4m3), e.g. ``L30.H3.D64.float32.B16`` or
+    ``L30.H3.D64.int8-tokhead-f32-v1.B16``."""
+    shape, fmt = runner.shape, runner.kv_format
+    itemsize = torch.empty((), dtype=fmt.storage_dtype).element_size()
+    return BlockLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+                       head_dim=shape.head_dim, dtype=fmt.tag, itemsize=itemsize,
+                       block_size=runner.block_size, scale_itemsize=4 if fmt.quantized else 0)
+
+
 def attach_store(config: CacheConfig, runner: ModelRunner, cache: CacheManager,
                  stats: EngineStats, cost_shape: object | None = None, *,
                  backend: StoreBackend | None = None) -> StoreTier | None:
     """Create the configured store tier and attach it to ``cache``; None when not configured.
     ``backend``: the spec's backend, built already (None: built here).
+
+    The tier's values hold every pool segment of a block (``runner.kv_segments()``: K and V
+    of every layer, then the scales of a quantized format), under keys and headers naming the
+    KV format (:func:`block_layout`).
 
     Raises:
         ValueError: naming ``kv_store`` for a malformed spec or a pool not in host memory.
@@ -42,13 +60,8 @@ def attach_store(config: CacheConfig, runner: ModelRunner, cache: CacheManager,
         if backend is not None:
             backend.close()
         return None
-    bases = runner.kv_segment_bases()
-    shape = runner.shape
-    itemsize = runner.bytes_per_block // (2 * shape.num_layers * runner.block_size
-                                          * shape.num_kv_heads * shape.head_dim)
-    layout = BlockLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
-                         head_dim=shape.head_dim, dtype=str(runner.dtype).removeprefix("torch."),
-                         itemsize=itemsize, block_size=runner.block_size)
+    layout = block_layout(runner)
+    segments = runner.kv_segments()
     if backend is None:
         backend = make_backend(spec, block_size=runner.block_size,
                                default_policy=config.eviction_policy, model_shape=cost_shape)
@@ -56,7 +69,7 @@ def attach_store(config: CacheConfig, runner: ModelRunner, cache: CacheManager,
     tier = StoreTier(backend, layout, digest_bytes=digest_bytes,
                      write_mode=config.kv_store_write, timeout_s=config.kv_store_timeout_s,
                      on_fetch_latency=stats.observe_store_fetch)
-    tier.attach_pool(bases)
+    tier.attach_pool(segments)
     cache.attach_store(tier)
     log.info("kv_store_ready", kv_store=spec.describe(), write_mode=config.kv_store_write,
              layout=layout.tag, value_bytes=tier.value_bytes)
