@@ -16,6 +16,7 @@ import torch
 
 from radixkv.eviction.cost_model import cost_shape_from_model_shape, prefill_flops
 from radixkv.kernels import reference
+from radixkv.kernels.kv_quant import resolve_kv_format
 from radixkv.model.llama import LlamaForward
 from radixkv.model.loader import LoadedModel, embedded_tokenizer_dir, load_model
 from radixkv.model.runner import ModelRunner
@@ -72,10 +73,13 @@ def weight_bytes(model: LoadedModel) -> int:
     return (shape.num_non_embedding_params() + shape.vocab_size * shape.hidden_size) * itemsize(model.dtype)
 
 
-def kv_bytes(model: LoadedModel, context: int) -> int:
-    """K + V bytes of one sequence's ``context`` cached tokens: ``2 · L · ctx · Hkv · D · itemsize``."""
+def kv_bytes(model: LoadedModel, context: int, kv_cache_dtype: str = "auto") -> int:
+    """K + V bytes of one sequence's ``context`` cached tokens in the ``kv_cache_dtype`` format,
+    scales included: ``ctx · KVFormat.bytes_per_token`` (unquantized:
+    ``2 · L · ctx · Hkv · D · itemsize``; int8: ``2 · L · ctx · Hkv · (D + 4)``)."""
     s = model.shape
-    return 2 * s.num_layers * context * s.num_kv_heads * s.head_dim * itemsize(model.dtype)
+    fmt = resolve_kv_format(kv_cache_dtype, model.dtype)
+    return context * fmt.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim)
 
 
 def median_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
@@ -333,7 +337,7 @@ def _skip(row: dict, pool_bytes: int, max_pool_bytes: int) -> bool:
 
 
 def prefill_point(model: LoadedModel, tokens: int, block_size: int, repeats: int,
-                  max_pool_bytes: int, seed: int) -> dict:
+                  max_pool_bytes: int, seed: int, kv_cache_dtype: str = "auto") -> dict:
     """One sequence of ``tokens`` new tokens, no prefix: tokens/s (floors are set afterwards by
     :func:`apply_prefill_floors`, once the roofs' second pass is in).
 
@@ -345,18 +349,22 @@ def prefill_point(model: LoadedModel, tokens: int, block_size: int, repeats: int
     ``engine_gemm_ratio`` over the engine GEMM's rate at the model's prefill shapes
     (``roofs["gemms"]["model"]["engine_gflops"]``); ``torch_gemm_floor_ms`` /
     ``torch_gemm_ratio`` over torch's square GEMM (``roofs["gemm"]``), the floor this bench
-    used before.
+    used before. ``kv_cache_dtype``: the runner's KV format (``row["kv_cache_dtype"]``: the
+    dtype its pool holds).
     """
     shape = model.shape
     requested = tokens
     tokens = min(tokens, shape.max_position_embeddings)
     num_blocks = _blocks(tokens, block_size)
-    pool_bytes = num_blocks * ModelRunner.bytes_per_block_for(shape, block_size, model.dtype)
+    pool_bytes = num_blocks * ModelRunner.bytes_per_block_for(shape, block_size, model.dtype,
+                                                              kv_cache_dtype)
     row: dict = {"kind": "prefill", "tokens": tokens, "requested_tokens": requested,
-                 "num_blocks": num_blocks, "pool_bytes": pool_bytes}
+                 "num_blocks": num_blocks, "pool_bytes": pool_bytes,
+                 "kv_cache_dtype": resolve_kv_format(kv_cache_dtype, model.dtype).name}
     if _skip(row, pool_bytes, max_pool_bytes):
         return row
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device="cpu", **RUNNER_OPTIONS)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device="cpu",
+                         kv_cache_dtype=kv_cache_dtype, **RUNNER_OPTIONS)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, shape.vocab_size, (tokens,), generator=gen).tolist()
     batch = runner.build_batch([(ids, 0, list(range(num_blocks)))])
@@ -403,10 +411,12 @@ def reference_logits(model: LoadedModel, forward: LlamaForward, runner: ModelRun
 
     def attention(layer, q, k, v):
         k_pool, v_pool = runner.k_pools[layer], runner.v_pools[layer]
-        reference.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping)
+        scales = ({} if runner.k_scales is None or runner.v_scales is None
+                  else {"k_scale_pool": runner.k_scales[layer], "v_scale_pool": runner.v_scales[layer]})
+        reference.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping, **scales)
         return reference.extend_attention(q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens,
                                           batch.qo_indptr, max_q_len=max_q_len,
-                                          window_left=model.shape.window_left)
+                                          window_left=model.shape.window_left, **scales)
 
     with torch.inference_mode():
         return forward.forward(batch.input_ids, batch.positions, attention,
@@ -414,16 +424,28 @@ def reference_logits(model: LoadedModel, forward: LlamaForward, runner: ModelRun
 
 
 def decode_inputs(model: LoadedModel, batch_size: int, context: int, block_size: int,
-                  seed: int) -> tuple[ModelRunner, Any]:
+                  seed: int, kv_cache_dtype: str = "auto") -> tuple[ModelRunner, Any]:
     """A runner of ``batch · ceil((ctx + 1) / B)`` blocks whose pools hold ``randn`` K/V, and the
     decode batch: sequence i owns blocks ``[i · n, (i + 1) · n)`` and takes one random token at
-    position ``context`` (which must be below the model's context length)."""
+    position ``context`` (which must be below the model's context length). A quantized
+    ``kv_cache_dtype`` stores the same ``randn`` values quantized, with their scales."""
     per_seq = _blocks(context + 1, block_size)
     runner = ModelRunner(model, num_blocks=batch_size * per_seq, block_size=block_size, device="cpu",
-                         **RUNNER_OPTIONS)
+                         kv_cache_dtype=kv_cache_dtype, **RUNNER_OPTIONS)
     gen = torch.Generator().manual_seed(seed)
-    for pool in (*runner.k_pools, *runner.v_pools):
-        pool.normal_(generator=gen)  # synthetic cached K/V; the unused tail slots too
+    if runner.k_scales is None or runner.v_scales is None:
+        for pool in (*runner.k_pools, *runner.v_pools):
+            pool.normal_(generator=gen)  # synthetic cached K/V; the unused tail slots too
+    else:
+        pool_shape = runner.k_pools[0].shape
+        slots = torch.arange(pool_shape[0] * pool_shape[1])
+        for k_pool, v_pool, k_scales, v_scales in zip(runner.k_pools, runner.v_pools,
+                                                      runner.k_scales, runner.v_scales):
+            rows = (slots.shape[0], *pool_shape[2:])
+            keys = torch.randn(rows, generator=gen).to(model.dtype)
+            values = torch.randn(rows, generator=gen).to(model.dtype)
+            reference.paged_kv_write(keys, values, k_pool, v_pool, slots,
+                                     k_scale_pool=k_scales, v_scale_pool=v_scales)
     ids = torch.randint(0, model.shape.vocab_size, (batch_size,), generator=gen).tolist()
     batch = runner.build_batch([([ids[i]], context, list(range(i * per_seq, (i + 1) * per_seq)))
                                 for i in range(batch_size)])
@@ -432,7 +454,7 @@ def decode_inputs(model: LoadedModel, batch_size: int, context: int, block_size:
 
 def decode_point(model: LoadedModel, batch_size: int, context: int, block_size: int, roofs: dict,
                  repeats: int, max_pool_bytes: int, seed: int,
-                 check: LlamaForward | None) -> dict:
+                 check: LlamaForward | None, kv_cache_dtype: str = "auto") -> dict:
     """``batch_size`` sequences with ``context`` cached tokens each take one token at position
     ``context``: step ms (= ms per token of each sequence) against the copy floor.
 
@@ -440,22 +462,25 @@ def decode_point(model: LoadedModel, batch_size: int, context: int, block_size: 
     is synthetic (``randn``, no prefill). Floor: ``weight_bytes + batch · kv_bytes(ctx)`` over
     the copy bandwidth (read + write). ``check`` (a :func:`reference_forward`, or None to
     skip): the last timed step's logits against :func:`reference_logits`
-    (``check_max_abs_diff``).
+    (``check_max_abs_diff``; over the same quantized pools for a quantized ``kv_cache_dtype``,
+    whose K/V bytes, scales included, the floor counts).
     """
     shape = model.shape
     requested = context
     context = min(context, shape.max_position_embeddings - 1)  # the new token needs a position
     per_seq = _blocks(context + 1, block_size)
     num_blocks = batch_size * per_seq
-    pool_bytes = num_blocks * ModelRunner.bytes_per_block_for(shape, block_size, model.dtype)
-    weights, kv = weight_bytes(model), kv_bytes(model, context)
+    pool_bytes = num_blocks * ModelRunner.bytes_per_block_for(shape, block_size, model.dtype,
+                                                              kv_cache_dtype)
+    weights, kv = weight_bytes(model), kv_bytes(model, context, kv_cache_dtype)
     row: dict = {"kind": "decode", "batch": batch_size, "context": context,
                  "requested_context": requested, "num_blocks": num_blocks, "pool_bytes": pool_bytes,
                  "weight_bytes": weights, "kv_bytes_per_seq": kv,
-                 "bytes_per_step": weights + batch_size * kv}
+                 "bytes_per_step": weights + batch_size * kv,
+                 "kv_cache_dtype": resolve_kv_format(kv_cache_dtype, model.dtype).name}
     if _skip(row, pool_bytes, max_pool_bytes):
         return row
-    runner, batch = decode_inputs(model, batch_size, context, block_size, seed)
+    runner, batch = decode_inputs(model, batch_size, context, block_size, seed, kv_cache_dtype)
     last: dict = {}
 
     def step() -> None:
@@ -471,6 +496,37 @@ def decode_point(model: LoadedModel, batch_size: int, context: int, block_size: 
         row["logits_shape"] = list(got.shape)
         row["logits_finite"] = bool(torch.isfinite(got).all())
     return row
+
+
+def point_key(row: dict) -> tuple:
+    """What a point measures apart from its KV dtype: ``("prefill", tokens)`` or
+    ``("decode", batch, context)``."""
+    if row["kind"] == "prefill":
+        return ("prefill", row["tokens"])
+    return ("decode", row["batch"], row["context"])
+
+
+def kv_dtype_ratios(points: list[dict]) -> list[dict]:
+    """Each quantized KV dtype's time against the unquantized one's (the first measured) at the
+    same point: ``{"kind", "tokens" | "batch", "context", "kv_cache_dtype", "base_kv_cache_dtype",
+    "ms", "base_ms", "ratio"}`` (``ratio`` = ms ÷ base_ms, < 1 faster), in point order, for
+    every point both measured (not skipped)."""
+    base_name = next((p["kv_cache_dtype"] for p in points
+                      if p.get("kv_cache_dtype") in ("float32", "bfloat16")), None)
+    if base_name is None:
+        return []
+    base = {point_key(p): p for p in points
+            if p.get("kv_cache_dtype") == base_name and "skipped" not in p}
+    out = []
+    for p in points:
+        other = base.get(point_key(p))
+        if p.get("kv_cache_dtype") == base_name or other is None or "skipped" in p:
+            continue
+        row = {k: p[k] for k in ("kind", "tokens", "batch", "context") if k in p}
+        row.update(kv_cache_dtype=p["kv_cache_dtype"], base_kv_cache_dtype=base_name, ms=p["ms"],
+                   base_ms=other["ms"], ratio=p["ms"] / other["ms"])
+        out.append(row)
+    return out
 
 
 def finite_positive(value: Any) -> bool:

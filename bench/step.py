@@ -14,6 +14,12 @@ Llama for tests), each point on a fresh runner whose pool it sizes itself:
   with a separate ``LlamaForward`` using ``radixkv.kernels.reference`` attention on the same
   pools (``check_max_abs_diff``).
 
+**KV dtypes** (``--kv-cache-dtype``, repeatable or a comma list, e.g. ``float32,int8``): every
+prefill and decode point is measured once per KV cache format, each on its own runner (the
+decode pools hold the same ``randn`` K/V, quantized with their scales for int8 / fp8_e4m3;
+the decode floor counts the format's K/V bytes, scales included), and ``kv_ratios`` lists each
+quantized format's time ÷ the unquantized one's at the same point (printed as a table).
+
 A context longer than the model's (SmolLM2: 8,192) is cut to what fits (decode: ``max - 1``,
 the new token needs a position); both requested and used sizes are recorded. A point whose pool
 exceeds ``--max-pool-gib`` is skipped and says so in its row.
@@ -57,7 +63,7 @@ Timings share the machine with whatever else runs: use an idle one. The JSON rec
 Usage::
 
     radixkv bench step [--model PATH | --tiny] [--quick] [--dtype float32|bfloat16 [--accuracy]]
-        [--num-threads N] [--compile] [--json out.json]
+        [--kv-cache-dtype auto,int8] [--num-threads N] [--compile] [--json out.json]
 """
 
 # No ``from __future__ import annotations``: the CLI loads this file by path.
@@ -68,6 +74,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _arg_types import sizes as _sizes  # noqa: E402
+
+from radixkv.config import KV_CACHE_DTYPES, kv_cache_dtype_problem  # noqa: E402
 
 DEFAULTS = {"prefill_tokens": "512,2048,8192", "decode_batch": "1,4,16",
             "decode_context": "512,2048,8192"}
@@ -93,6 +101,27 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _kv_dtypes(text: str) -> list[str]:
+    """``"float32,int8"`` -> ``["float32", "int8"]``, each one of ``KV_CACHE_DTYPES``."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in KV_CACHE_DTYPES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(KV_CACHE_DTYPES)}, "
+                                         f"got {text!r}")
+    return values
+
+
+def kv_cache_dtypes(args: argparse.Namespace) -> list[str]:
+    """The ``--kv-cache-dtype`` values in order, repeats dropped (``auto`` and the model's own
+    dtype are one format: the first kept); ``["auto"]`` when none is given."""
+    out: list[str] = []
+    for value in [v for group in (args.kv_cache_dtype or [["auto"]]) for v in group]:
+        name = args.dtype if value == "auto" else value
+        if name not in [args.dtype if v == "auto" else v for v in out]:
+            out.append(value)
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the driver's flags on ``parser`` (used by ``radixkv bench step``)."""
     parser.add_argument("--model", default=None,
@@ -101,6 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="random 2-layer Llama (tests' tiny model) instead of --model")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weight / KV dtype (and the GEMM floor's)")
+    parser.add_argument("--kv-cache-dtype", type=_kv_dtypes, action="append", default=None,
+                        metavar="DTYPES",
+                        help=f"KV cache formats to measure every point in, side by side "
+                             f"(repeatable or comma list of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"default auto = --dtype); quantized ones get a ratio table "
+                             f"against the unquantized one")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's own)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -150,12 +185,30 @@ def _resolve(args: argparse.Namespace) -> dict:
     return out
 
 
-def _row_name(row: dict) -> str:
+def _row_name(row: dict, kv: bool = False) -> str:
+    """A point's name; ``kv``: with its KV dtype (a run over several)."""
+    suffix = f" kv={row['kv_cache_dtype']}" if kv and "kv_cache_dtype" in row else ""
     if row["kind"] == "prefill":
         cut = "" if row["tokens"] == row["requested_tokens"] else f" (asked {row['requested_tokens']})"
-        return f"prefill {row['tokens']} tok{cut}"
+        return f"prefill {row['tokens']} tok{cut}{suffix}"
     cut = "" if row["context"] == row["requested_context"] else f" (asked {row['requested_context']})"
-    return f"decode b={row['batch']} ctx={row['context']}{cut}"
+    return f"decode b={row['batch']} ctx={row['context']}{cut}{suffix}"
+
+
+def kv_ratio_lines(result: dict) -> list[str]:
+    """The ``kv_ratios`` table: per point, each quantized KV dtype's time over the unquantized
+    one's (empty when the run measured one format)."""
+    ratios = result.get("kv_ratios") or []
+    if not ratios:
+        return []
+    lines = [f"KV dtype ratios (time ÷ {ratios[0]['base_kv_cache_dtype']} KV time, same run; < 1 faster):",
+             f"{'point':<34}{'kv dtype':>10}{'ms':>12}{'base ms':>12}{'ratio':>8}"]
+    for r in ratios:
+        name = (f"prefill {r['tokens']} tok" if r["kind"] == "prefill"
+                else f"decode b={r['batch']} ctx={r['context']}")
+        lines.append(f"{name:<34}{r['kv_cache_dtype']:>10}{r['ms']:>12.2f}{r['base_ms']:>12.2f}"
+                     f"{r['ratio']:>8.3f}")
+    return lines
 
 
 def _gflops(value: float | None) -> str:
@@ -226,8 +279,9 @@ def format_report(result: dict) -> str:
               f"torch.matmul {roofs['gemm']['gflops']:.1f} GFLOP/s ({roofs['gemm']['dtype']} "
               f"{roofs['gemm']['n']}²); weights read per step {result['weight_bytes'] / 1e6:.1f} MB",
               f"{'point':<34}{'measured':>26}{'floor':>26}{'ratio':>8}  check"]
+    several_kv = len(result.get("kv_cache_dtypes") or []) > 1
     for row in result["points"]:
-        name = _row_name(row)
+        name = _row_name(row, several_kv)
         if "skipped" in row:
             lines.append(f"{name:<34}  skipped: {row['skipped']}")
             continue
@@ -249,6 +303,7 @@ def format_report(result: dict) -> str:
                      f"{acc['max_abs_logit_diff']:.3f}, mean|Δlogit| {acc['mean_abs_logit_diff']:.4f}, "
                      f"mean KL {acc['mean_kl']:.2e} nats, greedy tokens identical "
                      f"{acc['greedy_same_tokens']}/{acc['greedy_tokens']}")
+    lines += kv_ratio_lines(result)
     lines.append("ratio = measured time ÷ floor time; decode floor = bytes read per step ÷ copy "
                  "GB/s; prefill floor = cost-model FLOPs ÷ the CPU's peak (FMA, or bf16 dot for "
                  "bf16); the prefill rows' last column: the same FLOPs over the engine GEMM's and "
@@ -263,6 +318,11 @@ def run(args: argparse.Namespace) -> dict:
 
     from radixkv.model.loader import load_model
 
+    for kv in kv_cache_dtypes(args):  # before the model loads
+        problem = kv_cache_dtype_problem(kv, args.dtype)
+        if problem is not None:
+            print(f"radixkv bench step: argument --kv-cache-dtype: {problem}", file=sys.stderr)
+            raise SystemExit(2)
     sizes = _resolve(args)
     m.RUNNER_OPTIONS["compile"] = args.compile
     m.RUNNER_OPTIONS["native_kernels"] = False if args.no_native else None
@@ -291,23 +351,31 @@ def run(args: argparse.Namespace) -> dict:
     result["gemm_backend"] = gemm_passes[0]["backend"]
     max_pool_bytes = int(args.max_pool_gib * m.GIB)
     points: list[dict] = []
+    kv_dtypes = kv_cache_dtypes(args)
+    several_kv = len(kv_dtypes) > 1
+    result["kv_cache_dtypes"] = [m.resolve_kv_format(v, dtype).name for v in kv_dtypes]
 
     def done(row: dict) -> None:  # progress on stderr: a full run takes minutes
         points.append(row)
         state = row.get("skipped") or f"{row['ms']:.1f} ms, ratio {row['ratio']:.2f}"
-        print(f"bench step: {_row_name(row)}: {state}", file=sys.stderr, flush=True)
+        print(f"bench step: {_row_name(row, several_kv)}: {state}", file=sys.stderr, flush=True)
 
+    # Per point, every KV dtype one after the other: a drift in the machine's load hits the
+    # formats of a point alike, so their ratio holds.
     for tokens in sizes["prefill_tokens"]:
-        row = m.prefill_point(model, tokens, args.block_size, args.repeats,
-                              max_pool_bytes, args.seed)
-        points.append(row)
-        state = row.get("skipped") or f"{row['ms']:.1f} ms, {row['tokens_per_s']:.0f} tok/s"
-        print(f"bench step: {_row_name(row)}: {state}", file=sys.stderr, flush=True)
+        for kv in kv_dtypes:
+            row = m.prefill_point(model, tokens, args.block_size, args.repeats,
+                                  max_pool_bytes, args.seed, kv)
+            points.append(row)
+            state = row.get("skipped") or f"{row['ms']:.1f} ms, {row['tokens_per_s']:.0f} tok/s"
+            print(f"bench step: {_row_name(row, several_kv)}: {state}", file=sys.stderr, flush=True)
     check = None if args.no_check else m.reference_forward(model)
     for batch in sizes["decode_batch"]:
         for context in sizes["decode_context"]:
-            done(m.decode_point(model, batch, context, args.block_size, result["roofs"],
-                                args.repeats, max_pool_bytes, args.seed, check))
+            for kv in kv_dtypes:
+                done(m.decode_point(model, batch, context, args.block_size, result["roofs"],
+                                    args.repeats, max_pool_bytes, args.seed, check, kv))
+    result["kv_ratios"] = m.kv_dtype_ratios(points)
     roof_pass()
     result["roofs"]["fma_peak"], result["roofs"]["gemms"] = m.best_of_passes(gemm_passes, peak_passes)
     for row in points:
