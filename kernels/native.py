@@ -25,6 +25,16 @@ widened to fp32 in registers: activations and arithmetic stay fp32):
   pool, read in place through the block table (no gather), split into chunks of keys that run
   in parallel and are merged (flash-decoding).
 - :func:`decode_layer`: a whole decoder layer of a decode step in one call.
+- :func:`paged_kv_write`: K/V rows quantized into their pool slots (kernels/kv_quant.py).
+
+Quantized KV (:data:`KV_QUANT_FORMATS`, ``kernels/kv_quant.py``): :func:`paged_decode`,
+:func:`decode_layer` and ``native_attention.paged_extend`` also take int8 and float8_e4m3fn
+pools with their ``[M, B, Hkv]`` fp32 scale pools (``k_scales=``, ``v_scales=``). Decode reads
+the stored bytes (a quarter of fp32's) and widens them in registers, with each key's scale
+folded into its score and each value's into its softmax weight; the extend kernel dequantizes
+keys and values once as it packs its tiles; the decode layer quantizes the new tokens' K/V
+(the same fp32 operations as ``kv_quant.quantize_kv``, so the bytes and scales agree bit for
+bit) before attending over them.
 
 Other modules bind their own entry points on :attr:`NativeKernels.lib` (the ctypes library).
 
@@ -55,7 +65,8 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["load", "linear", "paged_decode", "decode_layer", "DecodeStep", "decode_supported",
-           "NativeKernels", "DTYPES", "MAX_LINEAR_ROWS", "DISABLE_ENV", "ISA_ENV", "ISAS", "cpu_isas"]
+           "paged_kv_write", "check_scales", "NativeKernels", "DTYPES", "KV_QUANT_FORMATS", "KV_QUANT_DTYPES",
+           "MAX_LINEAR_ROWS", "DISABLE_ENV", "ISA_ENV", "ISAS", "cpu_isas"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +95,11 @@ _I64 = ctypes.c_int64
 _DTYPES = ((torch.float32, "f32"), (torch.bfloat16, "bf16"))
 #: The weight / KV dtypes :func:`linear`, :func:`paged_decode` and :func:`decode_layer` take.
 DTYPES = tuple(dtype for dtype, _ in _DTYPES)
+#: Quantized KV formats (``kernels/kv_quant.py`` names) the decode and extend kernels read, with
+#: one fp32 scale per (token, KV head) in ``[M, B, Hkv]`` scale pools.
+KV_QUANT_FORMATS = ("int8", "fp8_e4m3")
+#: Their pool dtypes and the C kernels' kind codes (``csrc/rk_vec.h``: RK_KV_I8, RK_KV_FP8).
+KV_QUANT_DTYPES = {torch.int8: 2, torch.float8_e4m3fn: 3}
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list) -> Any:
@@ -116,6 +132,14 @@ class NativeKernels:
         self._linear = {dt: _bind(lib, f"rk_linear_{suffix}", linear_args) for dt, suffix in _DTYPES}
         self._decode = {dt: _bind(lib, f"rk_paged_decode_{suffix}", decode_args) for dt, suffix in _DTYPES}
         self._layer = {dt: _bind(lib, f"rk_decode_layer_{suffix}", layer_args) for dt, suffix in _DTYPES}
+        # quantized pools: one entry point each, the pool kind (and the weights' dtype) an argument
+        self._decode_q = _bind(lib, "rk_paged_decode_q", [
+            _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.c_float, _I64, _I64, _P, ctypes.c_int, ctypes.c_int])
+        self._layer_q = _bind(lib, "rk_decode_layer_q", [*layer_args, ctypes.c_int, _P, _P, ctypes.c_int])
+        self._kv_write_q = _bind(lib, "rk_paged_kv_write_q", [
+            _P, _P, ctypes.c_int, _P, _I64, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int,
+            ctypes.c_int])
 
     def __repr__(self) -> str:
         return f"NativeKernels(isa={self.isa!r}, path={str(self.path)!r})"
@@ -334,27 +358,57 @@ def linear(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
 
 
 def _pool_dtype(k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.dtype:
-    if k_pool.dtype not in DTYPES or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"k_pool, v_pool: need both float32 or both bfloat16, got {k_pool.dtype} "
-                         f"and {v_pool.dtype}")
+    if (k_pool.dtype not in DTYPES and k_pool.dtype not in KV_QUANT_DTYPES) or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"k_pool, v_pool: need both float32, bfloat16, int8 or float8_e4m3fn (the same), "
+                         f"got {k_pool.dtype} and {v_pool.dtype}")
     for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
         if not t.is_contiguous() or t.dim() != 4:
             raise ValueError(f"{name}: must be a contiguous [M, B, Hkv, D] tensor")
     return k_pool.dtype
 
 
+def check_scales(k_pool: torch.Tensor, k_scales: torch.Tensor | None,
+                 v_scales: torch.Tensor | None) -> int:
+    """The C kind code of ``k_pool``'s dtype (0 for fp32 / bf16 pools), with the scale pools
+    checked against it: required, ``[M, B, Hkv]`` fp32 contiguous, for int8 / float8_e4m3fn
+    pools; absent for the others.
+
+    Raises:
+        ValueError: naming ``k_scales`` or ``v_scales``.
+    """
+    kind = KV_QUANT_DTYPES.get(k_pool.dtype, 0)
+    if not kind:
+        for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if t is not None:
+                raise ValueError(f"{name}: scale pools go with int8 or float8_e4m3fn pools, not {k_pool.dtype}")
+        return 0
+    want = tuple(k_pool.shape[:3])
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if t is None:
+            raise ValueError(f"{name}: {k_pool.dtype} pools need their [M, B, Hkv] = {list(want)} fp32 scales")
+        if t.dtype != torch.float32 or tuple(t.shape) != want or not t.is_contiguous():
+            raise ValueError(f"{name}: need a contiguous float32 {list(want)} (the pool's [M, B, Hkv]), "
+                             f"got {t.dtype} {list(t.shape)}")
+    return kind
+
+
 def paged_decode(kernels: NativeKernels, q: torch.Tensor, q_rows: torch.Tensor, k_pool: torch.Tensor,
                  v_pool: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, *,
                  sm_scale: float, window_left: int = -1, out: torch.Tensor | None = None,
-                 chunk_tokens: int = 256, num_threads: int | None = None) -> torch.Tensor:
+                 chunk_tokens: int = 256, num_threads: int | None = None,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of one query row per sequence over the paged pool, in place.
 
     Args:
         q: ``[T, Hq, D]`` contiguous queries, fp32 or bf16 (widened to fp32); sequence i's row
             is ``q_rows[i]``.
         q_rows: ``[N]`` int64 contiguous.
-        k_pool / v_pool: ``[M, B, Hkv, D]`` contiguous, both fp32 or both bf16 (read as bf16 and
-            widened in registers); the step's K/V already written.
+        k_pool / v_pool: ``[M, B, Hkv, D]`` contiguous, both fp32, bf16 (read as bf16 and
+            widened in registers), int8 or float8_e4m3fn (quantized: read as stored, widened in
+            registers, scaled by ``k_scales`` / ``v_scales``); the step's K/V already written.
+        k_scales / v_scales: ``[M, B, Hkv]`` fp32 contiguous scale pools (one per token slot
+            and KV head; a key is ``float32(k_pool value) * scale``, ``kernels/kv_quant.py``):
+            required with int8 / float8_e4m3fn pools, None otherwise.
         block_tables: ``[N, max_blocks]`` int32 contiguous (only the blocks each sequence reads
             are looked at; they are trusted: :func:`kernels.paged_sdpa.plan_attention` checks
             them once per step).
@@ -372,9 +426,11 @@ def paged_decode(kernels: NativeKernels, q: torch.Tensor, q_rows: torch.Tensor, 
     Raises:
         ValueError: naming the argument, on a dtype, layout or head configuration the kernel
             does not take, a head dim other than the pool's, ``q_rows`` values outside
-            ``[0, T)``, or ``kv_lens`` / ``block_tables`` without one row per ``q_rows`` entry.
+            ``[0, T)``, ``kv_lens`` / ``block_tables`` without one row per ``q_rows`` entry, or
+            scale pools missing, misshapen or given for an unquantized pool.
     """
     pool_dtype = _pool_dtype(k_pool, v_pool)
+    kind = check_scales(k_pool, k_scales, v_scales)
     if q.dtype not in DTYPES or not q.is_contiguous() or q.dim() != 3:
         raise ValueError(f"q: native decode takes a contiguous float32 or bfloat16 [T, Hq, D], got {q.dtype}")
     for name, t, dtype in (("q_rows", q_rows, torch.int64), ("block_tables", block_tables, torch.int32),
@@ -402,10 +458,19 @@ def paged_decode(kernels: NativeKernels, q: torch.Tensor, q_rows: torch.Tensor, 
         out = torch.empty_like(q)
     q32 = q.float()
     out32 = out if out.dtype == torch.float32 else torch.empty_like(q32)
-    rc = kernels._decode[pool_dtype](
-        _ptr(q32), _ptr(q_rows), q_rows.shape[0], _ptr(k_pool), _ptr(v_pool), _ptr(block_tables),
-        block_tables.shape[1], _ptr(kv_lens), block_size, num_q_heads, num_kv_heads, head_dim, sm_scale,
-        window_left, chunk_tokens, _ptr(out32), num_threads or torch.get_num_threads())
+    threads = num_threads or torch.get_num_threads()
+    if kind:
+        assert k_scales is not None and v_scales is not None  # check_scales
+        rc = kernels._decode_q(
+            _ptr(q32), _ptr(q_rows), q_rows.shape[0], _ptr(k_pool), _ptr(v_pool), _ptr(k_scales),
+            _ptr(v_scales), _ptr(block_tables), block_tables.shape[1], _ptr(kv_lens), block_size,
+            num_q_heads, num_kv_heads, head_dim, sm_scale, window_left, chunk_tokens, _ptr(out32), threads,
+            kind)
+    else:
+        rc = kernels._decode[pool_dtype](
+            _ptr(q32), _ptr(q_rows), q_rows.shape[0], _ptr(k_pool), _ptr(v_pool), _ptr(block_tables),
+            block_tables.shape[1], _ptr(kv_lens), block_size, num_q_heads, num_kv_heads, head_dim, sm_scale,
+            window_left, chunk_tokens, _ptr(out32), threads)
     if rc:
         raise ValueError(f"q: native decode refused Hq={num_q_heads}, Hkv={num_kv_heads}, "
                          f"D={head_dim} (code {rc})")
@@ -442,7 +507,8 @@ def decode_layer(kernels: NativeKernels, hidden: torch.Tensor, step: DecodeStep,
                  input_norm: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
                  o_weight: torch.Tensor, post_norm: torch.Tensor, gate_up_weight: torch.Tensor,
                  down_weight: torch.Tensor, rms_norm_eps: float, k_pool: torch.Tensor,
-                 v_pool: torch.Tensor, num_q_heads: int, num_threads: int | None = None) -> None:
+                 v_pool: torch.Tensor, num_q_heads: int, num_threads: int | None = None,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
     """One Llama decoder layer of a decode step in one C call, ``hidden`` updated in place.
 
     RMSNorm, fused q/k/v (+ bias), RoPE, K/V written to ``step.slots``, paged decode attention
@@ -451,7 +517,11 @@ def decode_layer(kernels: NativeKernels, hidden: torch.Tensor, step: DecodeStep,
     no Python between the pieces (a step of 30 small layers spent ~16 ms in torch op dispatch).
     With bf16 weights and pools, every weight and K/V element is read as bf16 and widened to
     fp32 in registers; the residual stream and all arithmetic stay fp32, K/V are rounded to
-    bf16 (nearest even) when written.
+    bf16 (nearest even) when written. With int8 / float8_e4m3fn pools (fp32 or bf16 weights)
+    the new tokens' fp32 K/V rows are quantized per KV head into the pools and ``k_scales`` /
+    ``v_scales`` exactly as ``kernels.kv_quant.quantize_kv`` does (same fp32 operations, same
+    order: the bytes and scales agree bit for bit), then attention reads every key, the new
+    ones included, dequantized (as :func:`paged_decode`).
 
     Only what a per-layer check can afford is checked here (dtypes, contiguity): this runs 30
     times per step, and the shapes come from :class:`radixkv.model.llama.LlamaForward`.
@@ -462,9 +532,11 @@ def decode_layer(kernels: NativeKernels, hidden: torch.Tensor, step: DecodeStep,
         input_norm / post_norm: ``[hidden]`` fp32; qkv_bias ``[(Hq + 2 Hkv) D]`` fp32 or None.
         qkv_weight ``[(Hq + 2 Hkv) D, hidden]``, o_weight ``[hidden, Hq D]``, gate_up_weight
             ``[2 I, hidden]``, down_weight ``[hidden, I]``: contiguous, all fp32 or all bf16.
-        k_pool / v_pool: ``[M, B, Hkv, D]`` contiguous, the weights' dtype (written at
-            ``step.slots``).
+        k_pool / v_pool: ``[M, B, Hkv, D]`` contiguous, the weights' dtype, or both int8 or both
+            float8_e4m3fn (quantized; written at ``step.slots``).
         num_q_heads: Hq.
+        k_scales / v_scales: ``[M, B, Hkv]`` fp32 contiguous scale pools of quantized pools
+            (written at ``step.slots``); None otherwise.
 
     Raises:
         ValueError: naming the argument on a dtype or layout it does not take, or when the
@@ -473,10 +545,16 @@ def decode_layer(kernels: NativeKernels, hidden: torch.Tensor, step: DecodeStep,
     dtype = qkv_weight.dtype
     if dtype not in DTYPES:
         raise ValueError(f"qkv_weight: native decode layer takes float32 or bfloat16, got {dtype}")
+    kind = KV_QUANT_DTYPES.get(k_pool.dtype, 0)
+    pools = () if kind else (("k_pool", k_pool), ("v_pool", v_pool))
     for name, t in (("o_weight", o_weight), ("gate_up_weight", gate_up_weight), ("down_weight", down_weight),
-                    ("k_pool", k_pool), ("v_pool", v_pool)):
+                    *pools):
         if t.dtype != dtype:
             raise ValueError(f"{name}: must be {dtype} like qkv_weight, got {t.dtype}")
+    if kind and v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"v_pool: must be {k_pool.dtype} like k_pool, got {v_pool.dtype}")
+    if kind or k_scales is not None or v_scales is not None:
+        check_scales(k_pool, k_scales, v_scales)
     for name, t in (("hidden", hidden), ("qkv_weight", qkv_weight), ("o_weight", o_weight),
                     ("gate_up_weight", gate_up_weight), ("down_weight", down_weight), ("k_pool", k_pool),
                     ("v_pool", v_pool)):
@@ -491,7 +569,7 @@ def decode_layer(kernels: NativeKernels, hidden: torch.Tensor, step: DecodeStep,
     num_seqs, hidden_size = hidden.shape
     _, block_size, num_kv_heads, head_dim = k_pool.shape
     inter = down_weight.shape[1]
-    rc = kernels._layer[dtype](
+    args = (
         _ptr(hidden), num_seqs, hidden_size, inter, _ptr(input_norm), _ptr(qkv_weight),
         _ptr(qkv_bias) if qkv_bias is not None else None, _ptr(o_weight), _ptr(post_norm),
         _ptr(gate_up_weight), _ptr(down_weight), rms_norm_eps, _ptr(step.cos), _ptr(step.sin),
@@ -499,6 +577,61 @@ def decode_layer(kernels: NativeKernels, hidden: torch.Tensor, step: DecodeStep,
         step.block_tables.shape[1], _ptr(step.kv_lens), _ptr(step.q_rows), block_size, num_q_heads,
         num_kv_heads, head_dim, step.sm_scale, step.window_left, step.chunk_tokens,
         num_threads or torch.get_num_threads())
+    if kind:
+        assert k_scales is not None and v_scales is not None  # check_scales
+        rc = kernels._layer_q(*args, int(dtype == torch.bfloat16), _ptr(k_scales), _ptr(v_scales), kind)
+    else:
+        rc = kernels._layer[dtype](*args)
     if rc:
         raise ValueError(f"hidden: native decode layer refused hidden={hidden_size}, I={inter}, "
                          f"Hq={num_q_heads}, Hkv={num_kv_heads}, D={head_dim} (code {rc})")
+
+
+def paged_kv_write(kernels: NativeKernels, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor, slot_mapping: torch.Tensor, *, k_scales: torch.Tensor,
+                   v_scales: torch.Tensor, num_threads: int | None = None) -> None:
+    """Quantize K/V rows into their pool slots: ``kernels.kv_quant.quantize_kv`` in C, the same
+    fp32 operations in the same order (bytes and scales equal torch's bit for bit), tokens in
+    parallel, no temporaries.
+
+    Args:
+        k / v: ``[T, Hkv, D]`` fp32 or bf16 (widened exactly), the same dtype.
+        k_pool / v_pool: ``[M, B, Hkv, D]`` contiguous, both int8 or both float8_e4m3fn.
+        slot_mapping: ``[T]`` integer flat slot (``block * B + offset``) of each row, in
+            ``[0, M * B)``.
+        k_scales / v_scales: ``[M, B, Hkv]`` fp32 contiguous scale pools (written at the slots).
+        num_threads: OpenMP threads; None = ``torch.get_num_threads()``.
+
+    Raises:
+        ValueError: naming the argument, on a dtype, shape or layout it does not take, or a
+            slot outside the pool.
+    """
+    if k_pool.dtype not in KV_QUANT_DTYPES:
+        raise ValueError(f"k_pool: need int8 or float8_e4m3fn, got {k_pool.dtype}")
+    _pool_dtype(k_pool, v_pool)
+    kind = check_scales(k_pool, k_scales, v_scales)
+    num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
+    if k.dtype not in DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"k, v: need both float32 or both bfloat16, got {k.dtype} and {v.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"{name}: need [T, Hkv={num_kv_heads}, D={head_dim}], got {list(t.shape)}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v: need {k.shape[0]} rows like k, got {v.shape[0]}")
+    num_tokens = k.shape[0]
+    if (slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens or slot_mapping.dtype.is_floating_point
+            or slot_mapping.dtype.is_complex):
+        raise ValueError(f"slot_mapping: need a [{num_tokens}] integer tensor, got {slot_mapping.dtype} "
+                         f"{list(slot_mapping.shape)}")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if num_tokens == 0:
+        return
+    low, high = (int(x) for x in torch.aminmax(slots))
+    if low < 0 or high >= num_blocks * block_size:
+        raise ValueError(f"slot_mapping: slots must be in [0, {num_blocks * block_size}), got {low}..{high}")
+    k, v = k.contiguous(), v.contiguous()
+    rc = kernels._kv_write_q(_ptr(k), _ptr(v), int(k.dtype == torch.bfloat16), _ptr(slots), num_tokens,
+                             num_kv_heads, head_dim, _ptr(k_pool), _ptr(v_pool), _ptr(k_scales),
+                             _ptr(v_scales), kind, num_threads or torch.get_num_threads())
+    if rc:
+        raise ValueError(f"k: native KV write refused Hkv={num_kv_heads}, D={head_dim} (code {rc})")

@@ -9,8 +9,12 @@ https://arxiv.org/abs/2307.08691) on CPU cores: work items of (sequence, KV head
 query tokens) whose rows are the tokens x the query heads sharing the KV head, key tiles
 packed once per call, register-blocked ``Q K^T`` and ``P V``, online softmax; see the C file.
 
-Dtypes: q and out are fp32; the pools are fp32 (``rk_paged_extend_f32``) or bf16
-(``rk_paged_extend_bf16``, widened exactly to fp32 as they are packed). All arithmetic is fp32.
+Dtypes: q and out are fp32; the pools are fp32 (``rk_paged_extend_f32``), bf16
+(``rk_paged_extend_bf16``, widened exactly to fp32 as they are packed), or int8 / float8_e4m3fn
+with ``[M, B, Hkv]`` fp32 scale pools (``rk_paged_extend_q``: each key and value dequantized
+once as it is packed, ``float32(q) * scale``, exactly ``kernels.kv_quant.dequantize_kv``; the
+kernel then runs as for fp32, so a quantized prefill costs the fp32 one plus the narrower
+reads). All arithmetic is fp32.
 
 Modules in this package import only torch (see ``__init__``).
 """
@@ -24,17 +28,21 @@ import torch
 
 from . import native
 
-__all__ = ["paged_extend", "launch", "extend_supported", "rows_packed", "MAX_HEAD_DIM"]
+__all__ = ["paged_extend", "launch", "extend_supported", "rows_packed", "MAX_HEAD_DIM", "KV_QUANT_FORMATS"]
 
 #: Largest head dim the kernel takes (its row buffers).
 MAX_HEAD_DIM = 256
+#: Quantized KV formats the kernel reads (``kernels/kv_quant.py`` names): as :mod:`native`'s.
+KV_QUANT_FORMATS = native.KV_QUANT_FORMATS
 
+_POOL_DTYPES = (torch.float32, torch.bfloat16, *native.KV_QUANT_DTYPES)
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _ARGTYPES: list[Any] = [_P, _I64, _P, _P, _I64, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, ctypes.c_float,
                         _I64, _P, _INT]
-_bound: dict[str, tuple[Any, Any]] = {}  # library path -> (f32, bf16) ctypes functions
+_Q_ARGTYPES: list[Any] = [*_ARGTYPES, _P, _P, _INT]
+_bound: dict[str, tuple[Any, Any, Any]] = {}  # library path -> (f32, bf16, quantized) ctypes functions
 
 
 def rows_packed(q: torch.Tensor) -> bool:
@@ -55,22 +63,24 @@ def extend_supported(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool
             and head_dim >= 16 and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM)
 
 
-def _entry_points(kernels: native.NativeKernels) -> tuple[Any, Any]:
+def _entry_points(kernels: native.NativeKernels) -> tuple[Any, Any, Any]:
     key = str(kernels.path)
     fns = _bound.get(key)
     if fns is None:
         f32, bf16 = kernels.lib.rk_paged_extend_f32, kernels.lib.rk_paged_extend_bf16
-        for fn in (f32, bf16):
-            fn.argtypes = _ARGTYPES
+        quant = kernels.lib.rk_paged_extend_q
+        for fn, argtypes in ((f32, _ARGTYPES), (bf16, _ARGTYPES), (quant, _Q_ARGTYPES)):
+            fn.argtypes = argtypes
             fn.restype = ctypes.c_int
-        fns = _bound[key] = (f32, bf16)
+        fns = _bound[key] = (f32, bf16, quant)
     return fns
 
 
 def paged_extend(kernels: native.NativeKernels, q: torch.Tensor, qo_indptr: torch.Tensor,
                  prefix_lens: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  block_tables: torch.Tensor, *, sm_scale: float, window_left: int = -1,
-                 out: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, num_threads: int | None = None,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed suffix rows over their sequences' keys in the paged pool.
 
     Query j of sequence i sits at position ``P_i + j`` and sees keys ``0 … P_i + j`` (all of
@@ -83,8 +93,8 @@ def paged_extend(kernels: native.NativeKernels, q: torch.Tensor, qo_indptr: torc
             ``qo_indptr[i]:qo_indptr[i+1]``.
         qo_indptr: ``[N+1]`` integer row offsets, from 0 to T, every sequence ≥ 1 row.
         prefix_lens: ``[N]`` integer P of each sequence (keys cached before this step).
-        k_pool / v_pool: ``[M, B, Hkv, D]`` contiguous, both fp32 or both bf16; each sequence's
-            ``P + L`` keys already written at the slots its block table names.
+        k_pool / v_pool: ``[M, B, Hkv, D]`` contiguous, both fp32, bf16, int8 or float8_e4m3fn;
+            each sequence's ``P + L`` keys already written at the slots its block table names.
         block_tables: ``[N, max_blocks]`` int32 contiguous, with at least
             ``ceil((P + L) / B)`` columns per sequence. The block ids a sequence reads are
             trusted (:func:`kernels.paged_sdpa.plan_attention` checks them once per step).
@@ -92,6 +102,9 @@ def paged_extend(kernels: native.NativeKernels, q: torch.Tensor, qo_indptr: torc
         window_left: keys more than this many positions left of a query are not seen; -1: none.
         out: ``[T, Hq, D]`` fp32 contiguous to write (every row is written); None = new.
         num_threads: OpenMP threads; None = ``torch.get_num_threads()``.
+        k_scales / v_scales: ``[M, B, Hkv]`` fp32 contiguous scale pools (a key is
+            ``float32(k_pool value) * scale``): required with int8 / float8_e4m3fn pools, None
+            otherwise.
 
     Returns:
         ``out``, ``[T, Hq, D]`` fp32.
@@ -99,7 +112,8 @@ def paged_extend(kernels: native.NativeKernels, q: torch.Tensor, qo_indptr: torc
     Raises:
         ValueError: naming the argument, on a dtype, layout or shape the kernel does not take
             (heads: see :func:`extend_supported`), inconsistent ``qo_indptr`` / ``prefix_lens``,
-            or a block table too narrow for its sequence.
+            a block table too narrow for its sequence, or scale pools missing, misshapen or
+            given for an unquantized pool.
     """
     if q.dtype != torch.float32 or q.dim() != 3 or not rows_packed(q):
         raise ValueError(f"q: need float32 [T, Hq, D] with contiguous [Hq, D] rows, got {q.dtype} "
@@ -108,10 +122,12 @@ def paged_extend(kernels: native.NativeKernels, q: torch.Tensor, qo_indptr: torc
         raise ValueError(f"k_pool, v_pool: need equal [M, B, Hkv, D] shapes, got {tuple(k_pool.shape)} "
                          f"and {tuple(v_pool.shape)}")
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if pool.dtype not in (torch.float32, torch.bfloat16) or pool.dtype != k_pool.dtype:
-            raise ValueError(f"{name}: need float32 or bfloat16, the same for both pools, got {pool.dtype}")
+        if pool.dtype not in _POOL_DTYPES or pool.dtype != k_pool.dtype:
+            raise ValueError(f"{name}: need float32, bfloat16, int8 or float8_e4m3fn, the same for both "
+                             f"pools, got {pool.dtype}")
         if not pool.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
+    native.check_scales(k_pool, k_scales, v_scales)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, pool_dim = k_pool.shape
     if pool_dim != head_dim:
@@ -147,29 +163,38 @@ def paged_extend(kernels: native.NativeKernels, q: torch.Tensor, qo_indptr: torc
     if num_seqs == 0:
         return out
     launch(kernels, q, indptr, prefix, k_pool, v_pool, block_tables, sm_scale=sm_scale,
-           window_left=window_left, out=out, num_threads=num_threads)
+           window_left=window_left, out=out, num_threads=num_threads, k_scales=k_scales, v_scales=v_scales)
     return out
 
 
 def launch(kernels: native.NativeKernels, q: torch.Tensor, qo_indptr: torch.Tensor,
            prefix_lens: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
            block_tables: torch.Tensor, *, sm_scale: float, window_left: int, out: torch.Tensor,
-           num_threads: int | None = None) -> None:
+           num_threads: int | None = None, k_scales: torch.Tensor | None = None,
+           v_scales: torch.Tensor | None = None) -> None:
     """:func:`paged_extend` without its checks, for callers that made them once per step
     (``kernels.paged_sdpa``): ``qo_indptr`` int64 and ``prefix_lens`` int32, both contiguous,
-    everything else as :func:`paged_extend` requires, N ≥ 1.
+    everything else as :func:`paged_extend` requires, N ≥ 1. The pools' dtype picks the
+    entry point; int8 / float8_e4m3fn pools need ``k_scales`` / ``v_scales`` (only their
+    presence is checked here, not their shape).
 
     Raises:
         ValueError: when the kernel refuses the heads; MemoryError when it cannot allocate.
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
-    f32, bf16 = _entry_points(kernels)
-    fn = bf16 if k_pool.dtype == torch.bfloat16 else f32
-    rc = fn(q.data_ptr(), _row_stride(q), qo_indptr.data_ptr(), prefix_lens.data_ptr(), prefix_lens.shape[0],
+    f32, bf16, quant = _entry_points(kernels)
+    args = (q.data_ptr(), _row_stride(q), qo_indptr.data_ptr(), prefix_lens.data_ptr(), prefix_lens.shape[0],
             k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             block_size, num_q_heads, num_kv_heads, head_dim, float(sm_scale), int(window_left),
             out.data_ptr(), num_threads or torch.get_num_threads())
+    kind = native.KV_QUANT_DTYPES.get(k_pool.dtype, 0)
+    if kind:
+        if k_scales is None or v_scales is None:
+            raise ValueError(f"k_scales, v_scales: {k_pool.dtype} pools need their scale pools")
+        rc = quant(*args, k_scales.data_ptr(), v_scales.data_ptr(), kind)
+    else:
+        rc = (bf16 if k_pool.dtype == torch.bfloat16 else f32)(*args)
     if rc == 2:
         raise MemoryError("native extend: out of memory for its packed key tiles")
     if rc:

@@ -21,6 +21,12 @@
  * an fp32) and widened to fp32 in registers (rkv_load_bf16), K/V written with rkv_store_bf16
  * (round to nearest even): half the bytes of the memory-bound step; activations, the residual
  * stream, accumulations and softmax stay fp32.
+ *
+ * Quantized KV (the *_q entry points; kernels/kv_quant.py): int8 or float8_e4m3fn pools with one
+ * fp32 scale per (slot, KV head) in [slots, hkv] scale pools. Attention reads the stored bytes
+ * (a quarter of fp32's) and widens them in registers (rk_vec.h), each key's scale folded into
+ * its score and each value's into its softmax weight; the decode layer quantizes the new K/V
+ * with rk_quantize_head (torch's quantize_kv bit for bit) before attending over them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -78,20 +84,29 @@ static inline rkv vdiv(rkv a, rkv b) {
 #endif
 }
 
-/* RK_VL elements from element i of a float (bf16 == 0) or bf16 (bf16 == 1) array, as fp32. */
-RK_INLINE rkv load_el(const void *p, int64_t i, int bf16) {
-    return bf16 ? rkv_load_bf16((const uint16_t *)p + i) : rkv_load((const float *)p + i);
+/* RK_VL elements from element i of an array of kind RK_KV_* (rk_vec.h: fp32, bf16, int8,
+ * float8_e4m3fn; weights are fp32 or bf16, so their bf16 flag is the kind), as fp32: quantized
+ * values unscaled. `kind` is a constant at every inlined call site. */
+RK_INLINE rkv load_el(const void *p, int64_t i, int kind) {
+    if (kind == RK_KV_I8) return rkv_load_i8((const int8_t *)p + i);
+    if (kind == RK_KV_FP8) return rkv_load_fp8((const uint8_t *)p + i);
+    return kind == RK_KV_BF16 ? rkv_load_bf16((const uint16_t *)p + i) : rkv_load((const float *)p + i);
+}
+
+/* Bytes per pool element of a kind. */
+static inline int64_t kind_bytes(int kind) {
+    return kind == RK_KV_F32 ? 4 : kind == RK_KV_BF16 ? 2 : 1;
 }
 
 RK_INLINE rkv load_el_n(const void *p, int64_t i, int n, int bf16) {
     return bf16 ? load_bf16_n((const uint16_t *)p + i, n) : rkv_load_n((const float *)p + i, n);
 }
 
-/* The sums of eight vectors, times `scale`, as scores dst[0..8); dst[t] for t >= cnt is -inf.
+/* The sums of eight vectors, times scale[t], as scores dst[0..8); dst[t] for t >= cnt is -inf.
  * Eight keys' dot products reduced together: a horizontal-add tree over 8-lane halves
  * (ISA-specific: the AVX-512 build first folds each 16-lane vector to 8 lanes). */
 static inline void store_scores8(rkv x0, rkv x1, rkv x2, rkv x3, rkv x4, rkv x5, rkv x6, rkv x7,
-                                 float scale, int cnt, float *dst) {
+                                 __m256 scale, int cnt, float *dst) {
 #if RK_AVX512
 #define RK_FOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
     const __m256 y0 = RK_FOLD(x0), y1 = RK_FOLD(x1), y2 = RK_FOLD(x2), y3 = RK_FOLD(x3);
@@ -107,7 +122,7 @@ static inline void store_scores8(rkv x0, rkv x1, rkv x2, rkv x3, rkv x4, rkv x5,
     const __m256 valid = _mm256_castsi256_ps(
         _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     _mm256_storeu_ps(dst, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                           _mm256_mul_ps(sums, _mm256_set1_ps(scale)), valid));
+                                           _mm256_mul_ps(sums, scale), valid));
 }
 
 /* Reads [p, p + num_bytes) once in address order, one vector load per 64-byte line (values
@@ -246,16 +261,22 @@ int rk_linear_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int6
 
 /* ---- paged decode attention ---- */
 
-/* The pool rows of keys [pos, pos + cnt) of a sequence: cnt <= RK_SUB, not crossing a block. */
-static inline int64_t sub_block(const int32_t *table, int block_size, int64_t pos, int64_t t1,
-                                int64_t stride, int *cnt) {
+/* The pool slot of key pos of a sequence, and in *cnt how many keys from it share its block:
+ * cnt <= RK_SUB, not past t1. */
+static inline int64_t sub_slot(const int32_t *table, int block_size, int64_t pos, int64_t t1, int *cnt) {
     const int64_t blk_idx = pos / block_size;
     const int off = (int)(pos - blk_idx * block_size);
     int n = block_size - off;
     if (n > RK_SUB) n = RK_SUB;
     if (n > t1 - pos) n = (int)(t1 - pos);
     *cnt = n;
-    return ((int64_t)table[blk_idx] * block_size + off) * stride;
+    return (int64_t)table[blk_idx] * block_size + off;
+}
+
+/* The pool rows of keys [pos, pos + cnt) of a sequence: cnt <= RK_SUB, not crossing a block. */
+static inline int64_t sub_block(const int32_t *table, int block_size, int64_t pos, int64_t t1,
+                                int64_t stride, int *cnt) {
+    return sub_slot(table, block_size, pos, t1, cnt) * stride;
 }
 
 #ifndef RK_PF_DIST
@@ -282,11 +303,26 @@ static inline void stream_rows(const void *pool, int64_t el, const int32_t *tabl
     stream_bytes((const char *)pool + off * el, (int64_t)cnt * stride * el, next, next_bytes);
 }
 
+/* Quantized pools: requests the K and V scales ([slots, hkv] fp32) of the keys RK_PF_DIST
+ * sub-blocks after pos (a block's scales are 4 hkv B bytes, scattered with its block). */
+static inline void prefetch_scales(const float *k_scales, const float *v_scales, const int32_t *table,
+                                   int block_size, int64_t pos, int64_t t1, int hkv) {
+    const int64_t ahead = pos + RK_PF_DIST * RK_SUB;
+    if (ahead >= t1) return;
+    int cnt;
+    const int64_t first = sub_slot(table, block_size, ahead, t1, &cnt) * hkv;
+    const int64_t last = first + (int64_t)cnt * hkv - 1;
+    _mm_prefetch((const char *)(k_scales + first), _MM_HINT_T0);
+    _mm_prefetch((const char *)(k_scales + last), _MM_HINT_T0);
+    _mm_prefetch((const char *)(v_scales + first), _MM_HINT_T0);
+    _mm_prefetch((const char *)(v_scales + last), _MM_HINT_T0);
+}
+
 /* P.V for three query heads (score rows s0, s1, s2) over the keys of one sub-block, dims
  * [jb, jb + nv * RK_VL) of head dim: 3 x nv accumulators in registers, each V row read once. */
 RK_INLINE void pv_block(const void *vb, int64_t stride, int cnt, const float *s0, const float *s1,
                         const float *s2, float *A0, float *A1, float *A2, int jb, const int nv,
-                        const int bf16) {
+                        const int kind) {
     rkv r0[4], r1[4], r2[4];
     for (int v = 0; v < nv; v++) {
         r0[v] = rkv_load(A0 + jb + v * RK_VL);
@@ -297,7 +333,7 @@ RK_INLINE void pv_block(const void *vb, int64_t stride, int cnt, const float *s0
         const int64_t row = t * stride + jb;
         const rkv p0 = rkv_set1(s0[t]), p1 = rkv_set1(s1[t]), p2 = rkv_set1(s2[t]);
         for (int v = 0; v < nv; v++) {
-            const rkv x = load_el(vb, row + v * RK_VL, bf16);
+            const rkv x = load_el(vb, row + v * RK_VL, kind);
             r0[v] = rkv_fma(p0, x, r0[v]);
             r1[v] = rkv_fma(p1, x, r1[v]);
             r2[v] = rkv_fma(p2, x, r2[v]);
@@ -316,11 +352,21 @@ RK_INLINE void pv_block(const void *vb, int64_t stride, int cnt, const float *s0
  * one sum over the chunk, then P.V with 3 heads x (4 vectors of dims) of accumulators in
  * registers. An online softmax per group of keys instead chained every group's max, exp and
  * rescale behind the previous one and ran at a third of this speed. Written per query head as
- * (max, sum, unnormalised acc[d]). d % 32 == 0; k/v pools fp32 or (bf16) bf16. */
+ * (max, sum, unnormalised acc[d]). d % 32 == 0; k/v pools of `kind` (rk_vec.h's RK_KV_*).
+ *
+ * Quantized pools (int8, fp8) with k_scales / v_scales [slots, hkv] fp32: a sub-block's keys of
+ * one KV head are widened once (unscaled) into an L1 buffer that every query head of the group
+ * reads, and the key's scale is folded into its score (q.k = s_k (q.k_q)); the value scales
+ * are folded into the softmax weights after their sum is taken (p_t s_v,t multiplies the
+ * widened v_q,t in P.V), so no dequantized K or V is ever stored. */
 RK_INLINE void decode_chunk(const float *q, int hq, int hkv, int d, const void *k_pool,
-                            const void *v_pool, const int32_t *table, int block_size, int64_t t0,
-                            int64_t t1, float scale, float *part, const int bf16) {
-    const int64_t el = bf16 ? 2 : 4;
+                            const void *v_pool, const float *k_scales, const float *v_scales,
+                            const int32_t *table, int block_size, int64_t t0, int64_t t1, float scale,
+                            float *part, const int kind) {
+    const int64_t el = kind_bytes(kind);
+    const int quant = kind == RK_KV_I8 || kind == RK_KV_FP8;
+    /* the keys the dot products read: the pool itself, or (quantized) the widened buffer */
+    const int src_kind = quant ? RK_KV_F32 : kind;
     const int group = hq / hkv;
     const int64_t stride = (int64_t)hkv * d;
     const int n = (int)(t1 - t0);
@@ -328,40 +374,70 @@ RK_INLINE void decode_chunk(const float *q, int hq, int hkv, int d, const void *
     static const float zero_p[RK_ROW] __attribute__((aligned(64))) = {0};
     float s[RK_MAX_HEADS * RK_ROW] __attribute__((aligned(64)));
     float acc[3 * RK_MAX_DIM] __attribute__((aligned(64)));
+    /* quantized only: one sub-block of one KV head's keys widened; each KV head's value scales */
+    float kbuf[RK_SUB * RK_MAX_DIM] __attribute__((aligned(64)));
+    float vsc[RK_MAX_HEADS * RK_ROW] __attribute__((aligned(64)));
+    const __m256 sm_scale = _mm256_set1_ps(scale);
     /* pass 1: scores */
     for (int64_t pos = t0; pos < t1;) {
         int cnt;
-        const int64_t base = sub_block(table, block_size, pos, t1, stride, &cnt);
+        const int64_t slot = sub_slot(table, block_size, pos, t1, &cnt);
+        const int64_t base = slot * stride;
         const int tl = (int)(pos - t0);
         stream_rows(k_pool, el, table, block_size, pos, t1, stride);
+        if (quant) prefetch_scales(k_scales, v_scales, table, block_size, pos, t1, hkv);
         for (int kvh = 0; kvh < hkv; kvh++) {
             const int64_t kb = base + (int64_t)kvh * d;
+            const void *src = k_pool;
             int64_t kt[RK_SUB];
-            for (int t = 0; t < RK_SUB; t++) kt[t] = kb + (t < cnt ? t : 0) * stride;
+            __m256 key_scale = sm_scale;
+            if (quant) {
+                float ks[RK_SUB];
+                for (int t = 0; t < RK_SUB; t++) {
+                    if (t < cnt) {
+                        for (int j = 0; j < d; j += RK_VL)
+                            rkv_store_aligned(kbuf + t * d + j, load_el(k_pool, kb + t * stride + j, kind));
+                        const int64_t sc = (slot + t) * hkv + kvh;
+                        ks[t] = k_scales[sc] * scale;
+                        vsc[kvh * RK_ROW + tl + t] = v_scales[sc];
+                    } else {
+                        ks[t] = 0.0f;
+                    }
+                    kt[t] = (int64_t)(t < cnt ? t : 0) * d;
+                }
+                key_scale = _mm256_loadu_ps(ks);
+                src = kbuf;
+            } else {
+                for (int t = 0; t < RK_SUB; t++) kt[t] = kb + (t < cnt ? t : 0) * stride;
+            }
             for (int g = 0; g < group; g++) {
                 const int h = kvh * group + g;
                 const float *qh = q + (int64_t)h * d;
                 rkv a0 = rkv_zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
                 for (int j = 0; j < d; j += RK_VL) {
                     const rkv qv = rkv_load(qh + j);
-                    a0 = rkv_fma(qv, load_el(k_pool, kt[0] + j, bf16), a0);
-                    a1 = rkv_fma(qv, load_el(k_pool, kt[1] + j, bf16), a1);
-                    a2 = rkv_fma(qv, load_el(k_pool, kt[2] + j, bf16), a2);
-                    a3 = rkv_fma(qv, load_el(k_pool, kt[3] + j, bf16), a3);
-                    a4 = rkv_fma(qv, load_el(k_pool, kt[4] + j, bf16), a4);
-                    a5 = rkv_fma(qv, load_el(k_pool, kt[5] + j, bf16), a5);
-                    a6 = rkv_fma(qv, load_el(k_pool, kt[6] + j, bf16), a6);
-                    a7 = rkv_fma(qv, load_el(k_pool, kt[7] + j, bf16), a7);
+                    a0 = rkv_fma(qv, load_el(src, kt[0] + j, src_kind), a0);
+                    a1 = rkv_fma(qv, load_el(src, kt[1] + j, src_kind), a1);
+                    a2 = rkv_fma(qv, load_el(src, kt[2] + j, src_kind), a2);
+                    a3 = rkv_fma(qv, load_el(src, kt[3] + j, src_kind), a3);
+                    a4 = rkv_fma(qv, load_el(src, kt[4] + j, src_kind), a4);
+                    a5 = rkv_fma(qv, load_el(src, kt[5] + j, src_kind), a5);
+                    a6 = rkv_fma(qv, load_el(src, kt[6] + j, src_kind), a6);
+                    a7 = rkv_fma(qv, load_el(src, kt[7] + j, src_kind), a7);
                 }
                 /* a sub-block may start mid-way through 8 (a block size not of 8) */
-                store_scores8(a0, a1, a2, a3, a4, a5, a6, a7, scale, cnt, s + (int64_t)h * RK_ROW + tl);
+                store_scores8(a0, a1, a2, a3, a4, a5, a6, a7, key_scale, cnt, s + (int64_t)h * RK_ROW + tl);
             }
         }
         pos += cnt;
     }
+    if (quant)  /* past the chunk: weight 0 (exp gives 0 there) times a finite scale */
+        for (int kvh = 0; kvh < hkv; kvh++)
+            for (int t = n; t < n_pad; t++) vsc[kvh * RK_ROW + t] = 0.0f;
     /* softmax statistics per head: scores past n are -inf and give exp 0 */
     for (int h = 0; h < hq; h++) {
         float *sh = s + (int64_t)h * RK_ROW;
+        const float *vh = quant ? vsc + (int64_t)(h / group) * RK_ROW : zero_p;
         for (int t = n; t < n_pad; t++) sh[t] = -INFINITY;
         rkv vm = rkv_set1(-INFINITY);
         for (int t = 0; t < n_pad; t += RK_VL) vm = rkv_max(vm, rkv_load_aligned(sh + t));
@@ -370,7 +446,8 @@ RK_INLINE void decode_chunk(const float *q, int hq, int hkv, int d, const void *
         rkv vs = rkv_zero();
         for (int t = 0; t < n_pad; t += RK_VL) {
             const rkv p = rkv_exp(rkv_sub(rkv_load_aligned(sh + t), vmx));
-            rkv_store_aligned(sh + t, p);
+            /* quantized: P.V reads the weights times the value scales */
+            rkv_store_aligned(sh + t, quant ? rkv_mul(p, rkv_load_aligned(vh + t)) : p);
             vs = rkv_add(vs, p);
         }
         float *ph = part + (int64_t)h * (d + 2);
@@ -393,10 +470,10 @@ RK_INLINE void decode_chunk(const float *q, int hq, int hkv, int d, const void *
                 if (kvh == 0 && g0 == 0) stream_rows(v_pool, el, table, block_size, pos, t1, stride);
                 int jb = 0;
                 for (; jb + 4 * RK_VL <= d; jb += 4 * RK_VL)
-                    pv_block(vb, stride, cnt, s0 + tl, s1 + tl, s2 + tl, acc, acc + d, acc + 2 * d, jb, 4, bf16);
+                    pv_block(vb, stride, cnt, s0 + tl, s1 + tl, s2 + tl, acc, acc + d, acc + 2 * d, jb, 4, kind);
                 if (jb < d)  /* AVX-512: d % 64 == 32 */
                     pv_block(vb, stride, cnt, s0 + tl, s1 + tl, s2 + tl, acc, acc + d, acc + 2 * d, jb,
-                             (32 / RK_VL), bf16);
+                             (32 / RK_VL), kind);
                 pos += cnt;
             }
             for (int g = g0; g < group && g < g0 + 3; g++) {
@@ -436,7 +513,8 @@ typedef struct {
     const int64_t *task_start;
     float *parts;              /* [tasks, hq, d + 2] */
     float *out;                /* [T, hq, d] */
-    int bf16;                  /* pools of bf16 */
+    int kind;                  /* the pools' RK_KV_* */
+    const float *k_scales, *v_scales;  /* quantized kinds: [slots, hkv] fp32; else NULL */
 } decode_args;
 
 /* The chunks, then their merge, shared out among the enclosing region's threads. */
@@ -458,12 +536,16 @@ static void decode_for(const decode_args *a) {
         const float *qi = a->q + a->q_rows[i] * hq * d;
         const int32_t *table = a->block_tables + i * a->max_blocks;
         float *part = a->parts + task * part_size;
-        if (a->bf16)
-            decode_chunk(qi, hq, a->hkv, d, a->k_pool, a->v_pool, table, a->block_size, t0, t1,
-                         a->scale, part, 1);
-        else
-            decode_chunk(qi, hq, a->hkv, d, a->k_pool, a->v_pool, table, a->block_size, t0, t1,
-                         a->scale, part, 0);
+        /* one specialised copy of the chunk kernel per pool kind */
+#define RK_CHUNK(kind) decode_chunk(qi, hq, a->hkv, d, a->k_pool, a->v_pool, a->k_scales, a->v_scales, \
+                                    table, a->block_size, t0, t1, a->scale, part, kind)
+        switch (a->kind) {
+        case RK_KV_BF16: RK_CHUNK(RK_KV_BF16); break;
+        case RK_KV_I8: RK_CHUNK(RK_KV_I8); break;
+        case RK_KV_FP8: RK_CHUNK(RK_KV_FP8); break;
+        default: RK_CHUNK(RK_KV_F32); break;
+        }
+#undef RK_CHUNK
     }
 #pragma omp for schedule(static)
     for (int64_t ih = 0; ih < num_seqs * hq; ih++) {
@@ -501,7 +583,8 @@ static int paged_decode_entry(const float *q, const int64_t *q_rows, int64_t num
                               const void *k_pool, const void *v_pool, const int32_t *block_tables,
                               int64_t max_blocks, const int32_t *kv_lens, int block_size, int hq,
                               int hkv, int d, float scale, int64_t window_left, int64_t chunk_tokens,
-                              float *out, int num_threads, int bf16) {
+                              float *out, int num_threads, int kind, const float *k_scales,
+                              const float *v_scales) {
     if (!decode_shape_ok(hq, hkv, d, chunk_tokens, block_size)) return 1;
     int64_t *task_start = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (!task_start) return 2;
@@ -513,7 +596,7 @@ static int paged_decode_entry(const float *q, const int64_t *q_rows, int64_t num
     }
     const decode_args a = {q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
                            block_size, hq, hkv, d, scale, window_left, chunk_tokens, task_start,
-                           parts, out, bf16};
+                           parts, out, kind, k_scales, v_scales};
 #pragma omp parallel num_threads(num_threads)
     decode_for(&a);
     free(parts);
@@ -535,7 +618,7 @@ int rk_paged_decode_f32(const float *q, const int64_t *q_rows, int64_t num_seqs,
                         int num_threads) {
     return paged_decode_entry(q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
                               block_size, hq, hkv, d, scale, window_left, chunk_tokens, out,
-                              num_threads, 0);
+                              num_threads, RK_KV_F32, NULL, NULL);
 }
 
 /* As rk_paged_decode_f32 over bf16 pools (q and out fp32). */
@@ -546,7 +629,21 @@ int rk_paged_decode_bf16(const float *q, const int64_t *q_rows, int64_t num_seqs
                          int num_threads) {
     return paged_decode_entry(q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
                               block_size, hq, hkv, d, scale, window_left, chunk_tokens, out,
-                              num_threads, 1);
+                              num_threads, RK_KV_BF16, NULL, NULL);
+}
+
+/* As rk_paged_decode_f32 over quantized pools: kind RK_KV_I8 (int8) or RK_KV_FP8
+ * (float8_e4m3fn bytes), k_scales / v_scales [blocks * block_size, hkv] fp32 (one scale per
+ * slot and KV head; a key is float32(k_pool value) * its scale). Returns 1 also on another kind. */
+int rk_paged_decode_q(const float *q, const int64_t *q_rows, int64_t num_seqs, const void *k_pool,
+                      const void *v_pool, const float *k_scales, const float *v_scales,
+                      const int32_t *block_tables, int64_t max_blocks, const int32_t *kv_lens,
+                      int block_size, int hq, int hkv, int d, float scale, int64_t window_left,
+                      int64_t chunk_tokens, float *out, int num_threads, int kind) {
+    if (kind != RK_KV_I8 && kind != RK_KV_FP8) return 1;
+    return paged_decode_entry(q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
+                              block_size, hq, hkv, d, scale, window_left, chunk_tokens, out,
+                              num_threads, kind, k_scales, v_scales);
 }
 
 /* ---- a whole decoder layer ---- */
@@ -590,14 +687,122 @@ static void rope_row(float *x, int heads, int d, const float *cos, const float *
     }
 }
 
-/* n floats (n % RK_VL == 0) to a pool row: copied, or rounded to bf16. */
-static void store_kv(void *dst, const float *src, int64_t n, int bf16) {
-    if (!bf16) {
-        memcpy(dst, src, sizeof(float) * (size_t)n);
-        return;
+/* float8_e4m3fn bits of f, rounded to nearest even, for |f| <= 448 (larger and NaN: 0x7F,
+ * NaN): c10's fp8e4m3fn_from_fp32_value (PyTorch, c10/util/Float8_e4m3fn.h), which torch's
+ * .to(torch.float8_e4m3fn) computes. Below 2^-6 (subnormal e4m3fn) adding 2^14 rounds the
+ * fp32 at the subnormal step 2^-9, whose multiple is then the mantissa field; above, the
+ * exponent is rebiased (7 - 127) and the 20 dropped mantissa bits rounded half to even. */
+static inline uint8_t fp8_e4m3_from_f32(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t sign = bits & UINT32_C(0x80000000);
+    bits ^= sign;
+    uint8_t r;
+    if (bits >= (UINT32_C(1087) << 20)) {  /* >= 480 (after rounding past 448), inf, NaN */
+        r = 0x7F;
+    } else if (bits < (UINT32_C(121) << 23)) {
+        const uint32_t denorm_mask = UINT32_C(141) << 23;
+        float x, m;
+        memcpy(&x, &bits, sizeof x);
+        memcpy(&m, &denorm_mask, sizeof m);
+        x += m;
+        uint32_t xb;
+        memcpy(&xb, &x, sizeof xb);
+        r = (uint8_t)(xb - denorm_mask);
+    } else {
+        const uint32_t mant_odd = (bits >> 20) & 1;
+        bits += ((uint32_t)(7 - 127) << 23) + UINT32_C(0x7FFFF);
+        bits += mant_odd;
+        r = (uint8_t)(bits >> 20);
     }
-    uint16_t *o = dst;
-    for (int64_t j = 0; j < n; j += RK_VL) rkv_store_bf16(o + j, rkv_load(src + j));
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* kernels/kv_quant.py's quantize_kv of one KV head's [d] fp32 row, the same fp32 operations in
+ * the same order, so the bytes and the scale are those of torch bit for bit:
+ *   amax = max |x|; scale = amax / QMAX, inv = QMAX / amax (both 0 when amax == 0);
+ *   int8: q = clamp(round_half_even(x * inv), -127, 127)   (nearbyintf: the default rounding)
+ *   fp8:  q = e4m3fn_rne(clamp(x * inv, -448, 448))
+ * A NaN in x is skipped by the max (torch's amax propagates it): NaN rows are not a format. */
+static void rk_quantize_head(const float *x, int d, void *q, float *scale_out, int kind) {
+    const float qmax = kind == RK_KV_I8 ? 127.0f : 448.0f;
+    float amax = 0.0f;
+    for (int j = 0; j < d; j++) {
+        const float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+    }
+    float scale = 0.0f, inv = 0.0f;
+    if (amax > 0.0f) {
+        scale = amax / qmax;
+        inv = qmax / amax;
+    }
+    *scale_out = scale;
+    if (kind == RK_KV_I8) {
+        int8_t *o = q;
+        for (int j = 0; j < d; j++) {
+            float r = nearbyintf(x[j] * inv);
+            r = r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r;
+            o[j] = (int8_t)r;
+        }
+    } else {
+        uint8_t *o = q;
+        for (int j = 0; j < d; j++) {
+            float c = x[j] * inv;
+            c = c < -448.0f ? -448.0f : c > 448.0f ? 448.0f : c;
+            o[j] = fp8_e4m3_from_f32(c);
+        }
+    }
+}
+
+/* One token's hkv heads of n = hkv * d floats to its pool slot: copied, rounded to bf16, or
+ * quantized per head (values to dst + slot * n elements, scales to scales + slot * hkv). */
+static void store_kv(void *pool, float *scales, int64_t slot, const float *src, int hkv, int d, int kind) {
+    const int64_t n = (int64_t)hkv * d;
+    if (kind == RK_KV_F32) {
+        memcpy((float *)pool + slot * n, src, sizeof(float) * (size_t)n);
+    } else if (kind == RK_KV_BF16) {
+        uint16_t *o = (uint16_t *)pool + slot * n;
+        for (int64_t j = 0; j < n; j += RK_VL) rkv_store_bf16(o + j, rkv_load(src + j));
+    } else {
+        for (int h = 0; h < hkv; h++)
+            rk_quantize_head(src + (int64_t)h * d, d, (int8_t *)pool + slot * n + (int64_t)h * d,
+                             scales + slot * hkv + h, kind);
+    }
+}
+
+/* K and V rows of num_tokens tokens ([T, hkv, d], fp32 or (x_bf16) bf16, contiguous) quantized
+ * (rk_quantize_head) into their pool slots: values to k_pool / v_pool [slots, hkv, d] of kind
+ * RK_KV_I8 or RK_KV_FP8, scales to k_scales / v_scales [slots, hkv] fp32. Tokens in parallel.
+ * Returns 0, or 1 on another kind or a d outside [1, RK_MAX_DIM]. */
+int rk_paged_kv_write_q(const void *k, const void *v, int x_bf16, const int64_t *slots, int64_t num_tokens,
+                        int hkv, int d, void *k_pool, void *v_pool, float *k_scales, float *v_scales,
+                        int kind, int num_threads) {
+    if ((kind != RK_KV_I8 && kind != RK_KV_FP8) || d < 1 || d > RK_MAX_DIM || hkv < 1) return 1;
+    const int64_t n = (int64_t)hkv * d;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t i = 0; i < num_tokens; i++) {
+        float row[RK_MAX_DIM];
+        for (int src = 0; src < 2; src++) {
+            const void *x = src ? v : k;
+            void *pool = src ? v_pool : k_pool;
+            float *scales = src ? v_scales : k_scales;
+            for (int h = 0; h < hkv; h++) {
+                const int64_t at = i * n + (int64_t)h * d;
+                if (x_bf16) {
+                    const uint16_t *xb = (const uint16_t *)x + at;
+                    for (int j = 0; j < d; j++) {
+                        const uint32_t w = (uint32_t)xb[j] << 16;
+                        memcpy(row + j, &w, sizeof w);
+                    }
+                } else {
+                    memcpy(row, (const float *)x + at, sizeof(float) * (size_t)d);
+                }
+                rk_quantize_head(row, d, (int8_t *)pool + slots[i] * n + (int64_t)h * d,
+                                 scales + slots[i] * hkv + h, kind);
+            }
+        }
+    }
+    return 0;
 }
 
 /* g[j] = silu(g[j]) * u[j] = g[j] * u[j] / (1 + exp(-g[j])), n % 8 == 0. */
@@ -624,11 +829,11 @@ static int decode_layer_entry(float *hidden, int64_t num_seqs, int64_t hd, int64
                               const int32_t *block_tables, int64_t max_blocks, const int32_t *kv_lens,
                               const int64_t *q_rows, int block_size, int hq, int hkv, int d,
                               float scale, int64_t window_left, int64_t chunk_tokens, int num_threads,
-                              int bf16) {
+                              int bf16, int kind, float *k_scales, float *v_scales) {
     if (!decode_shape_ok(hq, hkv, d, chunk_tokens, block_size) || hd % 8 || inter % 8 || num_seqs < 1)
         return 1;
     const int64_t t = num_seqs, qkv_n = (int64_t)(hq + 2 * hkv) * d, q_n = (int64_t)hq * d;
-    const int64_t kv_row = (int64_t)hkv * d, el = bf16 ? 2 : 4;
+    const int64_t kv_row = (int64_t)hkv * d;
     int64_t *task_start = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (!task_start) return 2;
     const int64_t num_tasks = plan_tasks(kv_lens, num_seqs, window_left, chunk_tokens, task_start);
@@ -645,7 +850,7 @@ static int decode_layer_entry(float *hidden, int64_t num_seqs, int64_t hd, int64
     float *q = parts + (num_tasks > 0 ? num_tasks : 1) * hq * (d + 2);
     const decode_args a = {q, q_rows, num_seqs, k_pool, v_pool, block_tables, max_blocks, kv_lens,
                            block_size, hq, hkv, d, scale, window_left, chunk_tokens, task_start,
-                           parts, attn, bf16};
+                           parts, attn, kind, k_scales, v_scales};
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp single
@@ -656,8 +861,8 @@ static int decode_layer_entry(float *hidden, int64_t num_seqs, int64_t hd, int64
             float *row = qkv + i * qkv_n;
             rope_row(row, hq + hkv, d, cos + i * d, sin + i * d);  /* q and k heads are adjacent */
             memcpy(q + i * q_n, row, sizeof(float) * q_n);
-            store_kv((char *)k_pool + slots[i] * kv_row * el, row + q_n, kv_row, bf16);
-            store_kv((char *)v_pool + slots[i] * kv_row * el, row + q_n + kv_row, kv_row, bf16);
+            store_kv(k_pool, k_scales, slots[i], row + q_n, hkv, d, kind);
+            store_kv(v_pool, v_scales, slots[i], row + q_n + kv_row, hkv, d, kind);
         }
         decode_for(&a);
         linear_for(attn, t, q_n, w_o, hd, NULL, hidden, 1, bf16);
@@ -695,7 +900,7 @@ int rk_decode_layer_f32(float *hidden, int64_t num_seqs, int64_t hd, int64_t int
     return decode_layer_entry(hidden, num_seqs, hd, inter, input_norm, w_qkv, b_qkv, w_o, post_norm,
                               w_gate_up, w_down, eps, cos, sin, slots, k_pool, v_pool, block_tables,
                               max_blocks, kv_lens, q_rows, block_size, hq, hkv, d, scale, window_left,
-                              chunk_tokens, num_threads, 0);
+                              chunk_tokens, num_threads, 0, RK_KV_F32, NULL, NULL);
 }
 
 /* As rk_decode_layer_f32 with bf16 projection weights and bf16 pools; hidden, norms, bias and
@@ -711,5 +916,26 @@ int rk_decode_layer_bf16(float *hidden, int64_t num_seqs, int64_t hd, int64_t in
     return decode_layer_entry(hidden, num_seqs, hd, inter, input_norm, w_qkv, b_qkv, w_o, post_norm,
                               w_gate_up, w_down, eps, cos, sin, slots, k_pool, v_pool, block_tables,
                               max_blocks, kv_lens, q_rows, block_size, hq, hkv, d, scale, window_left,
-                              chunk_tokens, num_threads, 1);
+                              chunk_tokens, num_threads, 1, RK_KV_BF16, NULL, NULL);
+}
+
+/* As rk_decode_layer_f32 with fp32 (weights_bf16 == 0) or bf16 (1) weights over quantized
+ * pools: kind RK_KV_I8 or RK_KV_FP8, k_scales / v_scales [M * B, hkv] fp32. The new tokens' K/V
+ * are quantized from the layer's fp32 rows (rk_quantize_head: kernels/kv_quant.py bit for bit)
+ * into their slots before attention reads them back dequantized. Returns 1 also on another
+ * kind. */
+int rk_decode_layer_q(float *hidden, int64_t num_seqs, int64_t hd, int64_t inter,
+                      const float *input_norm, const void *w_qkv, const float *b_qkv,
+                      const void *w_o, const float *post_norm, const void *w_gate_up,
+                      const void *w_down, float eps, const float *cos, const float *sin,
+                      const int64_t *slots, void *k_pool, void *v_pool,
+                      const int32_t *block_tables, int64_t max_blocks, const int32_t *kv_lens,
+                      const int64_t *q_rows, int block_size, int hq, int hkv, int d, float scale,
+                      int64_t window_left, int64_t chunk_tokens, int num_threads, int weights_bf16,
+                      float *k_scales, float *v_scales, int kind) {
+    if (kind != RK_KV_I8 && kind != RK_KV_FP8) return 1;
+    return decode_layer_entry(hidden, num_seqs, hd, inter, input_norm, w_qkv, b_qkv, w_o, post_norm,
+                              w_gate_up, w_down, eps, cos, sin, slots, k_pool, v_pool, block_tables,
+                              max_blocks, kv_lens, q_rows, block_size, hq, hkv, d, scale, window_left,
+                              chunk_tokens, num_threads, weights_bf16 ? 1 : 0, kind, k_scales, v_scales);
 }

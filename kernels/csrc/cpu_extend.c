@@ -10,8 +10,9 @@
  * Parallelism and Work Partitioning", 2023, https://arxiv.org/abs/2307.08691) laid out for a
  * CPU core instead of a GPU thread block:
  *   - phase 1 packs each sequence's keys, per KV head and per tile of RK_KT positions, into
- *     K^T [D][RK_KT] and V [RK_KT][D] fp32 tiles (bf16 pools are widened here, once), zero past
- *     the sequence's end. This is the pool read; every query tile of the sequence then reuses
+ *     K^T [D][RK_KT] and V [RK_KT][D] fp32 tiles (bf16 pools are widened here, once; int8 and
+ *     float8_e4m3fn pools dequantized here, once: float32(q) * its (token, KV head) scale, the
+ *     exact values kernels/kv_quant.py's dequantize_kv gives), zero past the sequence's end. This is the pool read; every query tile of the sequence then reuses
  *     the packed tiles, so the transpose and the block-table walk cost O(S D), not O(S^2 D);
  *   - phase 2's work items are (sequence, KV head, tile of query tokens); a work item's rows
  *     are its tokens x the Hq / Hkv query heads sharing that KV head (GQA: each key tile is
@@ -135,8 +136,9 @@ typedef struct {
     const int64_t *qo_indptr;    /* [N + 1] */
     const int32_t *prefix_lens;  /* [N] */
     int64_t num_seqs;
-    const void *k_pool, *v_pool; /* [M * B, hkv, d] fp32 or bf16 */
-    int kv_bf16;
+    const void *k_pool, *v_pool; /* [M * B, hkv, d] of kind */
+    int kind;                    /* RK_KV_* (rk_vec.h) */
+    const float *k_scales, *v_scales;  /* quantized kinds: [M * B, hkv] fp32; else NULL */
     const int32_t *block_tables;
     int64_t max_blocks;
     int block_size, hq, hkv, d;
@@ -219,16 +221,28 @@ static inline void transpose_block(rkv r[RK_VL]) {
  * RK_VL features at a time and transposed in registers, so K^T is written in whole aligned
  * vectors; scalar strided stores made this ~5x slower, which mattered when a short suffix
  * re-packs a long prefix in every layer. */
+/* RK_VL values of a pool of `kind` from element i, as fp32; quantized kinds times `scale`. */
+static inline rkv load_kv(const void *pool, int64_t i, int kind, float scale) {
+    switch (kind) {
+    case RK_KV_BF16: return rkv_load_bf16((const uint16_t *)pool + i);
+    case RK_KV_I8: return rkv_mul(rkv_load_i8((const int8_t *)pool + i), rkv_set1(scale));
+    case RK_KV_FP8: return rkv_mul(rkv_load_fp8((const uint8_t *)pool + i), rkv_set1(scale));
+    default: return rkv_load((const float *)pool + i);
+    }
+}
+
 static void pack_tile(const extend_args *a, int64_t i, int64_t tile) {
-    const int d = a->d, hkv = a->hkv, bs = a->block_size;
+    const int d = a->d, hkv = a->hkv, bs = a->block_size, kind = a->kind;
+    const int quant = kind == RK_KV_I8 || kind == RK_KV_FP8;
     const int64_t len = kv_len_of(a, i), k0 = tile * RK_KT;
     const int nk = len - k0 < RK_KT ? (int)(len - k0) : RK_KT;
     const int32_t *table = a->block_tables + i * a->max_blocks;
     const int64_t row = (int64_t)hkv * d;
-    int64_t off[RK_KT];  /* pool row of each key, head 0 */
+    int64_t slot[RK_KT], off[RK_KT];  /* pool slot of each key; its row, head 0 */
     for (int c = 0; c < nk; c++) {
         const int64_t pos = k0 + c;
-        off[c] = ((int64_t)table[pos / bs] * bs + pos % bs) * row;
+        slot[c] = (int64_t)table[pos / bs] * bs + pos % bs;
+        off[c] = slot[c] * row;
     }
     for (int kvh = 0; kvh < hkv; kvh++) {
         float *kt = packed_tile(a, i, tile, kvh), *vt = kt + RK_KT * d;
@@ -245,10 +259,9 @@ static void pack_tile(const extend_args *a, int64_t i, int64_t tile) {
                 for (int x = 0; x < RK_VL; x++) {
                     if (x >= n) {
                         blk[x] = rkv_zero();
-                    } else if (a->kv_bf16) {
-                        blk[x] = rkv_load_bf16((const uint16_t *)a->k_pool + off[c0 + x] + h + e);
                     } else {
-                        blk[x] = rkv_load((const float *)a->k_pool + off[c0 + x] + h + e);
+                        const float sc = quant ? a->k_scales[slot[c0 + x] * hkv + kvh] : 1.0f;
+                        blk[x] = load_kv(a->k_pool, off[c0 + x] + h + e, kind, sc);
                     }
                 }
                 transpose_block(blk);
@@ -256,11 +269,12 @@ static void pack_tile(const extend_args *a, int64_t i, int64_t tile) {
             }
             for (int x = 0; x < n; x++) {
                 float *vr = vt + (int64_t)(c0 + x) * d;
-                if (a->kv_bf16) {
-                    const uint16_t *vs = (const uint16_t *)a->v_pool + off[c0 + x] + h;
-                    for (int e = 0; e < d; e += RK_VL) rkv_store_aligned(vr + e, rkv_load_bf16(vs + e));
-                } else {
+                if (kind == RK_KV_F32) {
                     memcpy(vr, (const float *)a->v_pool + off[c0 + x] + h, sizeof(float) * d);
+                } else {
+                    const float sc = quant ? a->v_scales[slot[c0 + x] * hkv + kvh] : 1.0f;
+                    for (int e = 0; e < d; e += RK_VL)
+                        rkv_store_aligned(vr + e, load_kv(a->v_pool, off[c0 + x] + h + e, kind, sc));
                 }
             }
         }
@@ -465,7 +479,7 @@ static int cmp_cost_desc(const void *x, const void *y) {
 
 static int extend(const float *q, int64_t q_stride, const int64_t *qo_indptr,
                   const int32_t *prefix_lens, int64_t num_seqs, const void *k_pool, const void *v_pool,
-                  int kv_bf16, const int32_t *block_tables, int64_t max_blocks, int block_size, int hq,
+                  int kind, const float *k_scales, const float *v_scales, const int32_t *block_tables, int64_t max_blocks, int block_size, int hq,
                   int hkv, int d, float scale, int64_t window_left, float *out, int num_threads) {
     if (hkv < 1 || hq < 1 || hq % hkv || d < RK_VL || d % 16 || d > RK_MAX_DIM || block_size < 1
         || num_seqs < 0 || q_stride < (int64_t)hq * d)
@@ -487,7 +501,8 @@ static int extend(const float *q, int64_t q_stride, const int64_t *qo_indptr,
     }
     int64_t *tile_start = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (!tile_start) return 2;
-    extend_args a = {q, q_stride, qo_indptr, prefix_lens, num_seqs, k_pool, v_pool, kv_bf16, block_tables,
+    extend_args a = {q, q_stride, qo_indptr, prefix_lens, num_seqs, k_pool, v_pool, kind, k_scales,
+                     v_scales, block_tables,
                      max_blocks, block_size, hq, hkv, d, scale, window_left, out, tile_start,
                      NULL, 0, q_tile, NULL};
     int64_t num_tiles = 0, num_items = 0;
@@ -588,8 +603,8 @@ int rk_paged_extend_f32(const float *q, int64_t q_stride, const int64_t *qo_indp
                         const float *v_pool, const int32_t *block_tables, int64_t max_blocks,
                         int block_size, int hq, int hkv, int d, float scale, int64_t window_left,
                         float *out, int num_threads) {
-    return extend(q, q_stride, qo_indptr, prefix_lens, num_seqs, k_pool, v_pool, 0, block_tables,
-                  max_blocks, block_size, hq, hkv, d, scale, window_left, out, num_threads);
+    return extend(q, q_stride, qo_indptr, prefix_lens, num_seqs, k_pool, v_pool, RK_KV_F32, NULL, NULL,
+                  block_tables, max_blocks, block_size, hq, hkv, d, scale, window_left, out, num_threads);
 }
 
 /* As rk_paged_extend_f32 with bf16 pools (uint16 upper halves of fp32, widened exactly);
@@ -599,6 +614,21 @@ int rk_paged_extend_bf16(const float *q, int64_t q_stride, const int64_t *qo_ind
                          const uint16_t *v_pool, const int32_t *block_tables, int64_t max_blocks,
                          int block_size, int hq, int hkv, int d, float scale, int64_t window_left,
                          float *out, int num_threads) {
-    return extend(q, q_stride, qo_indptr, prefix_lens, num_seqs, k_pool, v_pool, 1, block_tables,
-                  max_blocks, block_size, hq, hkv, d, scale, window_left, out, num_threads);
+    return extend(q, q_stride, qo_indptr, prefix_lens, num_seqs, k_pool, v_pool, RK_KV_BF16, NULL, NULL,
+                  block_tables, max_blocks, block_size, hq, hkv, d, scale, window_left, out, num_threads);
+}
+
+/* As rk_paged_extend_f32 over quantized pools: kind RK_KV_I8 (int8) or RK_KV_FP8
+ * (float8_e4m3fn bytes), k_scales / v_scales [M * block_size, hkv] fp32 (one scale per slot and
+ * KV head); keys and values are dequantized once per call as they are packed, then the fp32
+ * kernel runs unchanged. Returns 1 also on another kind. */
+int rk_paged_extend_q(const float *q, int64_t q_stride, const int64_t *qo_indptr,
+                      const int32_t *prefix_lens, int64_t num_seqs, const void *k_pool,
+                      const void *v_pool, const int32_t *block_tables, int64_t max_blocks,
+                      int block_size, int hq, int hkv, int d, float scale, int64_t window_left,
+                      float *out, int num_threads, const float *k_scales, const float *v_scales,
+                      int kind) {
+    if (kind != RK_KV_I8 && kind != RK_KV_FP8) return 1;
+    return extend(q, q_stride, qo_indptr, prefix_lens, num_seqs, k_pool, v_pool, kind, k_scales, v_scales,
+                  block_tables, max_blocks, block_size, hq, hkv, d, scale, window_left, out, num_threads);
 }

@@ -82,6 +82,20 @@ static inline rkv rkv_ldexp_int(rkv y, rkv fx) {  /* y * 2^fx, fx integral */
 static inline rkv rkv_zero_below(rkv y, rkv x, float lo) {  /* y where x >= lo, else 0 (NaN x: 0) */
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lo), _CMP_GE_OQ), y);
 }
+/* RK_VL int8 values widened exactly to fp32. */
+static inline rkv rkv_load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* RK_VL float8_e4m3fn bytes widened exactly to fp32 (see rk_fp8_magnitude). */
+static inline rkv rkv_load_fp8(const uint8_t *p) {
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7F)), 20);
+    const __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
+    const __m512 t = _mm512_castsi512_ps(_mm512_add_epi32(mag, _mm512_set1_epi32(121 << 23)));
+    const __mmask16 sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(1 << 23));
+    const __m512 r = _mm512_mask_sub_ps(_mm512_mul_ps(t, _mm512_set1_ps(0.5f)), sub, t, _mm512_set1_ps(0x1p-6f));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sgn));
+}
 #else
 static inline rkv rkv_zero(void) { return _mm256_setzero_ps(); }
 static inline rkv rkv_set1(float x) { return _mm256_set1_ps(x); }
@@ -144,6 +158,19 @@ static inline rkv rkv_ldexp_int(rkv y, rkv fx) {
 static inline rkv rkv_zero_below(rkv y, rkv x, float lo) {
     return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_GE_OQ));
 }
+static inline rkv rkv_load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline rkv rkv_load_fp8(const uint8_t *p) {
+    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F)), 20);
+    const __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+    const __m256 t = _mm256_castsi256_ps(_mm256_add_epi32(mag, _mm256_set1_epi32(121 << 23)));
+    const __m256 sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(1 << 23), mag));
+    const __m256 r = _mm256_blendv_ps(_mm256_mul_ps(t, _mm256_set1_ps(0.5f)),
+                                      _mm256_sub_ps(t, _mm256_set1_ps(0x1p-6f)), sub);
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(r), sgn));
+}
 #endif
 
 /* exp(x) per lane: Cephes expf's range reduction and degree-6 polynomial (relative error ~1e-7
@@ -165,6 +192,22 @@ static inline rkv rkv_exp(rkv x0) {
     y = rkv_fma(y, rkv_mul(x, x), rkv_add(x, rkv_set1(1.0f)));
     return rkv_zero_below(rkv_ldexp_int(y, fx), x0, -87.0f);
 }
+
+/* Quantized KV (kernels/kv_quant.py): int8 and float8_e4m3fn values, one fp32 scale per
+ * (token, KV head) beside them; a value is float32(q) * scale.
+ *
+ * rkv_load_i8 / rkv_load_fp8 widen RK_VL stored values to fp32 exactly (no scale). fp8 by bit
+ * manipulation, no table and no fp32 denormal operand (which DAZ would flush and some CPUs
+ * handle in microcode): the magnitude bits em = e:m (4 exponent, 3 mantissa bits) are placed
+ * at fp32 bit 20 with 121 added to the exponent field, t = 2^(e - 6) (1 + m/8): twice the value
+ * for e >= 1, and 2^-6 + m 2^-9 (the value plus 2^-6, subtracted exactly) for the subnormals
+ * e = 0; the sign bit goes to bit 31. 0x7F / 0xFF (NaN in e4m3fn) read as +-480: the
+ * quantizer never writes them (it clamps to +-448; a NaN input gives a NaN scale instead).
+ * cpu_decode.c's rk_quantize_head is the write side. */
+#define RK_KV_F32 0
+#define RK_KV_BF16 1
+#define RK_KV_I8 2
+#define RK_KV_FP8 3
 
 /* The ISA this file was compiled for ("avx512" or "avx2"): kernels/native.py checks that the
  * library it loaded is the build it asked for. Defined once per library (in cpu_decode.c). */

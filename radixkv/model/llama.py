@@ -341,17 +341,22 @@ class LlamaForward:
 
     def decode_native(self, input_ids: torch.Tensor, positions: torch.Tensor, k_pools: list[torch.Tensor],
                       v_pools: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                      kv_lens: torch.Tensor, *, window_left: int = -1) -> torch.Tensor:
+                      kv_lens: torch.Tensor, *, window_left: int = -1,
+                      k_scales: list[torch.Tensor] | None = None,
+                      v_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
         """A decode step (one new token per sequence, row i = sequence i, no LoRA) through the
         C kernels, one call per layer (:func:`radixkv.kernels.native.decode_layer`).
 
         Args:
             input_ids / positions: ``[N]`` int64.
-            k_pools / v_pools: per layer ``[M, B, Hkv, D]`` of the model dtype, fp32 or bf16
-                (written at ``slot_mapping``).
+            k_pools / v_pools: per layer ``[M, B, Hkv, D]`` of the model dtype, fp32 or bf16, or
+                a quantized KV format's int8 / float8_e4m3fn (written at ``slot_mapping``: the
+                new K/V quantized per (token, KV head) as ``kernels.kv_quant.quantize_kv``).
             slot_mapping: ``[N]`` int64; block_tables ``[N, max_blocks]`` int32 (checked by the
                 caller); kv_lens ``[N]`` int32 (P + 1).
             window_left: sliding window (-1: none).
+            k_scales / v_scales: per layer ``[M, B, Hkv]`` fp32 scale pools of quantized pools
+                (written at ``slot_mapping``); None for unquantized pools.
 
         Returns:
             ``[N, vocab]`` fp32 logits. With bf16 weights the residual stream between layers
@@ -359,13 +364,25 @@ class LlamaForward:
             logits differ from that path's by bf16 rounding noise.
 
         Raises:
-            ValueError: when the native kernels are off for this model (``self.native`` None).
+            ValueError: when the native kernels are off for this model (``self.native`` None);
+                naming ``k_scales`` / ``v_scales`` when given for some layers and not others,
+                or for one list and not the other (each layer's pools and scales are checked
+                by :func:`radixkv.kernels.native.decode_layer`).
         """
         kernels = self.native
         if kernels is None:
             raise ValueError("native_kernels: decode_native needs the native kernels "
                              "(fp32 or bf16 CPU weights, no compile)")
         shape = self.shape
+        num_layers = len(self.layers)
+        if (k_scales is None) != (v_scales is None):
+            raise ValueError("k_scales, v_scales: give both scale pool lists or neither")
+        for name, pools in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if pools is not None and len(pools) != num_layers:
+                raise ValueError(f"{name}: need one scale pool per layer ({num_layers}), got {len(pools)}")
+        layer_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = (
+            list(zip(k_scales, v_scales)) if k_scales is not None and v_scales is not None
+            else [(None, None)] * num_layers)
         if self._native_vectors is None:
             self._native_vectors = [
                 (layer.input_norm.float(), layer.post_norm.float(),
@@ -387,14 +404,14 @@ class LlamaForward:
             cos=rope_cos[positions].contiguous(), sin=rope_sin[positions].contiguous(),
             sm_scale=shape.head_dim ** -0.5, window_left=window_left, chunk_tokens=256)
         hidden = self.embed[input_ids].float().contiguous()
-        for layer, (input_norm, post_norm, qkv_bias), k_pool, v_pool in zip(
-                self.layers, self._native_vectors, k_pools, v_pools):
+        for layer, (input_norm, post_norm, qkv_bias), k_pool, v_pool, (k_scale, v_scale) in zip(
+                self.layers, self._native_vectors, k_pools, v_pools, layer_scales):
             native.decode_layer(kernels, hidden, step, input_norm=input_norm,
                                 qkv_weight=layer.qkv_weight, qkv_bias=qkv_bias,
                                 o_weight=layer.o_weight, post_norm=post_norm,
                                 gate_up_weight=layer.gate_up_weight, down_weight=layer.down_weight,
                                 rms_norm_eps=shape.rms_norm_eps, k_pool=k_pool, v_pool=v_pool,
-                                num_q_heads=shape.num_q_heads)
+                                num_q_heads=shape.num_q_heads, k_scales=k_scale, v_scales=v_scale)
         # fp32 hidden against the model-dtype norm weight and LM head: fp32 logits (the C
         # linear reads a bf16 LM head as bf16)
         return self._linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
