@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from . import native, native_attention
 from .kv_quant import dequantize_kv, quantize_kv
-from .reference import pool_kv_format
+from .reference import pool_kv_format, stored_kv
 
 __all__ = ["AttentionPlan", "plan_attention", "DEFAULT_CHUNK_KV_BYTES", "native_quant_formats"]
 
@@ -161,9 +161,13 @@ class AttentionPlan:
 
     def __init__(self, slot_mapping: torch.Tensor, groups: list[_Group], num_tokens: int,
                  sm_scale: float, whole: bool, native: _NativeDecode | None = None,
-                 native_extend: _NativeExtend | None = None) -> None:
+                 native_extend: _NativeExtend | None = None,
+                 native_write: native.NativeKernels | None = None) -> None:
         self.slot_mapping = slot_mapping
         self.groups = groups
+        self.native_write = native_write
+        # Only a causal_own group reads the step's own K/V rows (every other path reads the pool).
+        self._own_rows = any(g.causal_own for g in groups)
         self.native = native
         self.native_extend = native_extend
         self.num_tokens = num_tokens
@@ -180,11 +184,13 @@ class AttentionPlan:
         """Write the step's ``[T, Hkv, D]`` K/V rows into their pool slots, in place.
 
         A quantized pool (int8 / float8_e4m3fn, with its ``[M, B, Hkv]`` fp32 ``k_scales`` /
-        ``v_scales``) stores ``kv_quant.quantize_kv`` of the rows and their scales.
+        ``v_scales``) stores ``kv_quant.quantize_kv`` of the rows and their scales (through the
+        C write, ``native.paged_kv_write``, when the plan has ``native_write``: the same bytes).
 
         Returns:
-            ``(k, v)`` as attention must read them back: the rows themselves for an
-            unquantized pool, else their dequantized values in k's dtype.
+            ``(k, v)`` as a ``causal_own`` group must read the step's own rows: the rows
+            themselves for an unquantized pool, else their dequantized values in k's dtype
+            (computed only when the plan has such a group; nothing else reads them).
 
         Raises:
             ValueError: naming ``k_scales`` when a quantized pool comes without scale pools.
@@ -198,6 +204,12 @@ class AttentionPlan:
             return k, v
         if k_scales is None or v_scales is None:
             raise ValueError(f"k_scales: a {k_pool.dtype} pool needs its [M, B, Hkv] fp32 scale pools")
+        if self.native_write is not None:  # quantize + scatter in C, tokens in parallel
+            native.paged_kv_write(self.native_write, k, v, k_pool, v_pool, self.slot_mapping,
+                                  k_scales=k_scales, v_scales=v_scales)
+            if not self._own_rows:
+                return k, v
+            return stored_kv(k, fmt, k.dtype), stored_kv(v, fmt, v.dtype)
         stored = []
         for x, pool, scales in ((k, k_pool, k_scales), (v, v_pool, v_scales)):
             values, scale = quantize_kv(x, fmt)
@@ -205,8 +217,9 @@ class AttentionPlan:
             raw.view(flat, row).index_copy_(0, self.slot_mapping,
                                             values.reshape(-1, row).view(raw.dtype))
             scales.view(flat, scales.shape[2]).index_copy_(0, self.slot_mapping, scale)
-            stored.append(dequantize_kv(values, scale, x.dtype))
-        return stored[0], stored[1]
+            if self._own_rows:
+                stored.append(dequantize_kv(values, scale, x.dtype))
+        return (stored[0], stored[1]) if stored else (k, v)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                v_pool: torch.Tensor, k_scales: torch.Tensor | None = None,
@@ -223,7 +236,8 @@ class AttentionPlan:
             ``[T, Hq, D]`` in q's dtype.
         """
         k, v = self.write_kv(k, v, k_pool, v_pool, k_scales, v_scales)
-        scales = {} if k_scales is None else {"k_scales": k_scales, "v_scales": v_scales}
+        scales: dict[str, torch.Tensor] = ({} if k_scales is None or v_scales is None
+                                           else {"k_scales": k_scales, "v_scales": v_scales})
         if self._whole:
             return self._run(self.groups[0], q, k, v, k_pool, v_pool, k_scales, v_scales)
         ne = self.native_extend
@@ -318,7 +332,8 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
                    kv_bytes_per_token: int = 0,
                    chunk_kv_bytes: int = DEFAULT_CHUNK_KV_BYTES,
                    native_kernels: native.NativeKernels | None = None,
-                   native_extend: native.NativeKernels | None = None) -> AttentionPlan:
+                   native_extend: native.NativeKernels | None = None,
+                   native_write: native.NativeKernels | None = None) -> AttentionPlan:
     """Build a step's :class:`AttentionPlan` from its metadata (host tensors, checked here).
 
     Args:
@@ -342,6 +357,9 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
             :func:`kernels.native_attention.extend_supported` allows, the caller's check),
             every extend row (L > 1: prefills, suffixes after a prefix hit, prefill chunks)
             runs the C extend kernel over the pool in place instead of a gather and SDPA.
+        native_write: when given, a quantized pool's K/V write runs in C
+            (``native.paged_kv_write``: ``kv_quant.quantize_kv``'s bytes, tokens in parallel)
+            instead of torch's quantize and scatter; unquantized writes are unchanged.
 
     Returns:
         The plan, its tensors on ``block_tables``' device.
@@ -384,7 +402,8 @@ def plan_attention(block_tables: torch.Tensor, prefix_lens: torch.Tensor, qo_ind
                                        num_pool_blocks, window_left))
     # A single unpadded group lists every row in packed order: its output is the layer's.
     whole = native_decode is None and native_ext is None and len(groups) == 1 and groups[0].valid is None
-    return AttentionPlan(slots, groups, num_tokens, scale, whole, native_decode, native_ext)
+    return AttentionPlan(slots, groups, num_tokens, scale, whole, native_decode, native_ext,
+                         native_write)
 
 
 def _native_decode(kernels: native.NativeKernels, members: list[int], indptr: list[int],

@@ -156,6 +156,9 @@ class ModelRunner:
             extend_ok = extend_ok and self.kv_format.name in extend_formats
         self._native_decode = kernels if kernels is not None and decode_ok else None
         self._native_extend = kernels if kernels is not None and extend_ok else None
+        # A quantized pool's extend-step K/V write in C where the C kernels take the format.
+        self._native_write = (kernels if kernels is not None and self.kv_format.quantized
+                              and self.kv_format.name in native_quant_formats()[0] else None)
         self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
                                           compile=compile, native_kernels=kernels)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not self.forward_model.bf16_native:
@@ -371,7 +374,8 @@ class ModelRunner:
                                   window_left=window_left,
                                   kv_bytes_per_token=self._kv_bytes_per_token,
                                   native_kernels=self._native_decode,
-                                  native_extend=self._native_extend)
+                                  native_extend=self._native_extend,
+                                  native_write=self._native_write)
 
             nd = plan.native
             if (nd is not None and not plan.groups and plan.native_extend is None and batch.lora is None
