@@ -224,6 +224,20 @@ def warm_up(server: Server, timeout: float) -> None:
                                             "max_tokens": 1, "temperature": 0}, timeout)
 
 
+def wait_populated(server: Server, timeout: float) -> dict | None:
+    """Wait until the server finished mapping its KV pool's pages (``/stats`` ``pool.populate``,
+    the start-up work ``radixkv serve`` does in the background); its snapshot, or None when
+    the server does not populate (``RADIXKV_POPULATE_KV_POOL=0``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        populate = (_http(f"{server.url}/stats").get("pool") or {}).get("populate")
+        if populate is None or populate.get("state") not in ("pending", "running"):
+            return populate
+        if time.monotonic() > deadline:
+            raise BenchError(f"{server.name}: KV pool not populated after {timeout:g} s: {populate}")
+        time.sleep(0.2)
+
+
 def make_document(url: str, tokens: int, seed: int) -> tuple[str, list[int]]:
     """A document of seeded words whose turn-1 prompt is about ``tokens`` tokens long (sized
     with ``/tokenize``: a probe for the tokens per word, then one correction); returns it and
@@ -318,8 +332,9 @@ def run(args: argparse.Namespace) -> dict:
             server = Server(name, args, logs, kv)
             startup = server.wait_up(args.timeout)
             warm_up(server, args.timeout)
+            populate = wait_populated(server, args.timeout)
             turn2 = chat(server.url, messages, args.next_tokens, args.timeout)
-            result["servers"][name] = {"startup_s": startup, "turn2": turn2,
+            result["servers"][name] = {"startup_s": startup, "populate": populate, "turn2": turn2,
                                        "store": server.store() if kv else None}
             result["servers"][name]["exit_status"] = server.stop()
             print(f"bench restart: {name}: TTFT {turn2['ttft_s']:.3f} s, "

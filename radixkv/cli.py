@@ -564,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         _keep_step_buffers_mapped()
+        from radixkv.kernels.host_memory import enable_pool_populate
+        enable_pool_populate()  # the KV pool's pages mapped in the background after start
     from radixkv.log import configure_logging
     configure_logging(getattr(args, "log_level", "info"))
     if args.command == "serve":

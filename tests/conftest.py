@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Servers the tests start leave their KV pools lazily mapped: each would otherwise commit its
+# whole pool (4 GiB by default) in the background. tests/kernels/test_host_memory.py turns it on.
+os.environ.setdefault("RADIXKV_POPULATE_KV_POOL", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -558,6 +558,9 @@ class LLMEngine:
                                   kv_bytes_per_token=self.runner.kv_bytes_per_token)
         if self.prefix_caching_disabled_reason is not None:
             out["prefix_caching_disabled_reason"] = self.prefix_caching_disabled_reason
+        populate = getattr(self.runner, "pool_populate", None)
+        if populate is not None:
+            out["pool"]["populate"] = populate.snapshot()
         return out
 
     # ------------------------------------------------------------------ offline helper

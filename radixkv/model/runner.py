@@ -24,7 +24,7 @@ import structlog
 import torch
 
 from radixkv.config import check_block_size, check_int
-from radixkv.kernels import gemm, native, native_attention, reference
+from radixkv.kernels import gemm, host_memory, native, native_attention, reference
 from radixkv.kernels.kv_quant import KVFormat, resolve_kv_format
 from radixkv.kernels.paged_sdpa import native_quant_formats, plan_attention
 
@@ -188,6 +188,12 @@ class ModelRunner:
                  prefill_gemm=self.forward_model.prefill_gemm,
                  packed_weight_bytes=self.forward_model.packed_weight_bytes,
                  bf16_native=self.device.type == "cpu" and gemm.cpu_bf16_native())
+        # The pool's pages mapped on a background thread, not by the first requests that write
+        # them (radixkv.kernels.host_memory); off unless the CLI enabled it for this process.
+        self.pool_populate: host_memory.PoolPopulator | None = None
+        if self.device.type == "cpu" and host_memory.pool_populate_enabled():
+            regions = [(int(t.data_ptr()), t[0].numel() * t.element_size()) for t in self._pool_tensors()]
+            self.pool_populate = host_memory.PoolPopulator(regions, num_blocks).start()
 
     @staticmethod
     def bytes_per_block_for(shape: ModelShape, block_size: int, dtype: torch.dtype,

@@ -72,3 +72,79 @@ def test_max_rows_per_buffer(width: int, itemsize: int, rows: int) -> None:
 def test_max_rows_per_buffer_rejects(width: int, itemsize: int, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         host_memory.max_rows_per_buffer(width, itemsize)
+
+
+# ---- the KV pool's pages mapped in the background ---------------------------------------
+
+_MADVISE_POPULATE = platform.system() == "Linux" and tuple(
+    int(p) for p in platform.release().split(".")[:2] if p.isdigit()) >= (5, 14)
+
+
+def _minor_faults() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.skipif(not _MADVISE_POPULATE, reason="MADV_POPULATE_WRITE needs Linux >= 5.14")
+def test_populator_maps_every_block_of_every_region() -> None:
+    import mmap
+
+    import numpy
+
+    # Two "pool tensors" of 256 blocks with different block sizes (values and scales), in fresh
+    # anonymous mappings (lazily mapped, as a large calloc'd pool is), plus a control buffer.
+    num_blocks, value_bytes, scale_bytes = 256, 49_152, 192
+    maps = [mmap.mmap(-1, num_blocks * n) for n in (value_bytes, scale_bytes, value_bytes)]
+    values, scales, control = (numpy.frombuffer(m, dtype=numpy.uint8) for m in maps)
+    populator = host_memory.PoolPopulator(
+        [(values.ctypes.data, value_bytes), (scales.ctypes.data, scale_bytes)], num_blocks,
+        reserve_heap_bytes=0).start()
+    assert populator.wait(60)
+    snap = populator.snapshot()
+    assert snap["state"] == "done", snap
+    assert snap["populated_bytes"] == snap["total_bytes"] == num_blocks * (value_bytes + scale_bytes)
+    assert snap["seconds"] is not None and snap["seconds"] >= 0
+    assert not values.any() and not scales.any()  # populated, never written
+    # Writing every page of the populated buffer takes (almost) no faults; the lazy one takes
+    # one per 4 KiB page: 12 MiB = 3,072 pages.
+    before = _minor_faults()
+    values[::4096] = 1
+    populated_faults = _minor_faults() - before
+    before = _minor_faults()
+    control[::4096] = 1
+    lazy_faults = _minor_faults() - before
+    assert populated_faults <= 100, populated_faults
+    assert lazy_faults >= 3_000, lazy_faults
+
+
+def test_populator_rejects_an_empty_pool() -> None:
+    with pytest.raises(ValueError, match="^num_blocks:"):
+        host_memory.PoolPopulator([(0, 16)], 0)
+
+
+@pytest.mark.skipif(not _MADVISE_POPULATE, reason="MADV_POPULATE_WRITE needs Linux >= 5.14")
+def test_engine_reports_its_pool_populated(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.factories import make_engine
+
+    monkeypatch.setenv(host_memory.POPULATE_ENV, "1")
+    monkeypatch.setattr(host_memory, "_populate_enabled", False)
+    assert host_memory.enable_pool_populate() is True
+    try:
+        engine = make_engine(tiny_model, num_blocks=64, block_size=4)
+    finally:
+        monkeypatch.setattr(host_memory, "_populate_enabled", False)
+    populate = engine.runner.pool_populate
+    assert populate is not None and populate.wait(60)
+    snap = engine.stats_snapshot()["pool"]["populate"]
+    assert snap["state"] == "done"
+    assert snap["total_bytes"] == snap["populated_bytes"] == engine.runner.bytes_per_block * 64
+
+
+def test_populate_is_off_unless_enabled(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.factories import make_engine
+
+    monkeypatch.setenv(host_memory.POPULATE_ENV, "0")
+    assert host_memory.enable_pool_populate() is False
+    engine = make_engine(tiny_model, num_blocks=16, block_size=4)
+    assert engine.runner.pool_populate is None
+    assert "populate" not in engine.stats_snapshot()["pool"]
