@@ -2,13 +2,13 @@
 
 A prefill or extend step of a few hundred to several thousand rows is compute-bound: its
 projections are ``[M, K] @ [K, N]`` GEMMs. :class:`PackedLinear` runs them through oneDNN
-(``torch.ops.mkldnn._linear_pointwise``), with the bf16 weight reordered once at load into
-oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``); fp32 keeps the plain
-row-major weight (see "Memory"). Where oneDNN is unavailable (``torch.backends.mkldnn`` off,
-a non-CPU device, or ``RADIXKV_ONEDNN_GEMM=0``) it is ``F.linear``, and ``radixkv.model.llama``
-keeps the whole prefill on its torch path. bf16 through oneDNN also needs CPU support torch
-checks (AVX-512 BW/VL/DQ, or AVX-NE-CONVERT: ``torch.ops.mkldnn._is_mkldnn_bf16_supported``);
-without it torch raises "bf16 path needs the cpu support ...", so a bf16 :class:`PackedLinear`
+(``torch.ops.mkldnn._linear_pointwise``), with the weight reordered once at load into
+oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``; see "Memory"). Where
+oneDNN is unavailable (``torch.backends.mkldnn`` off, a non-CPU device, or
+``RADIXKV_ONEDNN_GEMM=0``) it is ``F.linear``, and ``radixkv.model.llama`` keeps the whole
+prefill on its torch path. bf16 through oneDNN also needs CPU support torch checks (AVX-512
+BW/VL/DQ, or AVX-NE-CONVERT: ``torch.ops.mkldnn._is_mkldnn_bf16_supported``); without it
+torch raises "bf16 path needs the cpu support ...", so a bf16 :class:`PackedLinear`
 there is ``F.linear`` (:func:`onednn_bf16_supported`, ``fallback_reason``).
 
 Measurements (torch 2.13 CPU build, AMD EPYC Zen 4, 2 threads, AVX-512 + avx512_bf16, no AMX;
@@ -32,16 +32,19 @@ cells are noisy (a few 8192-row cells ran at half speed in one pass and are left
 
 Packed and plain oneDNN give bit-identical results, and a weight packed with one batch-size
 hint serves any M (the hint only picks the blocking; 64-row and 2048-row hints measured the
-same). So fp32: oneDNN on the plain weight (+5-35 % over MKL; packing would add another
-~5 %); bf16: oneDNN on the packed weight (+5-25 % over ``F.linear``, most at small M).
+same). So both dtypes take oneDNN on the packed weight: fp32 +5-35 % over MKL on the plain
+weight and another ~5 % packed on Zen 4; on a Zen 5 EPYC (2 threads, FMA peak ~495 GFLOP/s)
+packing took the model's 2,048-row prefill GEMMs from 86-89 % to 94-95 % of the peak and a
+2,048-token SmolLM2 prefill from 1.56-1.59 s to 1.45-1.47 s (``bench step``, alternating runs);
+bf16 +5-25 % over ``F.linear``, most at small M.
 
 Few rows (decode steps, bf16): packed oneDNN also beats ``F.linear`` at M = 1-32, e.g. 32 vs
 58 us at (576, 960) and M = 1, and 2.0 vs 8.0 ms for SmolLM2's (576, 49152) lm_head.
 
 Memory: a packed weight is an opaque oneDNN tensor, a copy of the weight. fp32 needs the
-plain one too (the C decode kernels read it), so packing would add +4 N K bytes per
-projection, +425 MB for SmolLM2-135M, for ~5 % on the GEMMs: fp32 stays unpacked. bf16 packs
-(+2 N K bytes per projection, 212 MB for SmolLM2-135M, for 5-25 %): ``radixkv.model.llama``
+plain one too (the C decode kernels read it), so packing adds +4 N K bytes per projection,
++425 MB for SmolLM2-135M (against a 4 GiB KV pool by default), for 5-9 % on the GEMMs. bf16
+packs (+2 N K bytes per projection, 212 MB for SmolLM2-135M, for 5-25 %): ``radixkv.model.llama``
 runs every bf16 projection through the packed copy except the few-row ones the C kernels take
 where they are on (they read the plain weights, which then stay). Where the C kernels are off,
 nothing reads the plain layer weights and the packed copies replace them
@@ -141,14 +144,14 @@ def onednn_bf16_supported() -> bool:
 
 def gemm_backend(dtype: torch.dtype | None = None) -> str:
     """What :class:`PackedLinear` uses on a CPU here, for logs and ``bench step``:
-    ``"onednn (fp32 plain weight, bf16 packed weight)"``, ``"torch F.linear"``, or for
+    ``"onednn (packed weights)"``, ``"torch F.linear"``, or for
     ``dtype=torch.bfloat16`` where oneDNN lacks bf16 support, ``"torch F.linear (<reason>)"``
     (:data:`BF16_UNSUPPORTED`)."""
     if not onednn_available("cpu"):
         return "torch F.linear"
     if dtype == torch.bfloat16 and not onednn_bf16_supported():
         return f"torch F.linear ({BF16_UNSUPPORTED})"
-    return "onednn (fp32 plain weight, bf16 packed weight)"
+    return "onednn (packed weights)"
 
 
 def _reorder(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -163,7 +166,7 @@ class PackedLinear:
         weight: ``[N, K]`` fp32 or bf16 (kept by reference; made contiguous if it is not).
         bias: ``[N]`` of the weight's dtype, or None.
         pack: reorder the weight into oneDNN's layout (a second copy, ``N K`` elements);
-            None = the measured default (bf16 packs, fp32 does not).
+            None = the measured default (pack, both dtypes).
         keep_plain: keep a reference to the plain weight once packed (False lets the caller
             free it; ``weight`` is then None).
 
@@ -194,7 +197,7 @@ class PackedLinear:
         if self.onednn and weight.dtype == torch.bfloat16 and not onednn_bf16_supported():
             self.onednn, self.fallback_reason = False, BF16_UNSUPPORTED
         if pack is None:
-            pack = weight.dtype == torch.bfloat16
+            pack = True
         self.packed: torch.Tensor | None = None
         if self.onednn and pack:
             try:

@@ -21,7 +21,7 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, pack: bool | None) -
     w = (torch.randn(96, 64, generator=g) * 0.1).to(dtype)
     b = torch.randn(96, generator=g).to(dtype)
     lin = gemm.PackedLinear(w, b, pack=pack)
-    packs = pack if pack is not None else dtype == torch.bfloat16
+    packs = pack if pack is not None else True  # both dtypes pack by default
     onednn = gemm.onednn_available() and (dtype == torch.float32 or gemm.onednn_bf16_supported())
     assert (lin.packed is not None) == (packs and onednn) and lin.onednn == onednn
     assert lin.packed_bytes == (96 * 64 * w.element_size() if lin.packed is not None else 0)
@@ -69,7 +69,7 @@ def test_bf16_falls_back_to_f_linear_without_onednn_bf16(monkeypatch: pytest.Mon
     if gemm.onednn_available():
         assert lin.fallback_reason == gemm.BF16_UNSUPPORTED
         assert gemm.gemm_backend(torch.bfloat16) == f"torch F.linear ({gemm.BF16_UNSUPPORTED})"
-        assert gemm.gemm_backend(torch.float32) == "onednn (fp32 plain weight, bf16 packed weight)"
+        assert gemm.gemm_backend(torch.float32) == "onednn (packed weights)"
         assert gemm.PackedLinear(w.float()).onednn  # fp32 keeps oneDNN
     assert gemm.gflops(16, 32, 48, torch.bfloat16, repeats=1) > 0
 
@@ -107,7 +107,7 @@ def test_packed_linear_rejects_bad_weights() -> None:
 def test_gflops_and_backend() -> None:
     assert gemm.gflops(16, 32, 48, torch.float32, repeats=2) > 0
     assert gemm.gflops(16, 32, 48, torch.bfloat16, repeats=1) > 0
-    assert gemm.gemm_backend() == ("onednn (fp32 plain weight, bf16 packed weight)"
+    assert gemm.gemm_backend() == ("onednn (packed weights)"
                                    if gemm.onednn_available() else "torch F.linear")
     with pytest.raises(ValueError, match="repeats"):
         gemm.gflops(16, 32, 48, repeats=0)

@@ -64,7 +64,13 @@ def _require_prefill_path(runner: ModelRunner) -> None:
 def test_fp32_prefill_path_matches_torch_path(tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     runner, first, second = _logits(tiny_model)
     _require_prefill_path(runner)
-    assert runner.forward_model.packed_weight_bytes == 0  # fp32 keeps only the plain weights
+    # fp32 packs the four projections of each layer and keeps the plain weights (the C decode
+    # kernels read them); the lm_head stays plain (few-row logits take the C kernel).
+    shape = tiny_model.shape
+    q_kv = (shape.num_q_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    per_layer = (q_kv * shape.hidden_size + shape.hidden_size * shape.num_q_heads * shape.head_dim
+                 + 3 * shape.intermediate_size * shape.hidden_size)
+    assert runner.forward_model.packed_weight_bytes == 4 * per_layer * shape.num_layers
     with monkeypatch.context() as patch:
         _torch_path(patch)
         ref_runner, ref_first, ref_second = _logits(tiny_model)
