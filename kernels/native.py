@@ -380,12 +380,14 @@ def check_scales(k_pool: torch.Tensor, k_scales: torch.Tensor | None,
     if not kind:
         for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
             if t is not None:
-                raise ValueError(f"{name}: scale pools go with int8 or float8_e4m3fn pools, not {k_pool.dtype}")
+                raise ValueError(f"{name}: scale pools go with int8 or float8_e4m3fn pools, "
+                                 f"not {k_pool.dtype}")
         return 0
     want = tuple(k_pool.shape[:3])
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
         if t is None:
-            raise ValueError(f"{name}: {k_pool.dtype} pools need their [M, B, Hkv] = {list(want)} fp32 scales")
+            raise ValueError(f"{name}: {k_pool.dtype} pools need their [M, B, Hkv] = {list(want)} "
+                             f"fp32 scales")
         if t.dtype != torch.float32 or tuple(t.shape) != want or not t.is_contiguous():
             raise ValueError(f"{name}: need a contiguous float32 {list(want)} (the pool's [M, B, Hkv]), "
                              f"got {t.dtype} {list(t.shape)}")
