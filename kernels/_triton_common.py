@@ -267,3 +267,32 @@ def quantize_tile(x, AXIS: tl.constexpr, QMAX: tl.constexpr, IS_FP8: tl.constexp
     else:
         q = round_half_even(s)
     return q, scale
+
+
+@triton.jit
+def load_kv_tile(kp_base, vp_base, ks_base, vs_base, block, within, n_ok, offs_d, d_ok,
+                 stride_kpm, stride_kpb, stride_vpm, stride_vpb,
+                 stride_ksm, stride_ksb, stride_vsm, stride_vsb, QUANT: tl.constexpr):
+    """Gather one key tile ``[BLOCK_D, BLOCK_N]`` (transposed) and value tile ``[BLOCK_N, BLOCK_D]``.
+
+    Args:
+        kp_base / vp_base: pool pointers already offset to the KV head.
+        ks_base / vs_base: scale-pool pointers offset to the KV head (read only when ``QUANT``).
+        block / within: ``[BLOCK_N]`` int64 pool block and slot of each key.
+        n_ok: ``[BLOCK_N]`` which keys exist; offs_d / d_ok: the head-dim lanes.
+        QUANT: the pools are int8 / fp8 with scales: return ``float32(q) * scale`` (kv_quant's
+            dequantization); otherwise the tiles in the pool dtype.
+
+    Returns:
+        ``(k, v)``, zero where masked (scales are loaded masked too: unwritten slots may hold NaN).
+    """
+    k = tl.load(kp_base + block[None, :] * stride_kpm + within[None, :] * stride_kpb + offs_d[:, None],
+                mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+    v = tl.load(vp_base + block[:, None] * stride_vpm + within[:, None] * stride_vpb + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    if QUANT:
+        ks = tl.load(ks_base + block * stride_ksm + within * stride_ksb, mask=n_ok, other=0.0)
+        vs = tl.load(vs_base + block * stride_vsm + within * stride_vsb, mask=n_ok, other=0.0)
+        k = k.to(tl.float32) * ks[None, :]
+        v = v.to(tl.float32) * vs[:, None]
+    return k, v

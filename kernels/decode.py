@@ -13,6 +13,11 @@ BLOCK_N-token tiles gathered through the block table, and stores the normalised 
 
 Stage 2, grid ``(Hq, N)``: ``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with
 ``M = max_s lse_s``; ``lse = ln 2 * (M + log2 sum_s 2^(lse_s - M))``.
+
+Quantized pools (int8 or float8_e4m3fn with ``[M, B, Hkv]`` fp32 scale pools, constexpr
+``QUANT``): each gathered K/V tile is dequantized to ``float32(q) * scale`` per token row
+(``_triton_common.load_kv_tile``, kv_quant's formula) before the dot products, then cast to q's
+dtype on the GPU branch, as an unquantized pool's tiles are.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from ._triton_common import (
     check_device,
     dot_precision,
     interpreting,
+    kv_quant_params,
     last_dim_contiguous,
+    load_kv_tile,
     next_pow2,
     online_softmax_step,
     scores_to_log2,
@@ -46,14 +53,15 @@ LAUNCH_OVERRIDE: dict[str, int] | None = None
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KPool, VPool, BlockTables, KvLens, MidO, MidLse,
+    Q, KPool, VPool, KScale, VScale, BlockTables, KvLens, MidO, MidLse,
     sm_scale, soft_cap, window_left,
     stride_qn, stride_qh,
     stride_kpm, stride_kpb, stride_kph, stride_vpm, stride_vpb, stride_vph,
+    stride_ksm, stride_ksb, stride_ksh, stride_vsm, stride_vsb, stride_vsh,
     stride_bt, stride_mo_n, stride_mo_h, stride_mo_s, stride_ml_n, stride_ml_h,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, QUANT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
@@ -87,15 +95,16 @@ def _decode_split_kernel(
     table = BlockTables + seq.to(tl.int64) * stride_bt
     kp_base = KPool + kv_head * stride_kph
     vp_base = VPool + kv_head * stride_vph
+    ks_base = KScale + kv_head * stride_ksh
+    vs_base = VScale + kv_head * stride_vsh
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + offs_n
         n_ok = pos < end
         block = tl.load(table + pos // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
         within = (pos % PAGE_SIZE).to(tl.int64)
-        k = tl.load(kp_base + block[None, :] * stride_kpm + within[None, :] * stride_kpb
-                    + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(vp_base + block[:, None] * stride_vpm + within[:, None] * stride_vpb
-                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        k, v = load_kv_tile(kp_base, vp_base, ks_base, vs_base, block, within, n_ok, offs_d, d_ok,
+                            stride_kpm, stride_kpb, stride_vpm, stride_vpb,
+                            stride_ksm, stride_ksb, stride_vsm, stride_vsb, QUANT)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -164,6 +173,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     num_kv_splits: int | None = None,
+    k_scale_pool: torch.Tensor | None = None,
+    v_scale_pool: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence attending over its whole KV in the pool (Triton, split-KV).
 
@@ -183,12 +194,18 @@ def decode_attention(
         return_lse: also return the natural-log LSE ``[N, Hq]`` fp32.
         num_kv_splits: S, KV splits per sequence (1..64); default from the SM count and
             ``N * Hkv`` (:func:`default_num_kv_splits`).
+        k_scale_pool: ``[M, B, Hkv]`` fp32 key scales when ``k_pool`` is int8 or
+            float8_e4m3fn (written by ``paged_kv_write`` with scale pools): keys are read as
+            ``float32(q) * scale``. None for an unquantized pool. fp8 pools need a GPU with
+            native fp8 conversions (sm_89+) or the interpreter.
+        v_scale_pool: ``[M, B, Hkv]`` fp32 value scales; given exactly when ``k_scale_pool`` is.
 
     Returns:
         ``out`` ``[N, Hq, D]`` in q's dtype, or ``(out, lse)``.
 
     Raises:
-        ValueError: on inconsistent shapes, dtypes or devices (the message names the field).
+        ValueError: on inconsistent shapes, dtypes or devices, or a quantized pool without its
+            scale pools (the message names the field).
 
     Example:
         Two sequences with 40 and 3 keys in a block-size-16 pool, 8 query / 2 KV heads::
@@ -221,8 +238,10 @@ def decode_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}")
+    quantized, _, _ = kv_quant_params(k_pool, v_pool, k_scale_pool, v_scale_pool)
+    scale_pools = [t for t in (k_scale_pool, v_scale_pool) if t is not None]
     lse = torch.empty(num_seqs, num_q_heads, dtype=torch.float32, device=q.device) if return_lse else None
-    check_device("decode_attention", q, k_pool, v_pool, block_tables, kv_lens, out)
+    check_device("decode_attention", q, k_pool, v_pool, block_tables, kv_lens, out, *scale_pools)
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_seqs, num_kv_heads, q.device)
     if not 1 <= int(num_kv_splits) <= _MAX_KV_SPLITS:
@@ -247,16 +266,19 @@ def decode_attention(
     mid_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     launch = {} if interpreting() else {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    # Unquantized: the scale arguments are never read (QUANT is off); pass the pools, strides 0.
+    k_scales, v_scales = scale_pools if quantized else (k_pool, v_pool)
     _decode_split_kernel[(num_kv_heads, num_splits, num_seqs)](
-        q, k_pool, v_pool, block_tables, kv_lens, mid_o, mid_lse,
+        q, k_pool, v_pool, k_scales, v_scales, block_tables, kv_lens, mid_o, mid_lse,
         scale, float(logits_soft_cap), int(window_left),
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        *(k_scales.stride() if quantized else (0, 0, 0)), *(v_scales.stride() if quantized else (0, 0, 0)),
         block_tables.stride(0), *mid_o.stride()[:3], *mid_lse.stride()[:2],
         GROUP=group, PAGE_SIZE=k_pool.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_WINDOW=window_left >= 0, HAS_SOFT_CAP=logits_soft_cap > 0,
+        HAS_WINDOW=window_left >= 0, HAS_SOFT_CAP=logits_soft_cap > 0, QUANT=quantized,
         UPCAST=upcast_tiles(q.dtype, k_pool.dtype), DOT_PRECISION=dot_precision(q.dtype),
         **launch,
     )

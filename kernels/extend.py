@@ -19,6 +19,13 @@ of one sequence (heaviest row tiles launch first; heads of one KV group sit next
 so their K/V tiles are shared through L2). Key tiles are BLOCK_N tokens whatever the block
 size: each key row's pool address is ``block_tables[i, n // B] * stride + (n % B) * stride``,
 computed in int64. The suffix loop runs unmasked below the diagonal band.
+
+Quantized pools (int8 or float8_e4m3fn with ``[M, B, Hkv]`` fp32 scale pools, constexpr
+``QUANT``): attention reads every key as dequantized from the pool, ``float32(q) * scale``
+(kv_quant's formula, ``_triton_common.load_kv_tile``), the suffix included: suffix keys are read
+back from the pool at positions ``P .. P + L - 1`` through the block table (``paged_kv_write``
+with the scale pools has written them first), not from ``k``/``v``. So a cold prefill attends
+over exactly the values a later prefix hit reads, and both give the same logits.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from ._triton_common import (
     check_device,
     dot_precision,
     interpreting,
+    kv_quant_params,
     last_dim_contiguous,
+    load_kv_tile,
     next_pow2,
     online_softmax_step,
     scores_to_log2,
@@ -50,15 +59,16 @@ LAUNCH_OVERRIDE: dict[str, int] | None = None
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, KPool, VPool, BlockTables, PrefixLens, QoIndptr, Out, Lse,
+    Q, K, V, KPool, VPool, KScale, VScale, BlockTables, PrefixLens, QoIndptr, Out, Lse,
     sm_scale, soft_cap, window_left,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kpm, stride_kpb, stride_kph, stride_vpm, stride_vpb, stride_vph,
+    stride_ksm, stride_ksb, stride_ksh, stride_vsm, stride_vsb, stride_vsh,
     stride_bt, stride_lse_t,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
     seq = tl.program_id(2)
@@ -90,6 +100,8 @@ def _extend_kernel(
     table = BlockTables + seq.to(tl.int64) * stride_bt
     kp_base = KPool + kv_head * stride_kph
     vp_base = VPool + kv_head * stride_vph
+    ks_base = KScale + kv_head * stride_ksh
+    vs_base = VScale + kv_head * stride_vsh
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(prefix_len + m_start - window_left, 0) // BLOCK_N * BLOCK_N
@@ -98,12 +110,10 @@ def _extend_kernel(
         n_ok = pos < prefix_len
         block = tl.load(table + pos // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
         within = (pos % PAGE_SIZE).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
         # k as [BLOCK_D, BLOCK_N] (transposed gather), v as [BLOCK_N, BLOCK_D].
-        k = tl.load(kp_base + block[None, :] * stride_kpm + within[None, :] * stride_kpb
-                    + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(vp_base + block[:, None] * stride_vpm + within[:, None] * stride_vpb
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(kp_base, vp_base, ks_base, vs_base, block, within, n_ok, offs_d, d_ok,
+                            stride_kpm, stride_kpb, stride_vpm, stride_vpb,
+                            stride_ksm, stride_ksb, stride_vsm, stride_vsb, QUANT)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -117,7 +127,7 @@ def _extend_kernel(
         s = tl.where(visible, s, float("-inf"))
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, UPCAST, DOT_PRECISION)
 
-    # ---- suffix keys, from the packed k / v: unmasked tiles below the diagonal band ------
+    # ---- suffix keys, from the packed k / v (quantized: the pool): unmasked below the band -
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
     diag = m_start // BLOCK_N * BLOCK_N  # suffix keys < diag are visible to every row here
@@ -125,9 +135,21 @@ def _extend_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(m_start - window_left, 0) // BLOCK_N * BLOCK_N
     for start_n in range(lo, diag, BLOCK_N):
-        cols = (q_start + start_n + offs_n).to(tl.int64)
-        k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        if QUANT:
+            # Dequantized from the pool, where paged_kv_write put the suffix (module docstring).
+            pos = prefix_len + start_n + offs_n
+            n_all = offs_n < BLOCK_N
+            block = tl.load(table + pos // PAGE_SIZE).to(tl.int64)
+            k, v = load_kv_tile(kp_base, vp_base, ks_base, vs_base, block, (pos % PAGE_SIZE).to(tl.int64),
+                                n_all, offs_d, d_ok, stride_kpm, stride_kpb, stride_vpm, stride_vpb,
+                                stride_ksm, stride_ksb, stride_vsm, stride_vsb, QUANT)
+            if not UPCAST:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+        else:
+            cols = (q_start + start_n + offs_n).to(tl.int64)
+            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -141,11 +163,21 @@ def _extend_kernel(
     for start_n in range(tl.maximum(diag, lo), hi, BLOCK_N):
         j = start_n + offs_n
         n_ok = j < q_len
-        cols = (q_start + j).to(tl.int64)
-        k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None],
-                    mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if QUANT:
+            pos = prefix_len + j
+            block = tl.load(table + pos // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            k, v = load_kv_tile(kp_base, vp_base, ks_base, vs_base, block, (pos % PAGE_SIZE).to(tl.int64),
+                                n_ok, offs_d, d_ok, stride_kpm, stride_kpb, stride_vpm, stride_vpb,
+                                stride_ksm, stride_ksb, stride_vsm, stride_vsb, QUANT)
+            if not UPCAST:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+        else:
+            cols = (q_start + j).to(tl.int64)
+            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None],
+                        mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -209,6 +241,8 @@ def extend_attention(
     logits_soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    k_scale_pool: torch.Tensor | None = None,
+    v_scale_pool: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed suffix queries over (cached prefix from the pool + own suffix), Triton.
 
@@ -232,12 +266,20 @@ def extend_attention(
         logits_soft_cap: ``> 0`` caps scaled logits to ``cap * tanh(s / cap)``; 0 disables.
         out: optional ``[T, Hq, D]`` tensor of q's dtype to write into (returned).
         return_lse: also return the natural-log LSE of each row's scaled (capped) logits.
+        k_scale_pool: ``[M, B, Hkv]`` fp32 key scales when the pools are int8 or float8_e4m3fn:
+            every key, prefix and suffix, is read from the pool as ``float32(q) * scale``, so
+            the suffix must already be written there (``paged_kv_write`` with these scale
+            pools) and ``block_tables`` must name the blocks of all ``P + L`` positions; ``k``
+            and ``v`` are then only shape-checked. None for unquantized pools. fp8 pools need
+            a GPU with native fp8 conversions (sm_89+) or the interpreter.
+        v_scale_pool: ``[M, B, Hkv]`` fp32 value scales; given exactly when ``k_scale_pool`` is.
 
     Returns:
         ``out`` ``[T, Hq, D]`` in q's dtype, or ``(out, lse)`` with ``lse`` ``[T, Hq]`` fp32.
 
     Raises:
-        ValueError: on inconsistent shapes, dtypes or devices (the message names the field).
+        ValueError: on inconsistent shapes, dtypes or devices, or a quantized pool without its
+            scale pools (the message names the field).
 
     Example:
         Two sequences, P = (32, 0), L = (5, 3), block size 16, 8 query / 2 KV heads::
@@ -279,8 +321,11 @@ def extend_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out: shape {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}")
+    quantized, _, _ = kv_quant_params(k_pool, v_pool, k_scale_pool, v_scale_pool)
+    scale_pools = [t for t in (k_scale_pool, v_scale_pool) if t is not None]
     lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device) if return_lse else None
-    check_device("extend_attention", q, k, v, k_pool, v_pool, block_tables, prefix_lens, qo_indptr, out)
+    check_device("extend_attention", q, k, v, k_pool, v_pool, block_tables, prefix_lens, qo_indptr, out,
+                 *scale_pools)
     if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
         return (out, lse) if lse is not None else out
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
@@ -298,19 +343,22 @@ def extend_attention(
     grid = (num_q_heads, triton.cdiv(int(max_q_len), block_m), num_seqs)
     launch = {} if interpreting() else {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     dst = staging_output(out)
+    # Unquantized: the scale arguments are never read (QUANT is off); pass the pools, strides 0.
+    k_scales, v_scales = scale_pools if quantized else (k_pool, v_pool)
     _extend_kernel[grid](
-        q, k, v, k_pool, v_pool, block_tables, prefix_lens, qo_indptr, dst,
+        q, k, v, k_pool, v_pool, k_scales, v_scales, block_tables, prefix_lens, qo_indptr, dst,
         lse if lse is not None else out,
         scale, float(logits_soft_cap), int(window_left),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dst.stride(0), dst.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        *(k_scales.stride() if quantized else (0, 0, 0)), *(v_scales.stride() if quantized else (0, 0, 0)),
         block_tables.stride(0), lse.stride(0) if lse is not None else 0,
         GROUP=num_q_heads // num_kv_heads, PAGE_SIZE=k_pool.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window_left >= 0, HAS_SOFT_CAP=logits_soft_cap > 0, RETURN_LSE=return_lse,
-        UPCAST=upcast_tiles(q.dtype, k_pool.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        QUANT=quantized, UPCAST=upcast_tiles(q.dtype, k_pool.dtype), DOT_PRECISION=dot_precision(q.dtype),
         **launch,
     )
     if dst is not out:

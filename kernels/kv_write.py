@@ -92,8 +92,10 @@ def _paged_kv_write_quant_kernel(
     if IS_FP8:
         kq = e4m3_bits(kq)
         vq = e4m3_bits(vq)
-    k_dst = KPool + block[:, None] * stride_kpm + offset[:, None] * stride_kpb + head * stride_kph + dim[None, :]
-    v_dst = VPool + block[:, None] * stride_vpm + offset[:, None] * stride_vpb + head * stride_vph + dim[None, :]
+    k_dst = KPool + head * stride_kph + block[:, None] * stride_kpm + offset[:, None] * stride_kpb \
+        + dim[None, :]
+    v_dst = VPool + head * stride_vph + block[:, None] * stride_vpm + offset[:, None] * stride_vpb \
+        + dim[None, :]
     tl.store(k_dst, kq.to(KPool.dtype.element_ty), mask=mask)
     tl.store(v_dst, vq.to(VPool.dtype.element_ty), mask=mask)
     tl.store(KScale + block * stride_ksm + offset * stride_ksb + head * stride_ksh, ks, mask=row_ok)
