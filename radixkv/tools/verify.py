@@ -270,7 +270,7 @@ def tokenize_prompts(records: Sequence[tuple[str, Any]], tokenizer: ChatTokenize
         VerifyError: naming ``--prompt-file`` for a prompt with no tokens, an id outside the
             vocabulary or messages the template cannot render.
     """
-    prompts = []
+    prompts: list[Prompt] = []
     for label, record in records:
         if isinstance(record, str):
             ids = tokenizer.encode(record)
@@ -764,6 +764,17 @@ def _make_runner(model: LoadedModel, num_blocks: int, args: argparse.Namespace, 
                        attention_backend=args.attention_backend, **kwargs)
 
 
+def _share_weights(runner: ModelRunner, donor: ModelRunner) -> None:
+    """Point ``runner`` at ``donor``'s forward (its weights and packed copies) when both run
+    the same model the same way (backend, kernels, dtype, device): the forward holds no pool
+    state (pools and scales are passed per call), and one copy of the weights per quantized
+    format is what a large model cannot afford."""
+    if (runner.model is donor.model and runner.attention_backend == donor.attention_backend
+            and runner.native is donor.native and runner.device == donor.device
+            and type(runner.forward_model) is type(donor.forward_model)):
+        runner.forward_model = donor.forward_model
+
+
 def _resolve_device(device: str) -> str:
     import torch
 
@@ -843,6 +854,7 @@ def run(args: argparse.Namespace, *, step_hook: StepHook | None = None) -> dict[
         else:
             try:
                 quant_runners[name] = _make_runner(model, num_blocks, args, device, kv_cache_dtype=name)
+                _share_weights(quant_runners[name], paged_runner)
                 continue
             except ValueError as exc:
                 reason = str(exc)
@@ -851,7 +863,9 @@ def run(args: argparse.Namespace, *, step_hook: StepHook | None = None) -> dict[
         skipped_quant[name] = reason
         notes.append(f"kv-{name} skipped: {reason}")
     compare_runner = None
-    if args.compare_dtype is not None and args.compare_dtype != args.dtype:
+    if args.compare_dtype == args.dtype:
+        notes.append(f"--compare-dtype {args.compare_dtype} is the --dtype already: nothing to compare")
+    elif args.compare_dtype is not None:
         compare_model = _load(args.model, args.compare_dtype, "--compare-dtype")
         compare_runner = _make_runner(compare_model, num_blocks, args, device)
 

@@ -87,10 +87,11 @@ def test_reference_continuation_is_transformers_greedy(clean: tuple[int, dict[st
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             min_new_tokens=NEW_TOKENS)
-    assert clean[1]["prompts"][0]["continuation"] == out[0, len(PROMPT_IDS):].tolist()
+    sequence = list(PROMPT_IDS)
+    with torch.inference_mode():  # greedy, whole sequence each step, EOS not special
+        for _ in range(NEW_TOKENS):
+            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+    assert clean[1]["prompts"][0]["continuation"] == sequence[len(PROMPT_IDS):]
 
 
 def test_table_output(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,7 +101,7 @@ def test_table_output(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.Captu
                  "--max-new-tokens", "3", "--block-size", "8", "--kv-cache-dtype", "none")
     assert verify.main(args) == 0
     out = capsys.readouterr().out
-    assert "prompt 0: prompt.txt (30 tokens)" in out
+    assert "prompt 0: prompt.txt (31 tokens)" in out
     for variant in EXACT:
         row = next(line for line in out.splitlines() if line.startswith(f"{variant} vs recompute "))
         assert row.split()[-1] == "ok" and " 1.0000 " in row
@@ -213,3 +214,14 @@ def test_parser_imports_no_torch() -> None:
             "print('torch' in sys.modules)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_cli_runs_verify(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from radixkv.cli import main as cli_main
+
+    missing = tmp_path / "missing.jsonl"
+    assert cli_main(["verify", "--model", str(tiny_model_dir), "--prompt-file", str(missing)]) == 2
+    assert f"radixkv verify: --prompt-file: cannot read {missing}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["verify", "--kv-cache-dtype", "int3"])
+    assert exc.value.code == 2 and "argument --kv-cache-dtype" in capsys.readouterr().err
