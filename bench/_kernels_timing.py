@@ -291,3 +291,106 @@ def run_sweep(torch, ops, heads, dtype, device, timer, roofs, smoke: bool) -> li
             row["config"] = config
             rows.append(row)
     return rows
+
+
+# ----------------------------------------------------------------------------- quantized KV
+
+#: Quantized KV formats timed and checked against the unquantized kernels (kernels/kv_quant.py).
+KV_QUANT_NAMES = ("int8", "fp8_e4m3")
+
+
+def load_kv_quant():
+    """``kernels/kv_quant.py`` of the privately loaded kernels package (torch only)."""
+    import importlib
+
+    return importlib.import_module(f"{_PKG}.kv_quant")
+
+
+def quantize_pools(torch, kvq, k_pool, v_pool, name):
+    """``(k_pool, v_pool, k_scales, v_scales)``: the pools quantized by ``kv_quant`` (copies)."""
+    fmt = kvq.resolve_kv_format(name, torch.float32)
+    m, b, hkv, d = k_pool.shape
+    out = []
+    for pool in (k_pool, v_pool):
+        q, s = kvq.quantize_kv(pool.reshape(m * b, hkv, d), fmt)
+        out.append((q.view(m, b, hkv, d), s.view(m, b, hkv)))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def kvquant_cases(smoke: bool) -> list[dict]:
+    """The cases timed per KV format: the two goal cases and the 16k-token write."""
+    if smoke:
+        return [{"kind": "extend", "P": 24, "L": 9, "block_size": 4, "N": 2},
+                {"kind": "decode", "N": 2, "kv": 40, "block_size": 16},
+                {"kind": "kv_write", "T": 33, "block_size": 16}]
+    return [{"kind": "extend", "P": 0, "L": 4096, "block_size": 16, "N": 1},
+            {"kind": "extend", "P": 4096, "L": 512, "block_size": 16, "N": 8},
+            {"kind": "decode", "N": 32, "kv": 32768, "block_size": 16},
+            {"kind": "decode", "N": 1, "kv": 8192, "block_size": 16},
+            {"kind": "kv_write", "T": 16384, "block_size": 16}]
+
+
+def time_kvquant(torch, ops, kvq, case, heads, dtype, device, timer) -> list[dict]:
+    """One case timed with unquantized pools (``dtype``) and each of :data:`KV_QUANT_NAMES`, on the
+    same inputs; each row carries ``ratio`` = its time over the unquantized time. Decode GB/s
+    counts the bytes the kernel reads from the pools (values plus fp32 scales)."""
+    hkv, d = heads["num_kv_heads"], heads["head_dim"]
+    kind = case["kind"]
+    if kind == "kv_write":
+        t, b = case["T"], case["block_size"]
+        num_blocks = -(-t // b) + 1
+        k_pool = torch.zeros(num_blocks, b, hkv, d, dtype=dtype, device=device)
+        v_pool = torch.zeros_like(k_pool)
+        slots = torch.randperm(num_blocks * b, device=device)[:t]
+        k = torch.randn(t, hkv, d, dtype=dtype, device=device)
+        v = torch.randn_like(k)
+        x = None
+    else:
+        seqs = [(case["P"], case["L"])] * case["N"] if kind == "extend" else [(case["kv"], 1)] * case["N"]
+        x = _paged_inputs(torch, seqs, case["block_size"], heads, dtype, device, seed=3, poison=False)
+        k_pool, v_pool = x["k_pool"], x["v_pool"]
+    variants = [("auto", (k_pool, v_pool, None, None))]
+    for name in KV_QUANT_NAMES:
+        try:
+            variants.append((name, quantize_pools(torch, kvq, k_pool, v_pool, name)))
+        except Exception as exc:  # noqa: BLE001 - e.g. a torch without float8
+            variants.append((name, exc))
+    rows = []
+    base_ms = None
+    for name, pools in variants:
+        row = dict(case, kv_cache_dtype=name)
+        try:
+            if isinstance(pools, Exception):
+                raise pools
+            if kind == "kv_write":
+                ms = timer(_kvquant_call(torch, ops, case, pools, device, write=(k, v, slots)))
+            else:
+                ms = timer(_kvquant_call(torch, ops, case, pools, device, inputs=x))
+            if kind == "decode":
+                kp, ks = pools[0], pools[2]
+                per_token = 2 * hkv * (d * kp.element_size() + (4 if ks is not None else 0))
+                row["gbps"] = case["N"] * case["kv"] * per_token / ms / 1e6
+            row["ms"] = ms
+            if name == "auto":
+                base_ms = ms
+            row["ratio"] = ms / base_ms if base_ms else None
+        except Exception as exc:  # noqa: BLE001 - one failing format must not end the run
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+    return rows
+
+
+def _kvquant_call(torch, ops, case, pools, device, inputs=None, write=None) -> Callable[[], Any]:
+    """The timed call of :func:`time_kvquant` for one case and one ``(kp, vp, ks, vs)`` pool set."""
+    kp, vp, ks, vs = pools
+    scales = {"k_scale_pool": ks, "v_scale_pool": vs}
+    if write is not None:
+        k, v, slots = write
+        return lambda: ops.paged_kv_write(k, v, kp, vp, slots, **scales)
+    x = inputs
+    out = torch.empty_like(x["q"])
+    if case["kind"] == "extend":
+        args = (x["q"], x["k"], x["v"], kp, vp, x["block_tables"], x["prefix_lens"], x["qo_indptr"])
+        return lambda: ops.extend_attention(*args, max_q_len=case["L"], out=out, **scales)
+    kv_lens = torch.full((case["N"],), case["kv"], dtype=torch.int32, device=device)
+    return lambda: ops.decode_attention(x["q"], kp, vp, x["block_tables"], kv_lens, out=out, **scales)

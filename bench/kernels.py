@@ -21,6 +21,12 @@ One run on one GPU, in this order:
      GB/s = K + V bytes read / time; ratios to the copy roof and to SDPA (flash / cuDNN,
      ``enable_gqa``, contiguous K/V).
    - paged KV write of 16k tokens: GB/s (read + write) over the copy roof.
+4. **Quantized KV** (``kernels/kv_quant.py``: int8 and fp8_e4m3, one fp32 scale per token and KV
+   head): checks — the write stores exactly ``quantize_kv``'s bytes and scales, extend and decode
+   over quantized pools match the reference on the dequantized pools (fp32) — and timings of
+   extend (P = 0, L = 4k; P = 4k, L = 512), decode (N = 32 × kv = 32k; N = 1 × kv = 8k) and the
+   16k-token write with unquantized, int8 and fp8 pools on the same inputs, each with its
+   ratio to the unquantized time (fp8 needs sm_89+; a refusing format reports its error).
 
 Goals printed at the end: suffix prefill ≥ 0.6× SDPA-flash TFLOP/s at P = 4k, L = 512; decode
 ≥ 0.6× copy bandwidth at kv = 32k, N = 32.
@@ -53,16 +59,20 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _kernels_timing import (  # noqa: E402
     _PKG,
+    KV_QUANT_NAMES,
     _extend_args,
     _make_timer,
     _max_err,
     _paged_inputs,
     build_cases,
+    kvquant_cases,
+    load_kv_quant,
     run_roofs,
     run_sweep,
     time_decode,
     time_extend,
     time_kv_write,
+    time_kvquant,
 )
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
@@ -160,6 +170,105 @@ def run_checks(torch, reference, ops, device, dtype, heads, smoke: bool) -> list
     return checks
 
 
+def run_kvquant_checks(torch, reference, ops, kvq, device, dtype, heads, smoke: bool) -> list[dict]:
+    """The kernels over int8 / fp8_e4m3 pools (block size 16, NaN scales in unwritten slots).
+
+    The write must store ``kv_quant.quantize_kv``'s bytes and scales exactly (tolerance 0);
+    extend and decode run over pools the kernel wrote (prefix and suffix rows, as the runner
+    does) and are compared with the reference on the dequantized pools in fp32 (the extend
+    suffix as ``dequantize(quantize(k))``), with the unquantized checks' tolerances.
+    """
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+    hkv, d = heads["num_kv_heads"], heads["head_dim"]
+    if smoke:
+        ext_seqs, dec_lens, num_write = [(0, 17), (20, 5), (3, 1)], [1, 15, 40], 37
+    else:
+        ext_seqs, dec_lens = [(0, 1024), (3000, 1000), (17, 1), (100, 77)], [1, 15, 1000, 4096]
+        num_write = 4096
+    checks = []
+
+    def record(name: str, fn: Callable[[], tuple[float, float]]) -> None:
+        try:
+            err, limit = fn()
+            checks.append({"check": name, "max_abs_err": err, "tol": limit, "ok": bool(err <= limit)})
+        except Exception as exc:  # noqa: BLE001 - a failed check must not stop the run
+            checks.append({"check": name, "error": f"{type(exc).__name__}: {exc}", "ok": False})
+
+    def empty_pools(shape, fmt):
+        """``[k_pool, v_pool, k_scales, v_scales]``: zero values, NaN scales (unwritten slots)."""
+        zeros = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(2)]
+        values = [t.view(fmt.storage_dtype) for t in zeros]
+        return values + [torch.full(shape[:3], float("nan"), device=device) for _ in range(2)]
+
+    def written_pools(x, seqs, fmt):
+        """Quantized pools holding every prefix and suffix row of ``x``, written by the kernel."""
+        shape = tuple(x["k_pool"].shape)
+        pools = empty_pools(shape, fmt)
+        scales = {"k_scale_pool": pools[2], "v_scale_pool": pools[3]}
+        block_size = shape[1]
+        for i, (p, ln) in enumerate(seqs):
+            prefix = x["prefix_slots"][i]
+            ops.paged_kv_write(x["k_pool"].flatten(0, 1)[prefix], x["v_pool"].flatten(0, 1)[prefix],
+                               pools[0], pools[1], prefix, **scales)
+            pos = torch.arange(p, p + ln, device=device)
+            suffix = x["block_tables"][i].long()[pos // block_size] * block_size + pos % block_size
+            lo = x["indptr"][i]  # the first ln of the sequence's rows (decode checks pass ln = 0)
+            ops.paged_kv_write(x["k"][lo:lo + ln], x["v"][lo:lo + ln], pools[0], pools[1], suffix, **scales)
+        return pools, scales
+
+    for name in KV_QUANT_NAMES:
+        fmt = kvq.resolve_kv_format(name, torch.float32)
+
+        def extend_check(fmt=fmt):
+            x = _paged_inputs(torch, ext_seqs, 16, heads, dtype, device, seed=5, poison=True)
+            pools, scales = written_pools(x, ext_seqs, fmt)
+            out = torch.full_like(x["q"], float("nan"))
+            got, lse = ops.extend_attention(x["q"], x["k"], x["v"], pools[0], pools[1], x["block_tables"],
+                                            x["prefix_lens"], x["qo_indptr"], max_q_len=x["max_q_len"],
+                                            out=out, return_lse=True, **scales)
+            k_rt = kvq.dequantize_kv(*kvq.quantize_kv(x["k"], fmt))
+            v_rt = kvq.dequantize_kv(*kvq.quantize_kv(x["v"], fmt))
+            want, want_lse = reference.extend_attention(
+                x["q"].float(), k_rt, v_rt, kvq.dequantize_kv(pools[0], pools[2]),
+                kvq.dequantize_kv(pools[1], pools[3]), x["block_tables"], x["prefix_lens"], x["qo_indptr"],
+                max_q_len=x["max_q_len"], return_lse=True)
+            return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dtype]
+        record(f"extend {name} B=16 {str(dtype)[6:]} seqs={ext_seqs}", extend_check)
+
+        def decode_check(fmt=fmt):
+            seqs = [(n, 1) for n in dec_lens]
+            x = _paged_inputs(torch, seqs, 16, heads, dtype, device, seed=6, poison=True)
+            pools, scales = written_pools(x, [(n, 0) for n in dec_lens], fmt)
+            kv_lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
+            got, lse = ops.decode_attention(x["q"], pools[0], pools[1], x["block_tables"], kv_lens,
+                                            out=torch.full_like(x["q"], float("nan")), return_lse=True,
+                                            **scales)
+            want, want_lse = reference.decode_attention(
+                x["q"].float(), kvq.dequantize_kv(pools[0], pools[2]), kvq.dequantize_kv(pools[1], pools[3]),
+                x["block_tables"], kv_lens, return_lse=True)
+            return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dtype]
+        record(f"decode {name} B=16 {str(dtype)[6:]} kv_lens={dec_lens}", decode_check)
+
+        def write_check(fmt=fmt):
+            slots = torch.randperm(2 * num_write, generator=torch.Generator().manual_seed(1))[:num_write]
+            slots[::7] = -1
+            keep = slots >= 0
+            slots, keep = slots.to(device), keep.to(device)
+            k = torch.randn(num_write, hkv, d, dtype=dtype, device=device)
+            pools = empty_pools((-(-2 * num_write // 16), 16, hkv, d), fmt)
+            ops.paged_kv_write(k, -k, pools[0], pools[1], slots, k_scale_pool=pools[2], v_scale_pool=pools[3])
+            same = True
+            for values, scales, rows in ((pools[0], pools[2], k), (pools[1], pools[3], -k)):
+                want_q, want_s = kvq.quantize_kv(rows[keep], fmt)
+                got_q = values.view(torch.uint8).flatten(0, 1)[slots[keep]]
+                got_s = scales.flatten(0, 1)[slots[keep]]
+                same = same and torch.equal(got_q, want_q.view(torch.uint8)) and torch.equal(got_s, want_s)
+            return (0.0 if same else float("inf")), 0.0
+        record(f"paged_kv_write {name} B=16 {str(dtype)[6:]} T={num_write} (bytes and scales exact)",
+               write_check)
+    return checks
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -200,6 +309,22 @@ def format_report(result: dict) -> str:
                      f"{_fmt(row.get('ratio_cudnn'), '8.2f'):>8}{_fmt(row.get(roof), '8.2f'):>8}")
     lines.append("units: extend TFLOP/s (unmasked work only), decode / kv_write GB/s; "
                  "/roof = over matmul or copy")
+    if result.get("kvquant"):
+        lines.append("quantized KV (same inputs; ratio = time / unquantized time):")
+        for row in result["kvquant"]:
+            kind = row["kind"]
+            if kind == "extend":
+                name = f"extend P={row['P']} L={row['L']} N={row['N']}"
+            elif kind == "decode":
+                name = f"decode N={row['N']} kv={row['kv']}"
+            else:
+                name = f"kv_write T={row['T']}"
+            name = f"{name} {row['kv_cache_dtype']}"
+            if "error" in row:
+                lines.append(f"  {name:<40} ERROR {row['error'][:120]}")
+                continue
+            gbps = f"  {row['gbps']:.1f} GB/s" if "gbps" in row else ""
+            lines.append(f"  {name:<40}{row['ms']:>9.3f} ms  x{_fmt(row.get('ratio'), '.2f')}{gbps}")
     for row in result.get("sweep", []):
         value = row.get("tflops", row.get("gbps"))
         unit = "TFLOP/s" if "tflops" in row else "GB/s"
@@ -253,6 +378,8 @@ def run(args: argparse.Namespace) -> dict:
         "smoke": smoke,
     }
     result["checks"] = run_checks(torch, reference, ops, device, dtype, heads, smoke)
+    kvq = load_kv_quant()
+    result["checks"] += run_kvquant_checks(torch, reference, ops, kvq, device, dtype, heads, smoke)
     timer = _make_timer(torch, smoke)
     result["roofs"] = run_roofs(torch, device, dtype, timer, smoke)
     timed = {"extend": time_extend, "decode": time_decode, "kv_write": time_kv_write}
@@ -266,6 +393,15 @@ def run(args: argparse.Namespace) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         result["cases"].append(row)
+    result["kvquant"] = []
+    for case in kvquant_cases(smoke):
+        try:
+            result["kvquant"] += time_kvquant(torch, ops, kvq, case, heads, dtype, device, timer)
+        except Exception as exc:  # noqa: BLE001 - one failing case must not end the run
+            result["kvquant"].append(dict(case, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     if getattr(args, "sweep", False):
         result["sweep"] = run_sweep(torch, ops, heads, dtype, device, timer, result["roofs"], smoke)
     result["goals"] = _goals(result["cases"])
