@@ -349,7 +349,7 @@ def time_kvquant(torch, ops, kvq, case, heads, dtype, device, timer) -> list[dic
         seqs = [(case["P"], case["L"])] * case["N"] if kind == "extend" else [(case["kv"], 1)] * case["N"]
         x = _paged_inputs(torch, seqs, case["block_size"], heads, dtype, device, seed=3, poison=False)
         k_pool, v_pool = x["k_pool"], x["v_pool"]
-    variants = [("auto", (k_pool, v_pool, None, None))]
+    variants: list[tuple[str, Any]] = [("auto", (k_pool, v_pool, None, None))]
     for name in KV_QUANT_NAMES:
         try:
             variants.append((name, quantize_pools(torch, kvq, k_pool, v_pool, name)))

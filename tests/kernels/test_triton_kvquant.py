@@ -155,6 +155,28 @@ def test_write_rounds_ties_like_quantize_kv(name: str) -> None:
         assert torch.equal(scales.view(num_rows, 1), want_scale)
 
 
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_write_matches_quantize_kv_on_a_wide_random_sweep(name: str) -> None:
+    # 1024 tokens x 2 heads x 64 values: magnitudes from 1e-30 to 1e30 per row, and rows with
+    # one outlier 1e4 times the rest (most scaled values then land in fp8's subnormal range or
+    # round to 0 / ±1 in int8).
+    fmt = FORMATS[name]
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, heads, head_dim = 1024, 2, 64
+    x = torch.randn(num_tokens, heads, head_dim, generator=gen)
+    x *= 10.0 ** torch.randint(-30, 31, (num_tokens, heads, 1), generator=gen).float()
+    outliers = torch.rand(num_tokens, heads, generator=gen) < 0.5
+    x[..., 0] = torch.where(outliers, x[..., 0] * 1e4, x[..., 0])
+    x = x.to(DEVICE)
+    pools = _empty_quant_pools((num_tokens // 16, 16, heads, head_dim), fmt)
+    slots = torch.randperm(num_tokens, generator=gen).to(DEVICE)
+    _write(x, x.flip(0), pools, slots)
+    for values, scales, rows in ((pools[0], pools[2], x), (pools[1], pools[3], x.flip(0))):
+        want_q, want_scale = quantize_kv(rows, fmt)
+        assert torch.equal(values.view(torch.uint8).view(-1, heads, head_dim)[slots], want_q.view(torch.uint8))
+        assert torch.equal(scales.view(-1, heads)[slots], want_scale)
+
+
 # ----------------------------------------------------------------------------- extend
 
 
