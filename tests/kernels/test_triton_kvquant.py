@@ -336,6 +336,31 @@ def test_triton_and_reference_backends_agree_on_quantized_pools(name: str) -> No
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run on the CPU's torch backend")
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_runner_triton_backend_matches_torch_backend_with_quantized_kv(name: str, tiny_model) -> None:
+    # A real forward: prefill 13 tokens, extend 6 over the 13 cached (P not block aligned), then
+    # two decode steps (the split-KV kernel), with the pools and scale pools the runner
+    # allocates for the format; the torch backend on the same format gives the same logits.
+    from radixkv.model.runner import ModelRunner
+
+    block_size = 4
+    ids = torch.randint(0, 49152, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    table = list(range(8, 2, -1))  # 6 blocks, descending ids
+    logits = {}
+    for backend in ("torch", "triton"):
+        runner = ModelRunner(tiny_model, num_blocks=12, block_size=block_size, attention_backend=backend,
+                             kv_cache_dtype=name)
+        assert runner.kv_format == FORMATS[name] and runner.k_pools[0].dtype == FORMATS[name].storage_dtype
+        steps = [runner.forward(runner.build_batch([(ids[:13], 0, table)]), all_logits=True),
+                 runner.forward(runner.build_batch([(ids[13:19], 13, table)]), all_logits=True)]
+        for pos in (19, 20):
+            steps.append(runner.forward(runner.build_batch([([ids[pos]], pos, table)])))
+        logits[backend] = steps
+    for want, got in zip(logits["torch"], logits["triton"]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- validation
 
 
