@@ -21,4 +21,8 @@ from .extend import extend_attention, extend_block_sizes
 from .kv_write import paged_kv_write
 
 __all__ = ["paged_kv_write", "extend_attention", "decode_attention", "extend_block_sizes",
-           "default_num_kv_splits", "interpreting"]
+           "default_num_kv_splits", "interpreting", "KV_QUANT_FORMATS"]
+
+#: Quantized KV formats (``kv_quant`` names) the three kernels take with scale pools; fp8_e4m3
+#: compiles only for GPUs with native fp8 conversions (sm_89+), and runs under the interpreter.
+KV_QUANT_FORMATS = ("int8", "fp8_e4m3")
