@@ -143,7 +143,7 @@ class StoreTier:
             t.start()
 
     # ---- set-up ---------------------------------------------------------------------------
-    def attach_pool(self, segments: Sequence[tuple[int, int]] | Sequence[int]) -> None:
+    def attach_pool(self, segments: Sequence[tuple[int, int] | int]) -> None:
         """Tell the tier where the pool's segments are: ``runner.kv_segments()``, ``(host
         address, bytes per block)`` of K0, V0, K1, …, then for a quantized format the scale
         pools Ks0, Vs0, … (``layout.segment_sizes``); or, for unquantized K/V, only the 2·L
@@ -160,8 +160,13 @@ class StoreTier:
         if self.layout.scale_itemsize and any(isinstance(s, int) for s in segments):
             raise ValueError(f"segments: the layout {self.layout.tag} has scale segments; give "
                              f"(address, bytes per block) pairs (runner.kv_segments())")
-        pairs = [(int(s), size) if isinstance(s, int) else (int(s[0]), int(s[1]))
-                 for s, size in zip(segments, sizes)]
+        pairs: list[tuple[int, int]] = []
+        for seg, size in zip(segments, sizes):
+            if isinstance(seg, int):
+                pairs.append((seg, size))
+            else:
+                base, nbytes = seg
+                pairs.append((int(base), int(nbytes)))
         got = tuple(size for _, size in pairs)
         if got != sizes:
             raise ValueError(f"segments: bytes per block {list(got)} are not the layout "

@@ -353,7 +353,7 @@ def check_stored_value(key: str, value: bytes | memoryview) -> str | None:
         None when the header parses, names ``key`` (layout tag, identity root, block hash), the
         length is the header's plus its payload's and the payload's checksum matches; otherwise
         ``"size"`` (truncated or extended), ``"header"`` (not a header of this format),
-        ``"format"`` (a well-formed value of this key's block in another KV format),
+        ``"format"`` (a well-formed value of the key's layout in another KV format),
         ``"foreign"`` (a well-formed value of another key: another layout, identity —
         model revision, adapter, salt — or block) or ``"checksum"`` (corrupt payload).
     """
