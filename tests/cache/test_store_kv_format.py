@@ -379,7 +379,11 @@ def test_fp32_and_int8_engines_share_nothing_through_one_host_store(tiny):
         # tiny model at B = 4: fp32 2048 payload bytes after a 128-byte header; int8 512 + 128
         # bytes of scales after a 192-byte header (its longer tag)
         assert (store_of(a).value_bytes, store_of(b).value_bytes) == (128 + 2048, 192 + 640)
-        assert a.cache_root(None) != b.cache_root(None)
+        roots = a.cache_root(None), b.cache_root(None)
+        assert roots[0] != roots[1]
+        # Their chained hashes (tree matches, KV events' block hashes) differ for every block.
+        hashes_a, hashes_b = (e.cache.hasher.chain(r, PROMPT, 4) for e, r in zip((a, b), roots))
+        assert len(hashes_a) == 10 and set(hashes_a).isdisjoint(hashes_b)
         warm_then_evict(a)
         cold_b = run(b)  # the fp32 blocks are in the store: none is found, none is read
         assert (cold_b.num_cached_tokens, cold_b.num_store_tokens) == (0, 0)
