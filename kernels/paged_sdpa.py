@@ -236,8 +236,6 @@ class AttentionPlan:
             ``[T, Hq, D]`` in q's dtype.
         """
         k, v = self.write_kv(k, v, k_pool, v_pool, k_scales, v_scales)
-        scales: dict[str, torch.Tensor] = ({} if k_scales is None or v_scales is None
-                                           else {"k_scales": k_scales, "v_scales": v_scales})
         if self._whole:
             return self._run(self.groups[0], q, k, v, k_pool, v_pool, k_scales, v_scales)
         ne = self.native_extend
@@ -245,11 +243,12 @@ class AttentionPlan:
             # Every row is an extend row: the kernel writes the layer's output directly, reading
             # q in place when it is a row-strided view (the fused qkv projection's output).
             return self._run_native_extend(ne, q if native_attention.rows_packed(q) else q.contiguous(),
-                                           k_pool, v_pool, scales)
+                                           k_pool, v_pool, k_scales, v_scales)
         out = torch.empty_like(q)
         if ne is not None:
             queries = q if ne.rows is None else q.index_select(0, ne.rows)
-            result = self._run_native_extend(ne, queries.float().contiguous(), k_pool, v_pool, scales)
+            result = self._run_native_extend(ne, queries.float().contiguous(), k_pool, v_pool,
+                                             k_scales, v_scales)
             if ne.rows is None:
                 out.copy_(result)
             else:
@@ -258,20 +257,21 @@ class AttentionPlan:
         if nd is not None:  # decode rows: read in place from the pool, written straight to out
             native.paged_decode(nd.kernels, q.contiguous(), nd.rows, k_pool, v_pool, nd.block_tables,
                                 nd.kv_lens, sm_scale=self.sm_scale, window_left=nd.window_left,
-                                out=out, **scales)
+                                out=out, k_scales=k_scales, v_scales=v_scales)
         for group, rows in zip(self.groups, self._out_rows):
             out.index_copy_(0, rows, self._run(group, q, k, v, k_pool, v_pool, k_scales, v_scales))
         return out
 
     def _run_native_extend(self, ne: _NativeExtend, q: torch.Tensor, k_pool: torch.Tensor,
-                           v_pool: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
+                           v_pool: torch.Tensor, k_scales: torch.Tensor | None,
+                           v_scales: torch.Tensor | None) -> torch.Tensor:
         """``[R, Hq, D]`` fp32 outputs of the extend rows (``q``: those rows, fp32, each
-        token's ``[Hq, D]`` contiguous; ``scales``: ``k_scales`` / ``v_scales`` of a quantized
-        pool, else empty)."""
+        token's ``[Hq, D]`` contiguous; ``k_scales`` / ``v_scales``: the scale pools of a
+        quantized pool, else None)."""
         out = torch.empty(q.shape, dtype=torch.float32)
         native_attention.launch(ne.kernels, q, ne.qo_indptr, ne.prefix_lens, k_pool, v_pool,
                                 ne.block_tables, sm_scale=self.sm_scale, window_left=ne.window_left,
-                                out=out, **scales)
+                                out=out, k_scales=k_scales, v_scales=v_scales)
         return out
 
     def _run(self, group: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
