@@ -361,6 +361,69 @@ def test_runner_triton_backend_matches_torch_backend_with_quantized_kv(name: str
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+_AOT_DRIVER = """
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from radixkv.kernels import decode, extend, kv_write
+
+def ptx(fn, ptrs, constexprs, options):
+    sig = {p.name: "constexpr" if p.is_constexpr else ptrs.get(p.name, "fp32" if p.name in ("sm_scale", "soft_cap")
+           else "i32") for p in fn.params}
+    consts = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=options).asm["ptx"]
+
+out = {}
+for fp8 in (False, True):
+    pool = "*u8" if fp8 else "*i8"
+    out["write_fp8" if fp8 else "write_int8"] = ptx(kv_write._paged_kv_write_quant_kernel,
+        {"K": "*bf16", "V": "*bf16", "KPool": pool, "VPool": pool, "KScale": "*fp32", "VScale": "*fp32",
+         "SlotMapping": "*i64"},
+        dict(PAGE_SIZE=16, HEAD_DIM=64, QMAX=448.0 if fp8 else 127.0, IS_FP8=fp8, BLOCK_T=16, BLOCK_D=64),
+        {"enable_fp_fusion": False})
+common = dict(PAGE_SIZE=16, HEAD_DIM=64, BLOCK_D=64, HAS_WINDOW=False, HAS_SOFT_CAP=False, QUANT=True,
+              UPCAST=False, DOT_PRECISION="tf32")
+out["decode_fp8"] = ptx(decode._decode_split_kernel,
+    {"Q": "*bf16", "KPool": "*fp8e4nv", "VPool": "*fp8e4nv", "KScale": "*fp32", "VScale": "*fp32",
+     "BlockTables": "*i32", "KvLens": "*i32", "MidO": "*fp32", "MidLse": "*fp32"},
+    dict(common, GROUP=4, BLOCK_H=16, BLOCK_N=32), {"num_warps": 4, "num_stages": 2})
+out["extend_int8"] = ptx(extend._extend_kernel,
+    {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KPool": "*i8", "VPool": "*i8", "KScale": "*fp32",
+     "VScale": "*fp32", "BlockTables": "*i32", "PrefixLens": "*i32", "QoIndptr": "*i32", "Out": "*bf16",
+     "Lse": "*fp32"},
+    dict(common, GROUP=4, BLOCK_M=64, BLOCK_N=32, RETURN_LSE=False), {"num_warps": 4, "num_stages": 2})
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+def test_quantized_kernels_compile_for_hopper_with_exact_rounding(tmp_path) -> None:
+    # No GPU needed: Triton compiles for sm_90 down to PTX (and ptxas) on the CPU. The write's
+    # PTX must divide with IEEE rounding (div.rn, not div.full / div.approx) and keep the
+    # +-1.5 * 2**23 round-half-even pair as two separate rounded adds (no FMA contraction).
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "ptx.json"
+    proc = subprocess.run([sys.executable, "-c", _AOT_DRIVER, str(out)], cwd=Path(__file__).resolve().parents[2],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(out.read_text())
+    for name in ("write_int8", "write_fp8"):
+        assert "div.rn.f32" in ptx[name] and "div.full" not in ptx[name] and "div.approx" not in ptx[name]
+        assert "add.rn.f32" in ptx[name] and "0f4B400000" in ptx[name] and "0fCB400000" in ptx[name]
+        assert "fma.rn.f32" not in ptx[name]
+    assert "e4m3" in ptx["decode_fp8"]  # the hardware fp8 -> wider conversion
+    assert ".entry" in ptx["extend_int8"]
+
+
 # ----------------------------------------------------------------------------- validation
 
 
