@@ -58,7 +58,7 @@ def test_a_restarted_server_reads_the_session_from_disk(tiny_model_dir: Path, tm
     assert flip["turn2"]["cached_tokens"] == 4 * flip["damaged_block"]
     assert flip["turn2"]["text"] == cold["text"]
     assert flip["store"]["disk_rejected_blocks_by_reason"] == {
-        "size": 0, "header": 0, "foreign": 0, "checksum": 1, "io": 0}
+        "size": 0, "header": 0, "foreign": 0, "checksum": 1, "io": 0, "format": 0}
     assert result["ttft_ratio"] == warm["ttft_s"] / cold["ttft_s"]
     assert result["provenance"]["machine"]["cores"] >= 1
     assert not kv.exists() or kv.is_dir()  # a given --kv-dir is kept

@@ -224,7 +224,7 @@ def test_a_damaged_file_is_refused_deleted_counted_and_written_afresh(tmp_path, 
         stats = store.stats()
         assert stats["disk_rejected_blocks_total"] == 1
         assert stats["disk_rejected_blocks_by_reason"] == {
-            r: int(r == reason) for r in ("size", "header", "foreign", "checksum", "io")}
+            r: int(r == reason) for r in ("size", "header", "foreign", "checksum", "io", "format")}
         assert (stats["disk_num_blocks"], stats["disk_used_bytes"]) == (3, 3 * VB)
         bufs = Buffers()
         parent = store_key(LAYOUT, ROOT, read_header(value).parent_hash)

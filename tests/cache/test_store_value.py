@@ -57,10 +57,13 @@ def test_a_value_for_another_block_is_rejected_by_its_header(field, other):
 
 
 def test_other_layout_or_version_is_rejected():
-    bf16 = BlockLayout(30, 3, 64, "bfloat16", 2, 16)
-    value = _value(bf16)
+    # Another shape (head dim 32): a header mismatch. Another KV format of the same shape
+    # (bf16 values read by an fp32 reader): refused by name as "format".
+    other_shape = BlockLayout(30, 3, 32, "float32", 4, 16)
     expected = encode_header(SMOLLM2, ROOT, H1, H0, TOKENS, bytes(16))
-    assert check_value(expected, memoryview(value)) == "header"
+    assert check_value(expected, memoryview(_value(other_shape))) == "header"
+    bf16 = BlockLayout(30, 3, 64, "bfloat16", 2, 16)
+    assert check_value(expected, memoryview(_value(bf16))) == "format"
     stale = _value()
     stale[4] = 0  # version 0
     assert check_value(_expected(), memoryview(stale)) == "header"

@@ -165,7 +165,7 @@ def test_what_one_server_wrote_is_read_by_the_next_after_sigterm_and_sigkill(tin
         assert c.complete(P) == (20, text_p)  # blocks 0..4; block 5 refused, computed
         store = c.store()
         assert store["disk_rejected_blocks_by_reason"] == {
-            "size": 1, "header": 0, "foreign": 0, "checksum": 1, "io": 0}
+            "size": 1, "header": 0, "foreign": 0, "checksum": 1, "io": 0, "format": 0}
         assert store["disk_rejected_blocks_total"] == 1 + 1
         assert store["hit_blocks_total"] == 15 + 2 + 5
         store = c.wait_stored(54)  # both refused blocks computed and written afresh

@@ -154,7 +154,7 @@ def test_a_corrupted_value_is_rejected_and_the_output_stays_cold(tiny, cold):
         assert again.output_token_ids == cold
         stats = engine.stats_snapshot()
         assert stats["store"]["rejected_blocks_by_reason"] == {"header": 0, "checksum": 1,
-                                                               "size": 0}
+                                                               "size": 0, "format": 0}
         assert stats["miss_tokens"]["store_rejected"] == 28  # blocks 3..9 computed
     finally:
         engine.store.close()
