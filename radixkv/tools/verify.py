@@ -64,11 +64,14 @@ QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
 """The quantized ``--kv-cache-dtype`` values (``radixkv.kernels.kv_quant``), spelled here so
 that building the parser imports no torch (a test checks they agree)."""
 
-LOGIT_ATOL = {"float32": 1e-3, "bfloat16": 0.5}
+LOGIT_ATOL = {"float32": 1e-3, "bfloat16": 2.0}
 """Stated tolerance of the exact pairs, max |Δlogit| per model dtype. fp32: SmolLM2's logits
 are O(30) and transformers' own attention backends differ by ~5e-5 (the SmolLM2 model test
-holds radixkv to 1e-3). bf16: the C kernels compute in fp32 on bf16 data while the torch paths
-round after every op, so the paths differ by bf16 rounding noise."""
+holds radixkv to 1e-3; measured on a 1,373-token tau-bench turn: paged vs recompute 9.3e-5).
+bf16 is no exactness check: the C kernels compute in fp32 on bf16 data while the torch
+reference rounds after every op, so the two differ by bf16 noise (same turn: max |Δlogit|
+1.19, top-1 0.975 with every differing choice a tie, about as far as bf16 is from fp32); 2.0
+still catches a wrong block or position. Verify cache paths at float32."""
 
 KV_ATOL = {"float32": 1e-4, "bfloat16": 0.05}
 KV_RTOL = {"float32": 1e-3, "bfloat16": 0.02}
@@ -189,8 +192,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_block_size, default=16,
                    help="tokens per KV block of the paged variants (default: %(default)s)")
     p.add_argument("--logit-atol", type=_positive_float, default=None,
-                   help="max |Δlogit| the exact pairs may show (default: 1e-3 for float32, 0.5 for "
-                        "bfloat16)")
+                   help="max |Δlogit| the exact pairs may show (default: 1e-3 for float32, 2.0 for "
+                        "bfloat16, whose paths differ by bf16 rounding)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the report as JSON to PATH; without PATH print it instead of the table")
     p.add_argument("--log-level", default="warning",
