@@ -98,13 +98,17 @@ def test_table_output(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.Captu
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("The quick brown fox jumps over the lazy dog. " * 3)
     args = _args("--model", str(tiny_model_dir), "--prompt-file", str(prompt_file), "--device", "cpu",
-                 "--max-new-tokens", "3", "--block-size", "8", "--kv-cache-dtype", "none")
+                 "--max-new-tokens", "3", "--block-size", "8", "--kv-cache-dtype", "none",
+                 "--compare-dtype", "bfloat16")
     assert verify.main(args) == 0
     out = capsys.readouterr().out
     assert "prompt 0: prompt.txt (31 tokens)" in out
     for variant in EXACT:
         row = next(line for line in out.splitlines() if line.startswith(f"{variant} vs recompute "))
         assert row.split()[-1] == "ok" and " 1.0000 " in row
+    # bf16 weights against the fp32 pool: reported, its K/V part at layer 0 (other weights).
+    row = next(line for line in out.splitlines() if line.startswith("model-bfloat16 vs paged "))
+    assert row.split()[-1] == "reported" and " p0 layer 0 K " in row
     assert out.rstrip().endswith("result: ok, every exact pair holds")
 
 
@@ -225,3 +229,22 @@ def test_cli_runs_verify(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(SystemExit) as exc:
         cli_main(["verify", "--kv-cache-dtype", "int3"])
     assert exc.value.code == 2 and "argument --kv-cache-dtype" in capsys.readouterr().err
+
+
+def test_default_prompts_are_transcript_turns(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    args = _args("--model", str(tiny_model_dir), "--device", "cpu", "--num-prompts", "1",
+                 "--max-new-tokens", "1", "--kv-cache-dtype", "none", "--json", str(out))
+    assert verify.main(args) == 0
+    (prompt,) = json.loads(out.read_text())["prompts"]
+    # The shipped tau-bench sample's first turn, rendered with SmolLM2's chat template.
+    assert prompt["label"] == "tau-bench gpt-4o-airline/task0/trial0 turn 0"
+    assert prompt["prompt_tokens"] == 1373 and len(prompt["continuation"]) == 1
+
+
+def test_no_turn_in_the_token_range_exits_2(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = _args("--model", str(tiny_model_dir), "--device", "cpu", "--min-prompt-tokens", "100000",
+                 "--max-prompt-tokens", "200000")
+    assert verify.main(args) == 2
+    assert ("--min-prompt-tokens/--max-prompt-tokens: no tau-bench turn has 100000..200000 tokens"
+            in capsys.readouterr().err)
