@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -248,3 +249,24 @@ def test_no_turn_in_the_token_range_exits_2(tiny_model_dir: Path, capsys: pytest
     assert verify.main(args) == 2
     assert ("--min-prompt-tokens/--max-prompt-tokens: no tau-bench turn has 100000..200000 tokens"
             in capsys.readouterr().err)
+
+
+def test_triton_backend_under_the_interpreter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text(json.dumps({"prompt_token_ids": PROMPT_IDS}) + "\n")
+    out = tmp_path / "report.json"
+    # A fresh process: TRITON_INTERPRET=1 must be set before the Triton kernels are imported.
+    result = subprocess.run(
+        [sys.executable, "-m", "radixkv.cli", "verify", "--model", str(tiny_model_dir), "--device", "cpu",
+         "--attention-backend", "triton", "--prompt-file", str(prompt_file), "--max-new-tokens", "3",
+         "--block-size", str(BLOCK), "--kv-cache-dtype", "int8", "--json", str(out)],
+        capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["attention_backend"] == "triton" and report["ok"] is True
+    for variant in EXACT:
+        pair = _pair(report, variant)
+        assert pair["ok"] is True and pair["top1_agreement"] == 1.0
+        assert pair["positions"] == 37 + 3 - 1
+    assert _pair(report, "kv-int8")["positions"] == 37 + 3 - 1
