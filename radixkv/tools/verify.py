@@ -590,7 +590,9 @@ def compare(variant: Trace, base: Trace, prompt_len: int, tol: Tolerances,
         ``positions``, ``agreeing_positions``, ``tie_positions`` (differing choices the
         baseline scores within ``logit_atol``), ``top1_agreement``, ``max_abs_logit_diff``,
         ``mean_kl_nats``, ``first_token_mismatch_step`` (generation step, or None),
-        ``first_logit_mismatch_position`` (first token position whose logits differ by more
+        ``first_argmax_mismatch_position`` (first token position, prompt or generated, whose
+        chosen token differs, or None), ``first_logit_mismatch_position`` (first token position
+        whose logits differ by more
         than logit_atol, or None; generation step t is position ``prompt_len - 1 + t``),
         ``greedy_agreement`` (leading steps agreeing / steps), ``greedy_steps``, plus
         :func:`compare_kv`'s fields.
@@ -626,6 +628,8 @@ def compare(variant: Trace, base: Trace, prompt_len: int, tol: Tolerances,
     step_agree = agree[prompt_len - 1:]
     mismatched_steps = (~step_agree).nonzero()
     first_step = int(mismatched_steps[0, 0]) if mismatched_steps.numel() else None
+    mismatched = (~agree).nonzero()
+    first_argmax = int(mismatched[0, 0]) if mismatched.numel() else None
     beyond = (row_max > tol.logit_atol).nonzero()
     first_logit = int(beyond[0, 0]) if beyond.numel() else None
     agreeing = int(agree.sum())
@@ -637,6 +641,7 @@ def compare(variant: Trace, base: Trace, prompt_len: int, tol: Tolerances,
         "max_abs_logit_diff": max_diff,
         "mean_kl_nats": kl_sum / num_rows,
         "first_token_mismatch_step": first_step,
+        "first_argmax_mismatch_position": first_argmax,
         "first_logit_mismatch_position": first_logit,
         "greedy_agreement": (steps if first_step is None else first_step) / steps,
         "greedy_steps": steps,
@@ -681,6 +686,7 @@ class Pair:
             "mean_kl_nats": sum(r["mean_kl_nats"] * r["positions"] for r in runs) / positions,
             "greedy_agreement": sum(r["greedy_agreement"] * r["greedy_steps"] for r in runs) / steps,
             "first_token_mismatch": earliest("first_token_mismatch_step", "step"),
+            "first_argmax_mismatch": earliest("first_argmax_mismatch_position", "position"),
             "first_logit_mismatch": earliest("first_logit_mismatch_position", "position"),
             "first_kv_mismatch": earliest("first_kv_mismatch", "layer"),
         })
@@ -723,8 +729,14 @@ def render_table(report: dict[str, Any]) -> str:
             rows.append((name, "yes" if pair["must_match"] else "no", "-", "-", "-", "-", "-", "-",
                          f"skipped: {reason}"))
             continue
-        token = pair["first_token_mismatch"]
+        token, argmax = pair["first_token_mismatch"], pair["first_argmax_mismatch"]
         kv = pair["first_kv_mismatch"]
+        if token is not None:
+            token_cell = f"p{token['prompt']} step {token['step']}"
+        elif argmax is not None:  # only prompt positions choose another token
+            token_cell = f"p{argmax['prompt']} prompt pos {argmax['position']}"
+        else:
+            token_cell = "-"
         verdict = "reported" if pair["ok"] is None else "ok" if pair["ok"] else "FAIL"
         if pair["tie_positions"]:
             verdict += f" ({pair['tie_positions']} ties)"
@@ -732,7 +744,7 @@ def render_table(report: dict[str, Any]) -> str:
             verdict += f" ({len(pair['skipped'])} prompts skipped)"
         rows.append((
             name, "yes" if pair["must_match"] else "no",
-            "-" if token is None else f"p{token['prompt']} step {token['step']}",
+            token_cell,
             "-" if kv is None else f"p{kv['prompt']} layer {kv['layer']} {kv['tensor'].upper()}",
             f"{pair['top1_agreement']:.4f}", _fmt_num(pair["max_abs_logit_diff"]),
             _fmt_num(pair["mean_kl_nats"]), f"{pair['greedy_agreement']:.3f}", verdict))

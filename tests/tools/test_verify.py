@@ -69,7 +69,7 @@ def test_exact_pairs_hold(clean: tuple[int, dict[str, Any]], tiny_model_dir: Pat
         assert pair["top1_agreement"] == 1.0 and pair["tie_positions"] == 0
         assert pair["greedy_agreement"] == 1.0
         assert pair["first_token_mismatch"] is None and pair["first_kv_mismatch"] is None
-        assert pair["first_logit_mismatch"] is None
+        assert pair["first_logit_mismatch"] is None and pair["first_argmax_mismatch"] is None
         assert 0.0 <= pair["max_abs_logit_diff"] <= 1e-3
         assert 0.0 <= pair["mean_kl_nats"] <= 1e-9
         (run,) = pair["per_prompt"]
@@ -134,6 +134,7 @@ def test_corrupted_pool_reported_at_its_step_and_layer(tiny_model_dir: Path, tmp
     first_read = corrupted_after_step + 1
     assert pair["first_logit_mismatch"] == {"prompt": 0, "position": 37 - 1 + first_read}
     assert pair["first_token_mismatch"] == {"prompt": 0, "step": first_read}
+    assert pair["first_argmax_mismatch"] == {"prompt": 0, "position": 37 - 1 + first_read}
     assert pair["greedy_agreement"] == first_read / NEW_TOKENS
     assert pair["top1_agreement"] < 1.0 and pair["max_abs_logit_diff"] > 1e-3
     for variant in ("contiguous", "prefix-hit", "prefix-hit+1"):
