@@ -406,17 +406,28 @@ def reference_forward(model: LoadedModel) -> LlamaForward:
 def reference_logits(model: LoadedModel, forward: LlamaForward, runner: ModelRunner,
                      batch) -> torch.Tensor:
     """Last-row logits of ``batch`` from ``forward`` with ``radixkv.kernels.reference``
-    attention over ``runner``'s pools (it rewrites the batch's own slots, nothing else)."""
+    attention over ``runner``'s pools (it rewrites the batch's own slots, nothing else).
+
+    A quantized pool is not rewritten: the reference decodes (one row per sequence, the
+    runner's step already run) over the new tokens' K/V as the runner stored them. Its own K/V
+    differ from the runner's by fp32 ulps, and quantizing them anew can land a value on the
+    next int8 / fp8 level, a step that 30 layers over synthetic ``randn`` K/V amplify to O(1)
+    logits: that would measure the quantizer's discontinuity, not the kernels."""
     max_q_len = int((batch.qo_indptr[1:] - batch.qo_indptr[:-1]).max())
+    quantized = runner.k_scales is not None and runner.v_scales is not None
 
     def attention(layer, q, k, v):
         k_pool, v_pool = runner.k_pools[layer], runner.v_pools[layer]
-        scales = ({} if runner.k_scales is None or runner.v_scales is None
-                  else {"k_scale_pool": runner.k_scales[layer], "v_scale_pool": runner.v_scales[layer]})
-        reference.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping, **scales)
+        if quantized:
+            assert max_q_len == 1, "reference_logits reads a quantized pool for decode steps only"
+            return reference.decode_attention(q, k_pool, v_pool, batch.block_tables, batch.prefix_lens + 1,
+                                              window_left=model.shape.window_left,
+                                              k_scale_pool=runner.k_scales[layer],
+                                              v_scale_pool=runner.v_scales[layer])
+        reference.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping)
         return reference.extend_attention(q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens,
                                           batch.qo_indptr, max_q_len=max_q_len,
-                                          window_left=model.shape.window_left, **scales)
+                                          window_left=model.shape.window_left)
 
     with torch.inference_mode():
         return forward.forward(batch.input_ids, batch.positions, attention,
