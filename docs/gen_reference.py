@@ -96,8 +96,8 @@ def serve_flags_page() -> str:
 
 
 def commands_page() -> str:
-    """The flags of every other ``radixkv`` subcommand (``chat``, ``export-hf``, each
-    ``bench`` driver), as markdown text."""
+    """The flags of every other ``radixkv`` subcommand (``chat``, ``export-hf``, ``verify``,
+    each ``bench`` driver), as markdown text."""
     from radixkv.cli import BENCHES, build_parser, load_bench
 
     subparsers = next(a for a in build_parser()._actions
@@ -109,6 +109,14 @@ def commands_page() -> str:
         help_text = str(helps[name])
         sections.append(f"## `radixkv {name}`\n\n{help_text[0].upper()}{help_text[1:]}.\n\n"
                         + table_head + "\n".join(_flag_rows(subparsers.choices[name])) + "\n")
+    # `radixkv verify` owns its flags (radixkv/tools/verify.py), as `radixkv verify` builds them.
+    from radixkv.cli import VERIFY_HELP
+    from radixkv.tools import verify
+
+    parser = argparse.ArgumentParser(prog="radixkv verify")
+    verify.add_arguments(parser)
+    sections.append(f"## `radixkv verify`\n\n{VERIFY_HELP[0].upper()}{VERIFY_HELP[1:]}.\n\n"
+                    + table_head + "\n".join(_flag_rows(parser)) + "\n")
     for name, help_text in BENCHES.items():
         # Each driver owns its flags (bench/<name>.py), as `radixkv bench NAME` builds them.
         parser = argparse.ArgumentParser(prog=f"radixkv bench {name}")

@@ -15,11 +15,18 @@ compiler (ctypes, no torch headers): a few-row linear, decode attention read in 
 pool (decode rows of any step), and a whole decoder layer per call for pure decode steps; where
 they cannot build or run, everything stays on torch.
 
-- ``paged_kv_write(k, v, k_pool, v_pool, slot_mapping)``
+- ``paged_kv_write(k, v, k_pool, v_pool, slot_mapping, *, k_scale_pool=None,
+  v_scale_pool=None)``
 - ``extend_attention(q, k, v, k_pool, v_pool, block_tables, prefix_lens, qo_indptr, *,
-  max_q_len, sm_scale=None, window_left=-1, logits_soft_cap=0.0, out=None, return_lse=False)``
+  max_q_len, sm_scale=None, window_left=-1, logits_soft_cap=0.0, out=None, return_lse=False,
+  k_scale_pool=None, v_scale_pool=None)``
 - ``decode_attention(q, k_pool, v_pool, block_tables, kv_lens, *, sm_scale=None,
-  window_left=-1, logits_soft_cap=0.0, out=None, return_lse=False, num_kv_splits=None)``
+  window_left=-1, logits_soft_cap=0.0, out=None, return_lse=False, num_kv_splits=None,
+  k_scale_pool=None, v_scale_pool=None)``
+
+``k_scale_pool`` / ``v_scale_pool``: ``[M, B, Hkv]`` fp32 scales beside int8 or float8_e4m3fn
+value pools (``kv_quant``: one scale per token slot and KV head); the write quantizes exactly as
+``kv_quant.quantize_kv``, the attention functions dequantize what they read.
 
 This package exports the reference functions and never imports triton itself, so it imports
 where triton is missing, and ``TRITON_INTERPRET=1`` can still be set before
