@@ -414,16 +414,15 @@ def reference_logits(model: LoadedModel, forward: LlamaForward, runner: ModelRun
     next int8 / fp8 level, a step that 30 layers over synthetic ``randn`` K/V amplify to O(1)
     logits: that would measure the quantizer's discontinuity, not the kernels."""
     max_q_len = int((batch.qo_indptr[1:] - batch.qo_indptr[:-1]).max())
-    quantized = runner.k_scales is not None and runner.v_scales is not None
+    k_scales, v_scales = runner.k_scales, runner.v_scales
 
     def attention(layer, q, k, v):
         k_pool, v_pool = runner.k_pools[layer], runner.v_pools[layer]
-        if quantized:
+        if k_scales is not None and v_scales is not None:
             assert max_q_len == 1, "reference_logits reads a quantized pool for decode steps only"
             return reference.decode_attention(q, k_pool, v_pool, batch.block_tables, batch.prefix_lens + 1,
                                               window_left=model.shape.window_left,
-                                              k_scale_pool=runner.k_scales[layer],
-                                              v_scale_pool=runner.v_scales[layer])
+                                              k_scale_pool=k_scales[layer], v_scale_pool=v_scales[layer])
         reference.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping)
         return reference.extend_attention(q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens,
                                           batch.qo_indptr, max_q_len=max_q_len,

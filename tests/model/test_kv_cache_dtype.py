@@ -299,6 +299,7 @@ def test_cli_bad_kv_cache_dtype_exits_2_before_the_model_loads(
         raise AssertionError("model loaded")
 
     monkeypatch.setattr("radixkv.engine.llm_engine.load_model", no_load)
+    code: object
     try:
         code = cli.main(["serve", "--port", "0", "--device", "cpu", *argv])
     except SystemExit as exc:  # argparse's own refusal
