@@ -231,3 +231,38 @@ def test_prefix_hit_reads_what_the_cold_prefill_attended_over(name: str, cut: in
     for before, after in zip(snapshot, (k_pool, v_pool, k_scales, v_scales)):
         assert torch.equal(before, raw(after))
     assert (warm - cold[cut:]).abs().max().item() <= SDPA_TOL
+
+
+# fp32 attention over the same quantized pools, backend against backend (the C kernels fold
+# the scales into the dot products, Triton and SDPA reorder sums): measured <= 2.1e-6.
+BACKEND_TOL = 2e-5
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_runner_backends_agree_over_quantized_pools(tiny_model, name: str) -> None:
+    """A prefill, then a mixed step (a decode row and a suffix reading another sequence's
+    block): the torch (C kernels where they load) and triton (interpreter on CPU) backends
+    against the reference backend, same pool bytes written."""
+    from radixkv.model.runner import ModelRunner
+
+    results = {}
+    for backend in ("reference", "torch", "triton"):
+        runner = ModelRunner(tiny_model, num_blocks=8, block_size=4, attention_backend=backend,
+                             kv_cache_dtype=name)
+        assert runner.k_scales is not None and runner.v_scales is not None
+        prefill = runner.forward(runner.build_batch([(list(range(10, 19)), 0, [0, 1, 2])]), all_logits=True)
+        mixed = runner.forward(runner.build_batch([([5], 9, [0, 1, 2]), ([7, 8], 4, [0, 3])]))
+        results[backend] = (prefill, mixed, [dequantized(p, s) for p, s in zip(runner.k_pools, runner.k_scales)],
+                            max(float(s.max()) for s in runner.k_scales))
+    want_prefill, want_mixed, want_keys, step = results["reference"]
+    for backend in ("torch", "triton"):
+        prefill, mixed, keys, _ = results[backend]
+        assert prefill.shape == (9, 49152) and mixed.shape == (2, 49152)
+        assert (prefill - want_prefill).abs().max().item() <= BACKEND_TOL, backend
+        assert (mixed - want_mixed).abs().max().item() <= BACKEND_TOL, backend
+        # The stored keys: the backends' fp32 K differ by ulps (GEMM paths), so a value may sit
+        # one quantization level away (int8: 1 unit of the scale; e4m3: at most 32 units, its
+        # spacing in [256, 448]) and a scale an ulp away, never more.
+        level = step * (1 if name == "int8" else 32)
+        for got, want in zip(keys, want_keys):
+            assert (got - want).abs().max().item() <= level * 1.001, backend
