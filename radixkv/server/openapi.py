@@ -180,6 +180,10 @@ _SCHEMAS = {
     "Models": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj({
         "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
         "owned_by": {"type": "string"}, "max_model_len": _int(1),
+        "kv_cache_dtype": {"enum": ["float32", "bfloat16", "int8", "fp8_e4m3"],
+                           "description": "The KV pool's format as allocated (--kv-cache-dtype)."},
+        "kv_bytes_per_token": _int(1, description="K+V bytes of one cached token over all "
+                                                  "layers, scales included."),
         "parent": {"type": "string", "description": "A LoRA adapter's base model."}})}}),
     "LoadLoRAAdapterRequest": _obj({
         "lora_name": {"type": "string", "description": "The name requests send as model."},
