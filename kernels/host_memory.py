@@ -23,6 +23,7 @@ import ctypes.util
 import os
 import platform
 import threading
+import time
 
 #: ``mallopt`` parameter numbers (glibc ``malloc.h``).
 _M_TRIM_THRESHOLD = -1
@@ -186,7 +187,7 @@ class PoolPopulator:
         return self._done.wait(timeout_s)
 
     def snapshot(self) -> dict:
-        """``state`` (pending, running, done, unsupported, failed), ``populated_bytes``,
+        """``state`` (pending, running, done, unsupported, skipped, failed), ``populated_bytes``,
         ``total_bytes``, ``seconds`` (wall time taken, when done) and ``error``."""
         per_block = self.total_bytes // self.num_blocks
         out = {"state": self._state, "populated_bytes": self._populated_blocks * per_block,
@@ -196,8 +197,6 @@ class PoolPopulator:
         return out
 
     def _run(self) -> None:
-        import time
-
         self._started = time.perf_counter()
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POPULATE_NICE)
@@ -207,6 +206,14 @@ class PoolPopulator:
         try:
             if libc is None:
                 self._state = "unsupported"
+                return
+            available = mem_available_bytes()
+            if available is not None and self.total_bytes > available * MAX_POPULATE_SHARE:
+                # Committing it all would push the machine into the OOM killer; the pool stays
+                # lazy, as before (pages are mapped as blocks are first written).
+                self._state = "skipped"
+                self._error = (f"pool of {self.total_bytes} bytes > {MAX_POPULATE_SHARE:.0%} of "
+                               f"MemAvailable ({available} bytes)")
                 return
             self._state = "running"
             if self._reserve > 0 and _applied:
@@ -233,6 +240,22 @@ class PoolPopulator:
         finally:
             self._seconds = round(time.perf_counter() - self._started, 3)
             self._done.set()
+
+
+#: Populate only a pool at most this share of the memory available at start.
+MAX_POPULATE_SHARE = 0.8
+
+
+def mem_available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _reserve_heap(libc: ctypes.CDLL, nbytes: int) -> None:

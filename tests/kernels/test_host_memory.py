@@ -148,3 +148,21 @@ def test_populate_is_off_unless_enabled(tiny_model, monkeypatch: pytest.MonkeyPa
     engine = make_engine(tiny_model, num_blocks=16, block_size=4)
     assert engine.runner.pool_populate is None
     assert "populate" not in engine.stats_snapshot()["pool"]
+
+
+def test_populator_skips_a_pool_larger_than_the_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pool the machine could not hold stays lazy: committing it would wake the OOM killer.
+    monkeypatch.setattr(host_memory, "mem_available_bytes", lambda: 10 << 20)
+    populator = host_memory.PoolPopulator([(4096, 1 << 20)], 16, reserve_heap_bytes=0).start()
+    assert populator.wait(10)
+    snap = populator.snapshot()
+    assert snap["state"] == "skipped" and snap["populated_bytes"] == 0
+    assert snap["total_bytes"] == 16 << 20 and "MemAvailable" in snap["error"]
+
+
+def test_mem_available_is_read_from_meminfo() -> None:
+    available = host_memory.mem_available_bytes()
+    if platform.system() == "Linux":
+        assert available is not None and available > 0
+    else:
+        assert available is None
