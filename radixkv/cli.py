@@ -55,7 +55,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="KV pool memory in GiB (default 4 on CPU, ~90%% of free memory on CUDA)")
     p.add_argument("--eviction-policy", type=eviction_policy_arg, default="lru",
-                   help=f"eviction policy: {', '.join(online_eviction_policies())}")
+                   help=f"eviction policy of the KV pool (and of a host store tier without its "
+                        f"own): {', '.join(online_eviction_policies())}")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt in full (blocks are still paged)")
     p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"],
