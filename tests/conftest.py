@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RADIXKV_POPULATE_KV_POOL", "0")
 
 import pytest  # noqa: E402
+import structlog  # noqa: E402
 import torch  # noqa: E402
 
 from radixkv.cache.pool import BlockPool  # noqa: E402
@@ -79,6 +80,17 @@ def make_tiny_model_dir(path: str | os.PathLike, *, architecture: str | None = N
     model.save_pretrained(str(out))
     shutil.copytree(embedded_tokenizer_dir(), out, dirs_exist_ok=True)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog_config():
+    """A CLI entry point called in-process (``main([...])``) configures structlog for the
+    process, e.g. a ``warning`` filtering logger that drops the info events later tests
+    capture with ``structlog.testing.capture_logs``: every test starts from the configuration
+    the one before it started from."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")
