@@ -22,7 +22,7 @@ for policy in lru cost predicted-reuse; do
         ${MODEL_DIR:+--model $MODEL_DIR} \
         --log-level warning > $LOGS/serve-$policy-$ret.log 2>&1 &
     P=$!
-    until curl -sf 127.0.0.1:$PORT/health >/dev/null; do sleep 1; done
+    for _ in $(seq 300); do curl -sf 127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
     R=""; [ $ret != none ] && R="--retention $ret --retain-share ${SHARE:-0.1}"
     .venv/bin/radixkv bench serve --url http://127.0.0.1:$PORT $BENCH $R --label $policy \
         --json $LOGS/serve-$policy-$ret.json > $LOGS/bench-$policy-$ret.out 2>&1
