@@ -2,8 +2,8 @@
 
 - ``serve-flags.md``: every ``radixkv serve`` flag from the argparse parser (``radixkv.cli``):
   flag, default, help text.
-- ``commands.md``: the flags of every other subcommand (``chat``, ``export-hf``, each
-  ``bench`` driver in ``bench/``).
+- ``commands.md``: the flags of every other subcommand (``chat``, ``export-hf``, ``verify``,
+  ``plan``, each ``bench`` driver in ``bench/``).
 - ``parameters.md``: every request field of chat completions, completions and ``/tokenize``
   from the parameter-policy table (``radixkv.server.param_table``).
 
@@ -97,7 +97,7 @@ def serve_flags_page() -> str:
 
 def commands_page() -> str:
     """The flags of every other ``radixkv`` subcommand (``chat``, ``export-hf``, ``verify``,
-    each ``bench`` driver), as markdown text."""
+    ``plan``, each ``bench`` driver), as markdown text."""
     from radixkv.cli import BENCHES, build_parser, load_bench
 
     subparsers = next(a for a in build_parser()._actions
@@ -116,6 +116,15 @@ def commands_page() -> str:
     parser = argparse.ArgumentParser(prog="radixkv verify")
     verify.add_arguments(parser)
     sections.append(f"## `radixkv verify`\n\n{VERIFY_HELP[0].upper()}{VERIFY_HELP[1:]}.\n\n"
+                    + table_head + "\n".join(_flag_rows(parser)) + "\n")
+    # `radixkv plan` owns its flags too (radixkv/tools/plan/command.py).
+    from radixkv.tools.plan.command import PLAN_HELP
+    from radixkv.tools.plan.command import add_arguments as add_plan_arguments
+
+    parser = argparse.ArgumentParser(prog="radixkv plan")
+    add_plan_arguments(parser)
+    sections.append(f"## `radixkv plan`\n\n{PLAN_HELP[0].upper()}{PLAN_HELP[1:]} "
+                    f"([capacity-planning.md](../capacity-planning.md)).\n\n"
                     + table_head + "\n".join(_flag_rows(parser)) + "\n")
     for name, help_text in BENCHES.items():
         # Each driver owns its flags (bench/<name>.py), as `radixkv bench NAME` builds them.

@@ -106,7 +106,7 @@ def test_commands_reference_has_every_subcommand_and_clone_independent_defaults(
 
     text = _load("gen_reference").commands_page()
     headings = re.findall(r"^## `(radixkv [a-z -]+)`$", text, re.M)
-    assert headings == ["radixkv chat", "radixkv export-hf", "radixkv verify"] + [
+    assert headings == ["radixkv chat", "radixkv export-hf", "radixkv verify", "radixkv plan"] + [
         f"radixkv bench {b}" for b in BENCHES]
     assert "| `--temperature` | `0.0` |" in text  # chat's greedy default
     assert "| `--out DIR` | none | required; output directory (new or empty) |" in text
