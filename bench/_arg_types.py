@@ -5,17 +5,12 @@ import math
 import random
 from dataclasses import dataclass
 
+from radixkv.arg_types import fraction, positive_int_list
 
-def sizes(text: str) -> list[int]:
-    """``"2048,8191"`` -> ``[2048, 8191]``; raises ``argparse.ArgumentTypeError`` unless every
-    value is an integer >= 1 (the flag's name is added by argparse, so the CLI exits 2 naming it)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
+# The generic value types are the package's (``radixkv.arg_types``), under the names the bench
+# drivers use: ``sizes`` a comma list of ints >= 1, ``share`` a number in [0, 1].
+sizes = positive_int_list
+share = fraction
 
 
 THINK_TIME_DISTS = ("fixed", "exp")
@@ -65,17 +60,6 @@ def think_time(text: str) -> ThinkTime:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
             f"expected S or fixed:S or exp:MEAN (seconds >= 0), got {text!r} ({exc})") from None
-
-
-def share(text: str) -> float:
-    """A share of sessions in ``[0, 1]``; ``argparse.ArgumentTypeError`` otherwise."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
 
 
 def chosen_sessions(num_sessions: int, fraction: float) -> list[bool]:

@@ -18,6 +18,14 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+# positive_int, non_negative_int: bench/_tree_args.py imports them from here.
+from radixkv.arg_types import (
+    bounded_int,
+    fraction,
+    non_negative_int,
+    non_negative_seconds,
+    positive_int,
+)
 from radixkv.config import (
     GIB,
     KV_CACHE_DTYPES,
@@ -25,7 +33,6 @@ from radixkv.config import (
     EngineConfig,
     SchedulerConfig,
     eviction_policy_problem,
-    int_problem,
     kv_cache_dtype_problem,
     online_eviction_policies,
 )
@@ -46,7 +53,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve a PEFT LoRA adapter directory as model NAME (repeatable)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=_port, default=8000,
+    p.add_argument("--port", type=_port_arg, default=8000,
                    help="port to listen on; bound before the model loads, so a busy port exits 2 "
                         "at once")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -136,7 +143,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "evicts (evict)")
     p.add_argument("--kv-store-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="a store load not done by then is abandoned and its blocks computed")
-    p.add_argument("--max-retained-fraction", type=_fraction, default=0.5, metavar="FRACTION",
+    p.add_argument("--max-retained-fraction", type=fraction, default=0.5, metavar="FRACTION",
                    help="share of the KV pool that client-requested retention (cache_control, "
                         "prompt_cache_retention) may pin, in [0, 1]; a tenant's own bound is "
                         "max_retained_tokens in the --api-keys file")
@@ -192,11 +199,8 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name.strip(), path.strip()
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
-    return port
+#: argparse type of ``--port``: a TCP port (0: any free one).
+_port_arg = bounded_int(0, 65535)
 
 
 def eviction_policy_arg(text: str) -> str:
@@ -209,51 +213,6 @@ def eviction_policy_arg(text: str) -> str:
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
     return text
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (one-line error naming the value otherwise)."""
-    return _int_at_least(text, 1)
-
-
-def _fraction(text: str) -> float:
-    """argparse type: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
-
-
-def non_negative_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0 (one-line error naming the value otherwise)."""
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, minimum: int) -> int:
-    """The flag's text as an int, checked by ``radixkv.config.int_problem`` (argparse prefixes
-    the flag's name, as a config prefixes the field's)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
-    problem = int_problem(value, minimum=minimum)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return value
 
 
 def _cuda_available() -> bool:

@@ -41,12 +41,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from radixkv.arg_types import bounded_int, comma_choices, non_negative_int, positive_float, positive_int
+from radixkv.config import MAX_BLOCK_SIZE
 
 if TYPE_CHECKING:
     import torch
@@ -101,55 +103,10 @@ class VerifyError(ValueError):
 # Flags
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
+kv_dtypes_arg = comma_choices(QUANTIZED_KV_DTYPES, none_word="none")
+"""argparse type of ``--kv-cache-dtype``: a comma list of quantized KV dtypes, or ``none``."""
 
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
-def _block_size(text: str) -> int:
-    from radixkv.config import MAX_BLOCK_SIZE
-
-    value = _positive_int(text)
-    if value > MAX_BLOCK_SIZE:
-        raise argparse.ArgumentTypeError(f"expected an int in [1, {MAX_BLOCK_SIZE}], got {text!r}")
-    return value
-
-
-def kv_dtypes_arg(text: str) -> tuple[str, ...]:
-    """argparse type of ``--kv-cache-dtype``: a comma list of quantized KV dtypes, or ``none``."""
-    if text.strip().lower() == "none":
-        return ()
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    bad = [name for name in names if name not in QUANTIZED_KV_DTYPES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma list of {', '.join(QUANTIZED_KV_DTYPES)} (or none), got {text!r}")
-    return tuple(dict.fromkeys(names))
+_block_size = bounded_int(1, MAX_BLOCK_SIZE)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -180,18 +137,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared", action="store_true",
                    help="take the default prompts from the full transcripts in the shared data "
                         "folder ($RADIXKV_SHARED_DIR) instead of the shipped sample")
-    p.add_argument("--num-prompts", type=_positive_int, default=3,
+    p.add_argument("--num-prompts", type=positive_int, default=3,
                    help="prompts to run (default: %(default)s)")
-    p.add_argument("--min-prompt-tokens", type=_non_negative_int, default=0,
+    p.add_argument("--min-prompt-tokens", type=non_negative_int, default=0,
                    help="transcript turns shorter than this are skipped (default: %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=_positive_int, default=4096,
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=4096,
                    help="transcript turns longer than this are skipped (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=8,
+    p.add_argument("--max-new-tokens", type=positive_int, default=8,
                    help="greedy steps after each prompt; the recompute variant runs a full forward "
                         "per step (default: %(default)s)")
     p.add_argument("--block-size", type=_block_size, default=16,
                    help="tokens per KV block of the paged variants (default: %(default)s)")
-    p.add_argument("--logit-atol", type=_positive_float, default=None,
+    p.add_argument("--logit-atol", type=positive_float, default=None,
                    help="max |Δlogit| the exact pairs may show (default: 1e-3 for float32, 2.0 for "
                         "bfloat16, whose paths differ by bf16 rounding)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",

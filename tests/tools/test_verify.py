@@ -189,15 +189,20 @@ def test_bad_model_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_bad_flag_values_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv, flag in ((["--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
-                       (["--kv-cache-dtype", "float32"], "--kv-cache-dtype"),
-                       (["--max-new-tokens", "0"], "--max-new-tokens"),
-                       (["--block-size", "-3"], "--block-size"),
-                       (["--logit-atol", "nan"], "--logit-atol")):
+    for argv, message in (
+            (["--kv-cache-dtype", "int4"],
+             "argument --kv-cache-dtype: expected a comma list of int8, fp8_e4m3 (or none), got 'int4'"),
+            (["--kv-cache-dtype", "float32"],
+             "argument --kv-cache-dtype: expected a comma list of int8, fp8_e4m3 (or none), got 'float32'"),
+            (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an int >= 1, got 0"),
+            (["--min-prompt-tokens", "x"], "argument --min-prompt-tokens: expected an int >= 0, got 'x'"),
+            (["--block-size", "-3"], "argument --block-size: must be an int in [1, 1024], got -3"),
+            (["--block-size", "2048"], "argument --block-size: must be an int in [1, 1024], got 2048"),
+            (["--logit-atol", "nan"], "argument --logit-atol: expected a finite number > 0, got 'nan'")):
         with pytest.raises(SystemExit) as exc:
             _args(*argv)
         assert exc.value.code == 2
-        assert f"argument {flag}" in capsys.readouterr().err
+        assert capsys.readouterr().err.rstrip().endswith(message)
     assert _args("--kv-cache-dtype", "fp8_e4m3,int8,int8").kv_cache_dtype == ("fp8_e4m3", "int8")
     assert _args("--kv-cache-dtype", "none").kv_cache_dtype == ()
 
