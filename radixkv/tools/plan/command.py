@@ -89,12 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV dtype: auto (the config's torch_dtype; float32 for a GGUF, as "
                         "radixkv serves it), or int8 / fp8_e4m3 with one fp32 scale per token "
                         "and KV head")
-    p.add_argument("--tp", type=_positive_int, default=1,
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
                    help="tensor-parallel ranks: KV heads split across them, replicated when "
                         "fewer than the ranks (default: 1)")
-    p.add_argument("--block-size", type=_block_size, default=CacheConfig.block_size,
+    p.add_argument("--block-size", type=_block_size, default=CacheConfig.block_size, metavar="TOKENS",
                    help="tokens per KV block (default: radixkv's, %(default)s)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None,
+    p.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                    help="tokens of the worst-case sequence (default: the config's "
                         "max_position_embeddings)")
     budget = p.add_mutually_exclusive_group()
