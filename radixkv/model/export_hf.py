@@ -76,12 +76,13 @@ def hf_config(model: LoadedModel) -> dict[str, Any]:
 
     Raises:
         ValueError: naming ``model`` for a shape the Llama class cannot express (a sliding
-            window or q/k/v biases: Mistral / Qwen2 models).
+            window, q/k/v biases or a non-Llama layer: Mistral / Qwen2 / Qwen3 / Gemma models).
     """
     s = model.shape
-    if s.sliding_window is not None or s.attention_bias:
-        raise ValueError("model: export-hf writes LlamaForCausalLM; a model with a sliding window "
-                         "or attention biases (Mistral, Qwen2) is not supported")
+    if s.sliding_window is not None or s.attention_bias or not s.plain_llama:
+        raise ValueError("model: export-hf writes LlamaForCausalLM; a model with a sliding window, "
+                         "attention biases or another family's layers (Mistral, Qwen2, Qwen3, "
+                         "Gemma) is not supported")
     hf = model.tokenizer.hf_tokenizer
     eos = sorted(model.tokenizer.eos_token_ids)
     return {

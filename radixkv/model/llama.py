@@ -43,18 +43,25 @@ __all__ = ["LlamaForward", "AttentionFn", "rope_inv_freq"]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def rope_inv_freq(shape: ModelShape) -> torch.Tensor:
-    """Per-pair inverse frequencies ``[D/2]`` fp32, with llama3 scaling when configured.
+def rope_inv_freq(shape: ModelShape, *, local: bool = False) -> torch.Tensor:
+    """Per-pair inverse frequencies ``[D/2]`` fp32, with llama3 or linear scaling when
+    configured.
 
     llama3 scaling leaves high-frequency pairs alone, divides low-frequency pairs by
-    ``factor`` and blends linearly in between (by wavelength relative to the original context).
+    ``factor`` and blends linearly in between (by wavelength relative to the original context);
+    linear scaling divides every frequency by ``factor`` (positions interpolated). ``local``:
+    the frequencies of the sliding layers of a model with ``rope_local_theta`` (Gemma 3), plain
+    RoPE on that base.
     """
     dim = shape.head_dim
-    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    theta = shape.rope_local_theta if local and shape.rope_local_theta is not None else shape.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = shape.rope_scaling
-    if scaling is None:
+    if scaling is None or (local and shape.rope_local_theta is not None):
         return inv_freq
     factor = float(scaling["factor"])
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        return inv_freq / factor
     low = float(scaling["low_freq_factor"])
     high = float(scaling["high_freq_factor"])
     old_ctx = float(scaling["original_max_position_embeddings"])
@@ -103,12 +110,17 @@ class LlamaForward:
             torch.
 
     Raises:
-        ValueError: if a tensor is missing or has the wrong shape (names the tensor).
+        ValueError: if a tensor is missing or has the wrong shape (names the tensor); naming
+            ``shape`` for a shape that is not :attr:`ModelShape.plain_llama` (its layers need
+            :class:`radixkv.model.family_forward.FamilyForward`: :func:`make_forward` picks).
     """
 
     def __init__(self, shape: ModelShape, state_dict: dict[str, torch.Tensor], *,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  compile: bool = False, native_kernels: native.NativeKernels | None = None) -> None:
+        if type(self) is LlamaForward and not shape.plain_llama:
+            raise ValueError("shape: q/k norms, Gemma norms, GeGLU, soft-capping, an attention "
+                             "scalar or per-layer attention kinds need FamilyForward (make_forward)")
         self.shape = shape
         self.device = torch.device(device)
         self.dtype = dtype

@@ -6,6 +6,11 @@ The runner packs the new tokens ``[T]``, gives token j of sequence i the absolut
 writes every new token's K/V into its slot and attends over (cached prefix from the pool +
 causal suffix). Only full blocks before ``prefix_len`` are ever read from other requests, and
 the runner never writes a slot outside the new tokens' own positions.
+
+Models beyond the Llama layer (Qwen3, Gemma 2 / 3: ``ModelShape.plain_llama`` False) run
+:class:`radixkv.model.family_forward.FamilyForward`, and each layer's attention goes to a path
+that implements its window, scale and logit soft-cap (:meth:`ModelRunner._family_attention`;
+``docs/model-families.md``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from radixkv.kernels.kv_quant import KVFormat, resolve_kv_format
 from radixkv.kernels.paged_sdpa import native_quant_formats, plan_attention
 
 from .config import ModelShape
-from .llama import LlamaForward
+from .family_forward import make_forward
 from .loader import LoadedModel
 from .lora import LoRAAdapter, LoRABatch
 
@@ -93,7 +98,8 @@ class ModelRunner:
             oracle, ``radixkv.kernels.reference``), ``"triton"`` (the ``radixkv.kernels``
             Triton kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (triton
             on CUDA, torch elsewhere).
-        compile: ``torch.compile`` the decoder layers' dense math (see ``LlamaForward``).
+        compile: ``torch.compile`` the decoder layers' dense math (see ``LlamaForward``;
+            refused, naming ``compile``, for a model that is not ``plain_llama``).
         native_kernels: use the C decode kernels (``radixkv.kernels.native``: few-row
             projections and decode attention over the pool) on the ``torch`` backend with fp32
             CPU weights and no ``compile``; None = wherever they build and run
@@ -159,7 +165,7 @@ class ModelRunner:
         # A quantized pool's extend-step K/V write in C where the C kernels take the format.
         self._native_write = (kernels if kernels is not None and self.kv_format.quantized
                               and self.kv_format.name in native_quant_formats()[0] else None)
-        self.forward_model = LlamaForward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
+        self.forward_model = make_forward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
                                           compile=compile, native_kernels=kernels)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not self.forward_model.bf16_native:
             log.warning("bf16_emulated", missing_cpu_flags=list(gemm.BF16_DOT_FLAGS),
@@ -371,6 +377,10 @@ class ModelRunner:
             ``[T, vocab]`` when ``all_logits``.
         """
         batch = batch.to(self.device)
+        rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
+        if not self.shape.plain_llama:
+            return self.forward_model.forward(batch.input_ids, batch.positions,
+                                              self._family_attention(batch), rows, lora=batch.lora)
         window_left = self.shape.window_left
         if self.attention_backend == "torch":
             # Metadata-only work (slots, masks, padding) once per step, not once per layer.
@@ -402,15 +412,57 @@ class ModelRunner:
                 return plan.attend(q, k, v, self.k_pools[layer], self.v_pools[layer],
                                    k_scales[layer], v_scales[layer])
         else:
-            attention = self._kernel_attention(batch, window_left)
-        rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
+            attention = self._kernel_attention(batch, [window_left] * self.shape.num_layers)
         return self.forward_model.forward(batch.input_ids, batch.positions, attention, rows,
                                           lora=batch.lora)
 
-    def _kernel_attention(self, batch: ForwardBatch, window_left: int):
-        """The attention callback over the three-function backends (reference, triton)."""
+    def _family_attention(self, batch: ForwardBatch):
+        """The attention callback of a model that is not ``plain_llama``: each layer with its
+        own window (``ModelShape.layer_window_lefts``), the model's attention scale and logit
+        soft cap, on a path that implements all three.
+
+        - triton / reference backends: their kernels take all three per call;
+        - torch backend with ``attn_logit_softcap`` (Gemma 2): neither SDPA nor the C kernels
+          cap logits, so every layer runs the reference kernels (explicit fp32 scores);
+        - torch backend otherwise: one ``paged_sdpa`` plan per distinct window (the C decode /
+          extend kernels inside it where they loaded: they take the scale and window), each
+          layer attending through its window's plan.
+        """
+        shape = self.shape
+        windows = shape.layer_window_lefts
+        scale = shape.attention_scale
+        cap = shape.attn_logit_softcap
+        if self.attention_backend != "torch" or cap is not None:
+            ops = self._attn_ops if self.attention_backend != "torch" else reference
+            return self._kernel_attention(batch, windows, ops=ops, sm_scale=scale,
+                                          logits_soft_cap=0.0 if cap is None else cap)
+        plans = {window: plan_attention(batch.block_tables, batch.prefix_lens, batch.qo_indptr,
+                                        batch.slot_mapping, block_size=self.block_size,
+                                        num_pool_blocks=self.num_blocks, head_dim=shape.head_dim,
+                                        window_left=window, sm_scale=scale,
+                                        kv_bytes_per_token=self._kv_bytes_per_token,
+                                        native_kernels=self._native_decode,
+                                        native_extend=self._native_extend,
+                                        native_write=self._native_write)
+                 for window in sorted(set(windows))}
+        layer_plans = [plans[window] for window in windows]
+        k_scales, v_scales = self.k_scales, self.v_scales
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if k_scales is None or v_scales is None:
+                return layer_plans[layer].attend(q, k, v, self.k_pools[layer], self.v_pools[layer])
+            return layer_plans[layer].attend(q, k, v, self.k_pools[layer], self.v_pools[layer],
+                                             k_scales[layer], v_scales[layer])
+
+        return attention
+
+    def _kernel_attention(self, batch: ForwardBatch, window_lefts: Sequence[int],
+                          ops: ModuleType | None = None, **options: float):
+        """The attention callback over the three-function backends (reference, triton):
+        layer i with ``window_lefts[i]``; ``ops`` (default: the runner's backend module) and
+        ``options`` (``sm_scale``, ``logits_soft_cap``) passed to every attention call."""
         max_q_len = int((batch.qo_indptr[1:] - batch.qo_indptr[:-1]).max())
-        ops = self._attn_ops
+        ops = self._attn_ops if ops is None else ops
         # A pure decode step on the Triton backend takes the split-KV decode kernel: the extend
         # kernel would spend a whole BLOCK_M row tile on each single query. The new token's K/V
         # is written first, so the sequence's keys are exactly its first P + 1 pool slots.
@@ -424,12 +476,13 @@ class ModelRunner:
             scales = ({} if k_scales is None or v_scales is None
                       else {"k_scale_pool": k_scales[layer], "v_scale_pool": v_scales[layer]})
             ops.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping, **scales)
+            window_left = window_lefts[layer]
             if kv_lens is not None:
                 return ops.decode_attention(q, k_pool, v_pool, batch.block_tables, kv_lens,
-                                            window_left=window_left, **scales)
+                                            window_left=window_left, **options, **scales)
             return ops.extend_attention(
                 q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens, batch.qo_indptr,
-                max_q_len=max_q_len, window_left=window_left, **scales)
+                max_q_len=max_q_len, window_left=window_left, **options, **scales)
 
         return attention
 
