@@ -16,7 +16,8 @@ from radixkv.config import MAX_BLOCK_SIZE, CacheConfig
 
 from .capacity import GIB, PLAN_KV_CACHE_DTYPES, MemoryBudget, memory_budget, plan_capacity
 from .layout import KVLayout
-from .render import plan_to_dict, plan_to_text
+from .render import plan_to_dict, plan_to_text, replay_to_dict, replay_to_text
+from .trace_input import TRACES
 
 __all__ = ["PLAN_HELP", "SHIPPED_MODELS", "DEFAULT_MEMORY_UTILIZATION", "add_arguments",
            "load_layout", "main"]
@@ -26,8 +27,11 @@ PLAN_HELP = ("KV capacity from a model config, no weights: bytes per token per l
 #: ``--model`` names that radixkv serve ships (its default model, the embedded GGUF).
 SHIPPED_MODELS = ("SmolLM2-135M-Instruct",)
 DEFAULT_MEMORY_UTILIZATION = 0.9
+#: ``--trace`` without a budget: radixkv serve's KV pool on CPU (``--kv-cache-memory`` 4).
+DEFAULT_TRACE_KV_MEMORY_BYTES = 4 * GIB
 # ValueError field prefixes of the library -> the flag that set the value.
-_FIELD_FLAGS = {"tp": "--tp", "block_size": "--block-size", "max_model_len": "--max-model-len",
+_FIELD_FLAGS = {"trace": "--trace", "concurrency": "--concurrency", "tp": "--tp",
+                "block_size": "--block-size", "max_model_len": "--max-model-len",
                 "kv_cache_dtype": "--kv-cache-dtype", "device_memory_gib": "--device-memory-gib",
                 "memory_utilization": "--memory-utilization"}
 
@@ -72,6 +76,10 @@ def _positive_int(text: str) -> int:
     return _int_in(text)
 
 
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _int_in(text)
+
+
 def _block_size(text: str) -> int:
     return _int_in(text, MAX_BLOCK_SIZE)
 
@@ -112,6 +120,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workspace-gib", type=_non_negative_gib, default=None, metavar="GIB",
                    help="activations and other non-KV memory per rank (default: 0)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--trace", default=None, choices=list(TRACES),
+                   help="also replay this agent trace (tokenized as radixkv bench serve sends "
+                        "it) through radixkv's radix tree and block pool of the planned size "
+                        "(default budget: radixkv serve's 4 GiB CPU pool)")
+    p.add_argument("--trace-path", default=None, metavar="PATH",
+                   help="the trace's transcript file (default: the shipped sample)")
+    p.add_argument("--concurrency", type=_positive_int, default=1, metavar="N",
+                   help="sessions in flight in the replay, as bench serve's closed loop "
+                        "(default: 1)")
+    p.add_argument("--max-tokens", type=_non_negative_int, default=16, metavar="TOKENS",
+                   help="output tokens of each replayed request (default: bench serve's, 16)")
 
 
 def load_layout(args: argparse.Namespace) -> KVLayout:
@@ -192,11 +211,29 @@ def main(args: argparse.Namespace) -> int:
         if plan.budget is not None and plan.max_model_len is None:
             raise ValueError("--max-model-len: the config states no max_position_embeddings; "
                              "give the worst-case sequence length")
+        result = None
+        if args.trace is not None:
+            from .replay import replay_sessions
+            from .trace_input import trace_prompts
+
+            num_blocks = plan.num_blocks
+            if num_blocks is None:  # radixkv serve's CPU default pool
+                num_blocks = DEFAULT_TRACE_KV_MEMORY_BYTES // plan.bytes_per_block
+            if num_blocks < 1:
+                raise ValueError("--kv-memory-gib: the budget holds no block")
+            result = replay_sessions(trace_prompts(args.trace, args.trace_path),
+                                     num_blocks=num_blocks, block_size=plan.block_size,
+                                     concurrency=args.concurrency, max_tokens=args.max_tokens)
     except ValueError as exc:
         print(f"radixkv plan: {_flag_message(exc)}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_to_dict(plan), indent=2))
+        out = plan_to_dict(plan)
+        if result is not None:
+            out["replay"] = {"trace": args.trace, **replay_to_dict(result)}
+        print(json.dumps(out, indent=2))
     else:
         print(plan_to_text(plan), end="")
+        if result is not None:
+            print(replay_to_text(result, args.trace), end="")
     return 0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from .capacity import GIB, CapacityPlan
+from .replay import ReplayResult
 
-__all__ = ["plan_to_dict", "plan_to_text", "format_bytes"]
+__all__ = ["plan_to_dict", "plan_to_text", "replay_to_dict", "replay_to_text", "format_bytes"]
 
 
 def format_bytes(num_bytes: int | float) -> str:
@@ -93,3 +95,25 @@ def plan_to_text(plan: CapacityPlan) -> str:
                              f"{plan.concurrent_seqs_all_tokens_kept:,}")
     lines += [f"note: {n}" for n in layout.notes]
     return "\n".join(lines) + "\n"
+
+
+def replay_to_dict(result: ReplayResult) -> dict[str, Any]:
+    """Every field of a replay (``--trace --json``, under ``replay``)."""
+    return asdict(result)
+
+
+def replay_to_text(result: ReplayResult, trace: str) -> str:
+    """The replay's lines under the plan's table."""
+    r = result
+    return "\n".join([
+        "",
+        f"replay of {trace}: {r.num_sessions} sessions, {r.num_requests} requests, "
+        f"{r.num_prompt_tokens:,} prompt tokens; concurrency {r.concurrency}, "
+        f"{r.max_tokens} output tokens each, pool {r.num_blocks:,} blocks",
+        f"token hit rate: {r.token_hit_rate:.4f} (per request p50 {r.request_hit_rate_p50:.4f}, "
+        f"p90 {r.request_hit_rate_p90:.4f})",
+        f"peak blocks: {r.peak_used_blocks:,} used (live + cached), {r.peak_live_blocks:,} live "
+        f"(live p50 {r.live_blocks_p50:g}, p99 {r.live_blocks_p99:g})",
+        f"tail waste: {r.tail_waste_fraction:.4f} of allocated slots; allocation failures: "
+        f"{r.allocation_failures}",
+    ]) + "\n"
