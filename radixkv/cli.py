@@ -483,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Its flags are the verify module's (radixkv.tools.verify.add_arguments), added by main()
     # when the command runs, so building this parser imports neither it nor torch.
     sub.add_parser("verify", help=VERIFY_HELP, add_help=False)
+    # radixkv.tools.plan imports no torch until a --gguf or --model is read.
+    from radixkv.tools.plan.command import PLAN_HELP
+    from radixkv.tools.plan.command import add_arguments as add_plan_args
+    add_plan_args(sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP))
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHES.items():
         bp = bench.add_parser(name, help=help_text)
@@ -535,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "chat":
         from radixkv.tools.chat import main as chat_main
         return chat_main(args)
+    if args.command == "plan":
+        from radixkv.tools.plan.command import main as plan_main
+        return plan_main(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -27,7 +27,8 @@ print("EXIT", code, "LOADED", sorted(m for m in {HEAVY!r} if m in sys.modules))
 
 
 @pytest.mark.parametrize("argv,usage", [
-    (["--help"], "usage: radixkv [-h] {serve,chat,export-hf,verify,bench} ..."),
+    (["--help"], "usage: radixkv [-h] {serve,chat,export-hf,verify,plan,bench} ..."),
+    (["plan", "--help"], "usage: radixkv plan [-h] (--config PATH | --gguf PATH | --model NAME)"),
     (["export-hf", "--help"], "usage: radixkv export-hf [-h] --out DIR [--model MODEL] [--force]"),
     (["chat", "--help"], "usage: radixkv chat [-h] [--url URL]"),
     (["bench", "eviction", "--help"], "usage: radixkv bench eviction [-h]"),
