@@ -355,3 +355,26 @@ def test_layer_group_rejects_bad_fields() -> None:
         LayerGroup(SLIDING, 4, 2, 64, None)
     with pytest.raises(ValueError, match="^kv_lora_rank: must be a positive int"):
         LayerGroup(MLA, 4, 1, 0, kv_lora_rank=0)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_served_families_match_the_pool_radixkv_sizes(family: str, kv_dtype: str) -> None:
+    """The families radixkv serves beside Llama (sliding and hybrid layouts included): its pool
+    keeps every layer of every token, which is the plan's ``bytes_per_token``."""
+    import transformers
+
+    from radixkv.model.hf_loader import shape_from_hf_config
+    from radixkv.model.runner import ModelRunner
+
+    classes = {"mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
+               "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}
+    config = json.loads(classes[family](
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        sliding_window=8).to_json_string())
+    plan = plan_capacity(layout_from_hf_config(config), kv_cache_dtype=kv_dtype, block_size=16)
+    per_layer = 2 * 2 * 32 * 4 if kv_dtype == "float32" else 2 * 2 * 32 + 2 * 2 * 4
+    assert plan.bytes_per_token == 6 * per_layer
+    assert plan.bytes_per_block == ModelRunner.bytes_per_block_for(
+        shape_from_hf_config(config), 16, torch.float32, kv_dtype)
