@@ -15,8 +15,35 @@ import os
 import pytest
 import torch
 
+from radixkv.kernels import native
+from radixkv.model.loader import LoadedModel, load_model
+from tests.conftest import make_tiny_model_dir
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="module", params=native.ISAS)
+def kernels(request: pytest.FixtureRequest) -> native.NativeKernels:
+    """The native C kernels of one ISA build (``avx512``, ``avx2``), a test per build this CPU
+    runs; skipped, naming the missing CPU features, for the others. A build the CPU can run but
+    that does not load (compiler, build errors) fails the test. (``test_native.py`` overrides it
+    with the build ``native.load()`` picks.)"""
+    isa = request.param
+    missing = native._missing_features(isa)
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} for the {isa} build")
+    lib = native.load(isa)
+    assert lib is not None, f"the {isa} build did not load (see the log: compiler, build errors)"
+    assert lib.isa == isa
+    return lib
+
+
+@pytest.fixture(scope="session")
+def tiny_d32(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny random model with head_dim 32 (the native decode kernel's smallest; 16 it does
+    not take), fp32."""
+    return load_model(str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-d32"), head_dim=32)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -112,6 +112,20 @@ def make_paged_batch(seqs: list[tuple[int, int]], *, block_size: int, heads: tup
     return batch
 
 
+def decode_pools(kv_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, *, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k_pool, v_pool, block_tables)`` on the CPU for a decode over ``kv_lens`` cached tokens
+    per sequence: :func:`make_paged_batch` with no suffix and two spare blocks, so every slot no
+    sequence owns is NaN (a read past a sequence's keys or of a foreign block shows) and each
+    table has a ``-1`` column past its blocks. Pools ``[M, B, Hkv, D]`` of ``dtype``, tables
+    ``[N, max_blocks + 1]`` int32."""
+    batch = make_paged_batch([(n, 0) for n in kv_lens], block_size=block_size,
+                             heads=(num_kv_heads, num_kv_heads), head_dim=head_dim, dtype=dtype,
+                             seed=seed, spare_blocks=2, device=torch.device("cpu"))
+    return batch.k_pool, batch.v_pool, batch.block_tables
+
+
 def reference_extend(batch: PagedBatch, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The torch reference on fp32 copies of the batch (fp32 math on the same rounded inputs)."""
     f = [t.float() if t.is_floating_point() else t for t in batch.args()]

@@ -16,9 +16,9 @@ import torch
 
 from radixkv.kernels import native, reference
 from radixkv.kernels.paged_sdpa import plan_attention
-from radixkv.model.loader import LoadedModel, load_model
+from radixkv.model.loader import LoadedModel
 from radixkv.model.runner import ModelRunner
-from tests.conftest import make_tiny_model_dir
+from tests.kernels.paged import decode_pools
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="the native kernels are x86-64 (AVX2) only")
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "am
 
 @pytest.fixture(scope="module")
 def kernels() -> native.NativeKernels:
+    """The build ``native.load()`` picks for this CPU (conftest's ``kernels`` runs every build)."""
     lib = native.load()
     assert lib is not None, "the native kernels did not build (see the log: compiler, CPU flags)"
     return lib
@@ -55,32 +56,6 @@ def test_linear_takes_a_strided_x_and_names_bad_arguments(kernels) -> None:
         native.linear(kernels, torch.randn(2, 16), torch.randn(3, 16), torch.randn(4))
 
 
-def _pools_and_tables(kv_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
-                      seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in kv_lens]
-    num_pool_blocks = sum(blocks) + 3
-    shape = (num_pool_blocks, block_size, num_kv_heads, head_dim)
-    # Every slot nobody reads is NaN: a read past a sequence's keys or of a foreign block shows.
-    k_pool = torch.full(shape, float("nan"))
-    v_pool = torch.full(shape, float("nan"))
-    order = torch.randperm(num_pool_blocks, generator=gen)
-    tables = torch.full((len(kv_lens), max(blocks) + 2), -1, dtype=torch.int32)
-    used = 0
-    for i, (n, nb) in enumerate(zip(kv_lens, blocks)):
-        ids = order[used:used + nb]
-        used += nb
-        tables[i, :nb] = ids.to(torch.int32)
-        flat_k = torch.randn(nb * block_size, num_kv_heads, head_dim, generator=gen)
-        flat_v = torch.randn(nb * block_size, num_kv_heads, head_dim, generator=gen)
-        for j, b in enumerate(ids.tolist()):
-            rows = slice(j * block_size, min((j + 1) * block_size, n))
-            count = rows.stop - rows.start
-            k_pool[b, :count] = flat_k[rows]
-            v_pool[b, :count] = flat_v[rows]
-    return k_pool, v_pool, tables
-
-
 @pytest.mark.parametrize(("kv_lens", "block_size", "heads", "head_dim", "window_left", "chunk"), [
     ([1, 17, 300, 1000], 16, (9, 3), 64, -1, 256),   # SmolLM2's heads, ragged, chunk merge
     ([33, 5, 64], 1, (4, 4), 32, -1, 7),             # page size 1, no GQA, odd chunk
@@ -91,7 +66,7 @@ def _pools_and_tables(kv_lens: list[int], block_size: int, num_kv_heads: int, he
 def test_paged_decode_matches_reference(kernels, kv_lens, block_size, heads, head_dim, window_left,
                                         chunk) -> None:
     num_q_heads, num_kv_heads = heads
-    k_pool, v_pool, tables = _pools_and_tables(kv_lens, block_size, num_kv_heads, head_dim, seed=len(kv_lens))
+    k_pool, v_pool, tables = decode_pools(kv_lens, block_size, num_kv_heads, head_dim, seed=len(kv_lens))
     gen = torch.Generator().manual_seed(7)
     n = len(kv_lens)
     # Queries sit at rows 2, 0, 5 … of a larger packed batch, in that order.
@@ -111,7 +86,7 @@ def test_paged_decode_matches_reference(kernels, kv_lens, block_size, heads, hea
 
 
 def test_paged_decode_refuses_what_it_cannot_run(kernels) -> None:
-    k_pool, v_pool, tables = _pools_and_tables([5], 4, 2, 16, seed=1)  # D = 16: not a multiple of 32
+    k_pool, v_pool, tables = decode_pools([5], 4, 2, 16, seed=1)  # D = 16: not a multiple of 32
     assert not native.decode_supported(2, 2, 16) and native.decode_supported(9, 3, 64)
     q = torch.randn(1, 2, 16)
     with pytest.raises(ValueError, match="native decode refused"):
@@ -124,7 +99,7 @@ def test_paged_decode_refuses_what_it_cannot_run(kernels) -> None:
 
 def test_paged_decode_names_mismatched_shapes_and_rows(kernels) -> None:
     # Checked in Python: the C kernel indexes q by q_rows and reads N rows of lens and tables.
-    k_pool, v_pool, tables = _pools_and_tables([5, 9], 4, 1, 32, seed=2)
+    k_pool, v_pool, tables = decode_pools([5, 9], 4, 1, 32, seed=2)
     lens = torch.tensor([5, 9], dtype=torch.int32)
     rows = torch.tensor([0, 2], dtype=torch.int64)
     q = torch.randn(3, 2, 32)
@@ -155,12 +130,6 @@ def test_plan_checks_native_decode_tables(kernels) -> None:
         plan_attention(torch.tensor([[0, -1]]), torch.tensor([4]), torch.tensor([0, 1]),
                        torch.tensor([4]), block_size=4, num_pool_blocks=2, head_dim=8,
                        native_kernels=kernels)
-
-
-@pytest.fixture(scope="module")
-def tiny_d32(tmp_path_factory) -> LoadedModel:
-    """The tiny model with head_dim 32, which the native decode kernel takes (16 it does not)."""
-    return load_model(str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-d32"), head_dim=32)))
 
 
 def test_runner_with_native_kernels_matches_torch_on_a_mixed_step(tiny_d32: LoadedModel, kernels) -> None:

@@ -32,17 +32,6 @@ pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "am
 ATOL = RTOL = 2e-5
 
 
-@pytest.fixture(scope="module", params=list(native.ISAS))
-def kernels(request: pytest.FixtureRequest) -> native.NativeKernels:
-    isa = request.param
-    if isa not in native.cpu_isas():
-        pytest.skip(f"this CPU cannot run the {isa} build")
-    lib = native.load(isa)
-    assert lib is not None, f"the {isa} native kernels did not build (see the log)"
-    assert lib.isa == isa
-    return lib
-
-
 def _run(kernels: native.NativeKernels, seqs: list[tuple[int, int]], *, block_size: int,
          heads: tuple[int, int] = (9, 3), head_dim: int = 64, window_left: int = -1,
          dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,21 +32,10 @@ from radixkv.kernels import native, reference
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner
 from tests.conftest import make_tiny_model_dir
+from tests.kernels.paged import decode_pools
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="the native kernels are x86-64 (AVX2 or AVX-512) only")
-
-
-@pytest.fixture(scope="module", params=native.ISAS)
-def kernels(request) -> native.NativeKernels:
-    isa = request.param
-    missing = native._missing_features(isa)
-    if missing:
-        pytest.skip(f"this CPU lacks {', '.join(missing)} for the {isa} build")
-    lib = native.load(isa)
-    assert lib is not None, f"the {isa} build did not load (see the log: compiler, build errors)"
-    assert lib.isa == isa
-    return lib
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -81,33 +70,6 @@ def test_linear_rejects_mixed_dtypes(kernels) -> None:
                       torch.randn(3, dtype=torch.float16))
 
 
-def _pools(kv_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-           seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pools with each sequence's keys in shuffled blocks, every unread slot NaN (a read past a
-    sequence's keys shows), and their block tables (-1 past the used blocks)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in kv_lens]
-    num_pool_blocks = sum(blocks) + 2
-    shape = (num_pool_blocks, block_size, num_kv_heads, head_dim)
-    k_pool = torch.full(shape, float("nan"), dtype=dtype)
-    v_pool = torch.full(shape, float("nan"), dtype=dtype)
-    order = torch.randperm(num_pool_blocks, generator=gen)
-    tables = torch.full((len(kv_lens), max(blocks) + 1), -1, dtype=torch.int32)
-    used = 0
-    for i, (n, nb) in enumerate(zip(kv_lens, blocks)):
-        ids = order[used:used + nb]
-        used += nb
-        tables[i, :nb] = ids.to(torch.int32)
-        flat_k = torch.randn(nb * block_size, num_kv_heads, head_dim, generator=gen)
-        flat_v = torch.randn(nb * block_size, num_kv_heads, head_dim, generator=gen)
-        for j, b in enumerate(ids.tolist()):
-            rows = slice(j * block_size, min((j + 1) * block_size, n))
-            count = rows.stop - rows.start
-            k_pool[b, :count] = flat_k[rows].to(dtype)
-            v_pool[b, :count] = flat_v[rows].to(dtype)
-    return k_pool, v_pool, tables
-
-
 @pytest.mark.parametrize(("kv_lens", "block_size", "heads", "head_dim", "window_left", "chunk"), [
     ([1, 17, 300, 515], 16, (9, 3), 64, -1, 256),   # SmolLM2's heads, ragged, chunk merge
     ([33, 5, 64], 1, (4, 4), 32, -1, 7),            # page size 1, no GQA, D 32 (< one 64-dim block)
@@ -119,7 +81,7 @@ def _pools(kv_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int
 def test_paged_decode_matches_reference(kernels, kv_lens, block_size, heads, head_dim, window_left,
                                         chunk, dtype) -> None:
     num_q_heads, num_kv_heads = heads
-    k_pool, v_pool, tables = _pools(kv_lens, block_size, num_kv_heads, head_dim, dtype, seed=len(kv_lens))
+    k_pool, v_pool, tables = decode_pools(kv_lens, block_size, num_kv_heads, head_dim, dtype, seed=len(kv_lens))
     gen = torch.Generator().manual_seed(11)
     n = len(kv_lens)
     rows = torch.tensor([2, 0, 5, 3][:n], dtype=torch.int64)
@@ -138,7 +100,7 @@ def test_paged_decode_matches_reference(kernels, kv_lens, block_size, heads, hea
 
 
 def test_paged_decode_bf16_queries_write_bf16_rows(kernels) -> None:
-    k_pool, v_pool, tables = _pools([50, 7], 4, 2, 64, torch.bfloat16, seed=3)
+    k_pool, v_pool, tables = decode_pools([50, 7], 4, 2, 64, torch.bfloat16, seed=3)
     q = torch.randn(3, 6, 64).to(torch.bfloat16)
     rows = torch.tensor([2, 0], dtype=torch.int64)
     lens = torch.tensor([50, 7], dtype=torch.int32)
@@ -172,7 +134,7 @@ def test_decode_layer_matches_torch(kernels, kv_lens, hidden, inter, heads, head
                                     window_left, bias, dtype) -> None:
     num_q_heads, num_kv_heads = heads
     n = len(kv_lens)
-    k_pool, v_pool, tables = _pools(kv_lens, block_size, num_kv_heads, head_dim, dtype, seed=n)
+    k_pool, v_pool, tables = decode_pools(kv_lens, block_size, num_kv_heads, head_dim, dtype, seed=n)
     gen = torch.Generator().manual_seed(n + hidden)
     qkv_n = (num_q_heads + 2 * num_kv_heads) * head_dim
 
@@ -223,7 +185,7 @@ def test_decode_layer_matches_torch(kernels, kv_lens, hidden, inter, heads, head
 
 
 def test_decode_layer_rejects_mixed_dtypes(kernels) -> None:
-    k_pool, v_pool, tables = _pools([3], 4, 1, 32, torch.bfloat16, seed=1)
+    k_pool, v_pool, tables = decode_pools([3], 4, 1, 32, torch.bfloat16, seed=1)
     step = native.DecodeStep(slots=torch.tensor([2]), block_tables=tables,
                              kv_lens=torch.tensor([3], dtype=torch.int32), q_rows=torch.tensor([0]),
                              cos=torch.ones(1, 32), sin=torch.zeros(1, 32), sm_scale=0.2, window_left=-1,
@@ -333,7 +295,8 @@ def test_isa_env_and_argument(monkeypatch, caplog) -> None:
 def test_a_cpu_without_avx512_gets_the_avx2_build(monkeypatch, caplog) -> None:
     flags = native._cpu_flags()
     assert flags is not None and "avx2" in flags
-    monkeypatch.setattr(native, "_cpu_flags", lambda: flags - {"avx512bw", "avx512dq"})
+    reduced = flags - {"avx512bw", "avx512dq"}
+    monkeypatch.setattr(native, "_cpu_flags", lambda: reduced)
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setattr(native, "_logged", set())
     assert native.cpu_isas() == ["avx2"]
@@ -341,7 +304,10 @@ def test_a_cpu_without_avx512_gets_the_avx2_build(monkeypatch, caplog) -> None:
         assert native.load("avx512") is None
         auto = native.load("auto")
     assert auto is not None and auto.isa == "avx2"
-    assert "lacks avx512bw, avx512dq for the avx512 build" in caplog.text
+    # avx512bw and avx512dq on an AVX-512 CPU; all four on a CPU with AVX2 only.
+    missing = [f for f in native._CPU_FLAGS["avx512"] if f not in reduced]
+    assert {"avx512bw", "avx512dq"} <= set(missing)
+    assert f"lacks {', '.join(missing)} for the avx512 build" in caplog.text
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags - {"avx2"})
     monkeypatch.setattr(native, "_state", {})
     assert native.cpu_isas() == [] and native.load() is None

@@ -32,25 +32,13 @@ import torch.nn.functional as F
 
 from radixkv.kernels import kv_quant, native, native_attention, reference
 from radixkv.model.llama import LlamaForward
-from radixkv.model.loader import LoadedModel, load_model
-from tests.conftest import make_tiny_model_dir
+from radixkv.model.loader import LoadedModel
+from tests.kernels.paged import make_paged_batch
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="the native kernels are x86-64 (AVX2 or AVX-512) only")
 
 FORMATS = ["int8", "fp8_e4m3"]
-
-
-@pytest.fixture(scope="module", params=native.ISAS)
-def kernels(request) -> native.NativeKernels:
-    isa = request.param
-    missing = native._missing_features(isa)
-    if missing:
-        pytest.skip(f"this CPU lacks {', '.join(missing)} for the {isa} build")
-    lib = native.load(isa)
-    assert lib is not None, f"the {isa} build did not load (see the log: compiler, build errors)"
-    assert lib.isa == isa
-    return lib
 
 
 def _fmt(name: str) -> kv_quant.KVFormat:
@@ -199,34 +187,28 @@ def test_kernels_read_every_stored_value_exactly(kernels, name: str) -> None:
 
 def _quantized_pools(kv_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
                      fmt: kv_quant.KVFormat, seed: int):
-    """Pools with each sequence's keys quantized by ``quantize_kv`` into shuffled blocks, random
-    bytes and NaN scales in every slot no sequence owns, block tables (-1 past the used blocks),
-    and the dequantized pools (what attention must read)."""
+    """Pools with each sequence's keys (values: x3) quantized by ``quantize_kv`` into the
+    shuffled blocks of :func:`make_paged_batch`'s tables (-1 past the used blocks, two spare
+    blocks), random bytes and NaN scales in every slot no sequence owns, and the dequantized
+    pools (what attention must read)."""
+    batch = make_paged_batch([(n, 0) for n in kv_lens], block_size=block_size,
+                             heads=(num_kv_heads, num_kv_heads), head_dim=head_dim, seed=seed,
+                             spare_blocks=2, device=torch.device("cpu"))
+    shape = batch.k_pool.shape
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in kv_lens]
-    num_pool_blocks = sum(blocks) + 2
-    shape = (num_pool_blocks, block_size, num_kv_heads, head_dim)
     k_pool = torch.randint(0, 0x7F, shape, generator=gen, dtype=torch.uint8).view(fmt.storage_dtype)
     v_pool = torch.randint(0, 0x7F, shape, generator=gen, dtype=torch.uint8).view(fmt.storage_dtype)
     k_scales = torch.full(shape[:3], math.nan)
     v_scales = torch.full(shape[:3], math.nan)
-    order = torch.randperm(num_pool_blocks, generator=gen)
-    tables = torch.full((len(kv_lens), max(blocks) + 1), -1, dtype=torch.int32)
-    used = 0
-    for i, (n, nb) in enumerate(zip(kv_lens, blocks)):
-        ids = order[used:used + nb]
-        used += nb
-        tables[i, :nb] = ids.to(torch.int32)
-        kq, ks = kv_quant.quantize_kv(torch.randn(n, num_kv_heads, head_dim, generator=gen), fmt)
-        vq, vs = kv_quant.quantize_kv(torch.randn(n, num_kv_heads, head_dim, generator=gen) * 3, fmt)
-        for j, b in enumerate(ids.tolist()):
-            rows = slice(j * block_size, min((j + 1) * block_size, n))
-            count = rows.stop - rows.start
-            k_pool[b, :count], k_scales[b, :count] = kq[rows], ks[rows]
-            v_pool[b, :count], v_scales[b, :count] = vq[rows], vs[rows]
+    for i, n in enumerate(kv_lens):
+        slots = batch.slots(i, range(n))
+        kq, ks = kv_quant.quantize_kv(batch.prefix_k[i], fmt)
+        vq, vs = kv_quant.quantize_kv(batch.prefix_v[i] * 3, fmt)
+        k_pool.flatten(0, 1)[slots], k_scales.flatten(0, 1)[slots] = kq, ks
+        v_pool.flatten(0, 1)[slots], v_scales.flatten(0, 1)[slots] = vq, vs
     k_deq = kv_quant.dequantize_kv(k_pool.flatten(0, 1), k_scales.flatten(0, 1)).view(shape)
     v_deq = kv_quant.dequantize_kv(v_pool.flatten(0, 1), v_scales.flatten(0, 1)).view(shape)
-    return k_pool, v_pool, k_scales, v_scales, tables, k_deq, v_deq
+    return k_pool, v_pool, k_scales, v_scales, batch.block_tables, k_deq, v_deq
 
 
 @pytest.mark.parametrize(("kv_lens", "block_size", "heads", "head_dim", "window_left", "chunk"), [
@@ -380,12 +362,6 @@ def test_decode_layer_quantizes_its_write_and_attends_over_it(kernels, kv_lens, 
     gate, up = (_rms(h, post_norm, eps) @ wf["gate_up_weight"].T).chunk(2, -1)
     want = h + (F.silu(gate) * up) @ wf["down_weight"].T
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-@pytest.fixture(scope="module")
-def tiny_d32(tmp_path_factory) -> LoadedModel:
-    """The tiny model with head_dim 32 (the native decode kernel's smallest), fp32."""
-    return load_model(str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-d32"), head_dim=32)))
 
 
 class _QuantizedTorchCache:
