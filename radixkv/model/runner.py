@@ -140,6 +140,9 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype: {problem}")
         self.model = model
         self.shape: ModelShape = model.shape
+        # Layers beyond Llama's: FamilyForward, attention routed per layer (checked once here,
+        # not per step).
+        self._family_layers = not self.shape.plain_llama
         self.dtype = model.dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -378,7 +381,7 @@ class ModelRunner:
         """
         batch = batch.to(self.device)
         rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
-        if not self.shape.plain_llama:
+        if self._family_layers:
             return self.forward_model.forward(batch.input_ids, batch.positions,
                                               self._family_attention(batch), rows, lora=batch.lora)
         window_left = self.shape.window_left
