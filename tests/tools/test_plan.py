@@ -143,6 +143,10 @@ def test_explicit_layer_types_and_qwen_max_window_layers() -> None:
     qwen = {**QWEN3_8B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28}
     assert [(g.kind, g.num_layers) for g in layout_from_hf_config(qwen).groups] == [
         (FULL, 28), (SLIDING, 8)]
+    # No max_window_layers: transformers' default 28, as radixkv serve (hf_loader) reads it.
+    no_first = {k: v for k, v in qwen.items() if k != "max_window_layers"}
+    assert [(g.kind, g.num_layers) for g in layout_from_hf_config(no_first).groups] == [
+        (FULL, 28), (SLIDING, 8)]
     assert [g.kind for g in layout_from_hf_config({**LLAMA3_8B, "sliding_window": 4096}).groups] == [FULL]
 
 
@@ -249,6 +253,8 @@ def _exit(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
     ({k: v for k, v in LLAMA3_8B.items() if k != "num_hidden_layers"}, "num_hidden_layers: the config lacks it"),
     ({**LLAMA3_8B, "layer_types": ["chunked_attention"] * 32}, "layer_types: unsupported layer type"),
     ({**LLAMA3_8B, "torch_dtype": "int4"}, "torch_dtype: 'int4' is not one of"),
+    ({**LLAMA3_8B, "torch_dtype": ["bfloat16"]}, "torch_dtype: ['bfloat16'] is not one of"),
+    ({**LLAMA3_8B, "torch_dtype": {"text": "bfloat16"}}, "torch_dtype: {'text': 'bfloat16'} is not one of"),
     ({**GEMMA3_1B, "sliding_window": None}, "sliding_window: the config lacks it"),
     ({**LLAMA3_8B, "attention_chunk_size": 8192}, "attention_chunk_size: chunked attention"),
 ])
@@ -275,11 +281,24 @@ def test_unreadable_config_and_unknown_model_exit_2(tmp_path: Path, capsys) -> N
     (["--device-memory-gib", "16"], "--device-memory-gib: 16.0 GiB × 0.9 leaves nothing"),
     (["--kv-memory-gib", "8", "--device-memory-gib", "80"], "not allowed with argument"),
     (["--kv-cache-dtype", "int4"], "--kv-cache-dtype: invalid choice"),
+    # 1e300 GiB is inf bytes: int() of it raised OverflowError (a traceback) before the bound.
+    (["--kv-memory-gib", "1e300"], "--kv-memory-gib: expected a number in (0, 1.67423e+299]"),
+    (["--device-memory-gib", "1e300"], "--device-memory-gib: expected a number in (0, 1.67423e+299]"),
+    (["--device-memory-gib", "80", "--weights-gib", "1e300"],
+     "--weights-gib: expected a number in [0, 1.67423e+299]"),
+    (["--max-tokens", "-1"], "--max-tokens: expected an int >= 0, got '-1'"),
+    # 1 GiB − int(0.999 GiB) = 1,073,742 B, under one 2 MiB block: the flag that set it is named.
+    (["--device-memory-gib", "1", "--memory-utilization", "1", "--weights-gib", "0.999",
+      "--trace", "tau-bench"], "--device-memory-gib: the budget holds no block of 2,097,152 B"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(tmp_path: Path, capsys, flags, message) -> None:
     directory = _write_config(tmp_path, LLAMA3_8B)
     code, err = _exit(["--config", str(directory), *flags], capsys)
     assert code == 2 and message in err, err
+
+
+def test_max_tokens_zero_is_accepted() -> None:
+    assert _parse(["--config", "x", "--max-tokens", "0"]).max_tokens == 0
 
 
 def test_moe_budget_needs_weights_gib(tmp_path: Path, capsys) -> None:

@@ -44,17 +44,22 @@ def _number(text: str, *, minimum: float, inclusive: bool, maximum: float | None
     low_ok = value >= minimum if inclusive else value > minimum
     if not (math.isfinite(value) and low_ok and (maximum is None or value <= maximum)):
         bound = (f"{'>=' if inclusive else '>'} {minimum:g}" if maximum is None
-                 else f"in ({minimum:g}, {maximum:g}]")
+                 else f"in {'[' if inclusive else '('}{minimum:g}, {maximum:g}]")
         raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}")
     return value
 
 
+#: The largest GiB a budget flag takes: its bytes (``× 2**30``) must stay a finite float, or
+#: ``int(gib × GIB)`` raises OverflowError.
+_MAX_GIB = sys.float_info.max / GIB
+
+
 def _positive_gib(text: str) -> float:
-    return _number(text, minimum=0.0, inclusive=False)
+    return _number(text, minimum=0.0, inclusive=False, maximum=_MAX_GIB)
 
 
 def _non_negative_gib(text: str) -> float:
-    return _number(text, minimum=0.0, inclusive=True)
+    return _number(text, minimum=0.0, inclusive=True, maximum=_MAX_GIB)
 
 
 def _utilization(text: str) -> float:
@@ -77,7 +82,13 @@ def _positive_int(text: str) -> int:
 
 
 def _non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else _int_in(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
 
 
 def _block_size(text: str) -> int:
@@ -220,7 +231,9 @@ def main(args: argparse.Namespace) -> int:
             if num_blocks is None:  # radixkv serve's CPU default pool
                 num_blocks = DEFAULT_TRACE_KV_MEMORY_BYTES // plan.bytes_per_block
             if num_blocks < 1:
-                raise ValueError("--kv-memory-gib: the budget holds no block")
+                flag = "--kv-memory-gib" if args.kv_memory_gib is not None else "--device-memory-gib"
+                raise ValueError(f"{flag}: the budget holds no block of "
+                                 f"{plan.bytes_per_block:,} B")
             result = replay_sessions(trace_prompts(args.trace, args.trace_path),
                                      num_blocks=num_blocks, block_size=plan.block_size,
                                      concurrency=args.concurrency, max_tokens=args.max_tokens)

@@ -5,7 +5,8 @@ Which layers slide, as the transformers config classes define it (transformers 4
 - an explicit ``layer_types`` list (``full_attention`` / ``sliding_attention``) wins;
 - Gemma 3 (``gemma3``, ``gemma3_text``): every ``sliding_window_pattern``-th layer (default 6)
   is full, the rest slide (``Gemma3TextConfig``); Gemma 2: every second layer is full;
-- Qwen2 / Qwen3 with ``use_sliding_window``: layers from ``max_window_layers`` on slide;
+- Qwen2 / Qwen3 with ``use_sliding_window``: layers from ``max_window_layers`` (default 28)
+  on slide;
 - Llama ignores ``sliding_window``; any other model with one slides in every layer (Mistral).
 
 MLA (DeepSeek-V2/V3, any config with ``kv_lora_rank``) caches one latent of ``kv_lora_rank +
@@ -102,7 +103,9 @@ def _layer_kinds(config: dict[str, Any], num_layers: int) -> list[str]:
     if "use_sliding_window" in config:
         if not config["use_sliding_window"] or config.get("sliding_window") is None:
             return [FULL] * num_layers
-        first = config.get("max_window_layers", 0)
+        # Absent, transformers' Qwen2Config / Qwen3Config default (28) applies, as radixkv
+        # serve reads it (model/hf_loader.py): layers 0-27 stay full, not all slide.
+        first = config.get("max_window_layers", 28)
         if type(first) is not int or first < 0:
             raise ValueError(f"max_window_layers: must be an int >= 0, got {first!r}")
         return [SLIDING if i >= first else FULL for i in range(num_layers)]
@@ -116,7 +119,8 @@ def _torch_dtype(config: dict[str, Any]) -> tuple[str, str | None]:
     dtype = config.get("torch_dtype", config.get("dtype"))
     if dtype is None:
         return "float32", "the config names no torch_dtype: auto = float32"
-    if dtype not in FLOAT_DTYPE_BYTES:
+    # A list or dict here is junk, and unhashable: test membership only for a str.
+    if not isinstance(dtype, str) or dtype not in FLOAT_DTYPE_BYTES:
         raise ValueError(f"torch_dtype: {dtype!r} is not one of {', '.join(FLOAT_DTYPE_BYTES)}")
     return str(dtype), None
 
