@@ -48,6 +48,7 @@ Usage::
 
 # No ``from __future__ import annotations``: the CLI loads this file by path.
 import argparse
+import functools
 import importlib
 import importlib.util
 import json
@@ -60,7 +61,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _kernels_timing import (  # noqa: E402
     _PKG,
     KV_QUANT_NAMES,
-    _extend_args,
     _make_timer,
     _max_err,
     _paged_inputs,
@@ -99,6 +99,7 @@ def load_kernels() -> tuple[Any, Any]:
     if _PKG not in sys.modules:
         spec = importlib.util.spec_from_file_location(_PKG, KERNELS_DIR / "__init__.py",
                                                       submodule_search_locations=[str(KERNELS_DIR)])
+        assert spec is not None and spec.loader is not None  # a .py file always has both
         module = importlib.util.module_from_spec(spec)
         sys.modules[_PKG] = module
         spec.loader.exec_module(module)
@@ -108,75 +109,15 @@ def load_kernels() -> tuple[Any, Any]:
 # ----------------------------------------------------------------------------- checks
 
 
-def run_checks(torch, reference, ops, device, dtype, heads, smoke: bool) -> list[dict]:
-    """Each kernel against the reference (fp32 math on the same inputs); NaN-poisoned pools."""
-    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
-    if smoke:
-        ext_seqs, dec_lens, num_write = [(0, 17), (20, 5), (3, 1)], [1, 15, 40], 37
-    else:
-        ext_seqs, dec_lens = [(0, 1024), (3000, 1000), (17, 1), (100, 77)], [1, 15, 1000, 4096]
-        num_write = 4096
-    checks = []
+def run_checks(torch, reference, ops, kvq, device, dtype, heads, smoke: bool) -> list[dict]:
+    """Each kernel against the reference (fp32 math on the same inputs), once per KV format.
 
-    def record(name: str, fn: Callable[[], tuple[float, float]]) -> None:
-        try:
-            err, limit = fn()
-            checks.append({"check": name, "max_abs_err": err, "tol": limit, "ok": bool(err <= limit)})
-        except Exception as exc:  # noqa: BLE001 - a failed check must not stop the run
-            checks.append({"check": name, "error": f"{type(exc).__name__}: {exc}", "ok": False})
-
-    def f32(x):
-        return [t.float() if t.is_floating_point() else t for t in _extend_args(x)]
-
-    for block_size in (1, 16, 64):
-        for dt in ([dtype, torch.float32] if block_size == 16 else [dtype]):
-            def extend_check(block_size=block_size, dt=dt):
-                x = _paged_inputs(torch, ext_seqs, block_size, heads, dt, device, seed=block_size,
-                                  poison=True)
-                out = torch.full_like(x["q"], float("nan"))
-                got, lse = ops.extend_attention(*_extend_args(x), max_q_len=x["max_q_len"], out=out,
-                                                return_lse=True)
-                want, want_lse = reference.extend_attention(*f32(x), max_q_len=x["max_q_len"],
-                                                            return_lse=True)
-                return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dt]
-            record(f"extend B={block_size} {str(dt)[6:]} seqs={ext_seqs}", extend_check)
-
-        def decode_check(block_size=block_size):
-            x = _paged_inputs(torch, [(n, 1) for n in dec_lens], block_size, heads, dtype, device,
-                              seed=block_size + 1, poison=True)
-            kv_lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
-            got, lse = ops.decode_attention(x["q"], x["k_pool"], x["v_pool"], x["block_tables"], kv_lens,
-                                            out=torch.full_like(x["q"], float("nan")), return_lse=True)
-            want, want_lse = reference.decode_attention(x["q"].float(), x["k_pool"].float(),
-                                                        x["v_pool"].float(), x["block_tables"], kv_lens,
-                                                        return_lse=True)
-            return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dtype]
-        record(f"decode B={block_size} {str(dtype)[6:]} kv_lens={dec_lens}", decode_check)
-
-    def write_check():
-        hkv, d = heads["num_kv_heads"], heads["head_dim"]
-        slots = torch.randperm(2 * num_write, generator=torch.Generator().manual_seed(0))[:num_write]
-        slots[::7] = -1
-        slots = slots.to(device)
-        k = torch.randn(num_write, hkv, d, dtype=dtype, device=device)
-        pools = [torch.full((-(-2 * num_write // 16), 16, hkv, d), float("nan"), dtype=dtype, device=device)
-                 for _ in range(4)]
-        ops.paged_kv_write(k, -k, pools[0], pools[1], slots)
-        reference.paged_kv_write(k, -k, pools[2], pools[3], slots)
-        same = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
-                   for a, b in ((pools[0], pools[2]), (pools[1], pools[3])))
-        return (0.0 if same else float("inf")), 0.0
-    record(f"paged_kv_write B=16 {str(dtype)[6:]} T={num_write}", write_check)
-    return checks
-
-
-def run_kvquant_checks(torch, reference, ops, kvq, device, dtype, heads, smoke: bool) -> list[dict]:
-    """The kernels over int8 / fp8_e4m3 pools (block size 16, NaN scales in unwritten slots).
-
-    The write must store ``kv_quant.quantize_kv``'s bytes and scales exactly (tolerance 0);
-    extend and decode run over pools the kernel wrote (prefix and suffix rows, as the runner
-    does) and are compared with the reference on the dequantized pools in fp32 (the extend
-    suffix as ``dequantize(quantize(k))``), with the unquantized checks' tolerances.
+    Unquantized pools (``dtype``; block sizes 1 / 16 / 64, extend also fp32 at 16) hold the
+    prefixes with every other slot NaN. Quantized pools (``KV_QUANT_NAMES``, block size 16)
+    are written by the kernel (prefix and suffix rows, as the runner does), NaN scales in every
+    unwritten slot, and read by the reference dequantized in fp32 (the extend suffix as
+    ``dequantize(quantize(k))``). The write must equal the reference write bit for bit (for a
+    quantized pool: ``kv_quant.quantize_kv``'s bytes and scales), tolerance 0.
     """
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
     hkv, d = heads["num_kv_heads"], heads["head_dim"]
@@ -194,78 +135,94 @@ def run_kvquant_checks(torch, reference, ops, kvq, device, dtype, heads, smoke: 
         except Exception as exc:  # noqa: BLE001 - a failed check must not stop the run
             checks.append({"check": name, "error": f"{type(exc).__name__}: {exc}", "ok": False})
 
-    def empty_pools(shape, fmt):
-        """``[k_pool, v_pool, k_scales, v_scales]``: zero values, NaN scales (unwritten slots)."""
-        zeros = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(2)]
-        values = [t.view(fmt.storage_dtype) for t in zeros]
-        return values + [torch.full(shape[:3], float("nan"), device=device) for _ in range(2)]
+    def empty_pools(shape, fmt, dt):
+        """``(k_pool, v_pool, scale kwargs)`` with nothing written: NaN values (unquantized), or
+        zero bytes and NaN scales (quantized)."""
+        if fmt is None:
+            return (torch.full(shape, float("nan"), dtype=dt, device=device),
+                    torch.full(shape, float("nan"), dtype=dt, device=device), {})
+        k_pool, v_pool = (torch.zeros(shape, dtype=torch.uint8, device=device).view(fmt.storage_dtype)
+                          for _ in range(2))
+        return k_pool, v_pool, {"k_scale_pool": torch.full(shape[:3], float("nan"), device=device),
+                                "v_scale_pool": torch.full(shape[:3], float("nan"), device=device)}
 
-    def written_pools(x, seqs, fmt):
-        """Quantized pools holding every prefix and suffix row of ``x``, written by the kernel."""
-        shape = tuple(x["k_pool"].shape)
-        pools = empty_pools(shape, fmt)
-        scales = {"k_scale_pool": pools[2], "v_scale_pool": pools[3]}
-        block_size = shape[1]
+    def pools_under_test(x, seqs, fmt):
+        """``(k_pool, v_pool, scale kwargs)`` the kernel reads and the fp32 ``(k, v)`` pools the
+        reference reads: ``x``'s own pools, or quantized pools the kernel wrote every prefix
+        and suffix row of ``x`` into."""
+        if fmt is None:
+            return x["k_pool"], x["v_pool"], {}, x["k_pool"].float(), x["v_pool"].float()
+        k_pool, v_pool, scales = empty_pools(tuple(x["k_pool"].shape), fmt, None)
+        block_size = k_pool.shape[1]
         for i, (p, ln) in enumerate(seqs):
             prefix = x["prefix_slots"][i]
             ops.paged_kv_write(x["k_pool"].flatten(0, 1)[prefix], x["v_pool"].flatten(0, 1)[prefix],
-                               pools[0], pools[1], prefix, **scales)
+                               k_pool, v_pool, prefix, **scales)
             pos = torch.arange(p, p + ln, device=device)
             suffix = x["block_tables"][i].long()[pos // block_size] * block_size + pos % block_size
             lo = x["indptr"][i]  # the first ln of the sequence's rows (decode checks pass ln = 0)
-            ops.paged_kv_write(x["k"][lo:lo + ln], x["v"][lo:lo + ln], pools[0], pools[1], suffix, **scales)
-        return pools, scales
+            ops.paged_kv_write(x["k"][lo:lo + ln], x["v"][lo:lo + ln], k_pool, v_pool, suffix, **scales)
+        return (k_pool, v_pool, scales, kvq.dequantize_kv(k_pool, scales["k_scale_pool"]),
+                kvq.dequantize_kv(v_pool, scales["v_scale_pool"]))
 
-    for name in KV_QUANT_NAMES:
-        fmt = kvq.resolve_kv_format(name, torch.float32)
+    def stored(rows, fmt):
+        """fp32 ``rows`` as a pool of ``fmt`` holds them."""
+        return rows.float() if fmt is None else kvq.dequantize_kv(*kvq.quantize_kv(rows, fmt))
 
-        def extend_check(fmt=fmt):
-            x = _paged_inputs(torch, ext_seqs, 16, heads, dtype, device, seed=5, poison=True)
-            pools, scales = written_pools(x, ext_seqs, fmt)
-            out = torch.full_like(x["q"], float("nan"))
-            got, lse = ops.extend_attention(x["q"], x["k"], x["v"], pools[0], pools[1], x["block_tables"],
-                                            x["prefix_lens"], x["qo_indptr"], max_q_len=x["max_q_len"],
-                                            out=out, return_lse=True, **scales)
-            k_rt = kvq.dequantize_kv(*kvq.quantize_kv(x["k"], fmt))
-            v_rt = kvq.dequantize_kv(*kvq.quantize_kv(x["v"], fmt))
-            want, want_lse = reference.extend_attention(
-                x["q"].float(), k_rt, v_rt, kvq.dequantize_kv(pools[0], pools[2]),
-                kvq.dequantize_kv(pools[1], pools[3]), x["block_tables"], x["prefix_lens"], x["qo_indptr"],
-                max_q_len=x["max_q_len"], return_lse=True)
-            return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dtype]
-        record(f"extend {name} B=16 {str(dtype)[6:]} seqs={ext_seqs}", extend_check)
+    def same_bits(a, b) -> bool:
+        if a.element_size() == 1:  # int8 / fp8 bytes
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
-        def decode_check(fmt=fmt):
-            seqs = [(n, 1) for n in dec_lens]
-            x = _paged_inputs(torch, seqs, 16, heads, dtype, device, seed=6, poison=True)
-            pools, scales = written_pools(x, [(n, 0) for n in dec_lens], fmt)
-            kv_lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
-            got, lse = ops.decode_attention(x["q"], pools[0], pools[1], x["block_tables"], kv_lens,
-                                            out=torch.full_like(x["q"], float("nan")), return_lse=True,
-                                            **scales)
-            want, want_lse = reference.decode_attention(
-                x["q"].float(), kvq.dequantize_kv(pools[0], pools[2]), kvq.dequantize_kv(pools[1], pools[3]),
-                x["block_tables"], kv_lens, return_lse=True)
-            return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dtype]
-        record(f"decode {name} B=16 {str(dtype)[6:]} kv_lens={dec_lens}", decode_check)
+    def extend_check(fmt, block_size, dt):
+        x = _paged_inputs(torch, ext_seqs, block_size, heads, dt, device, seed=block_size, poison=True)
+        k_pool, v_pool, scales, ref_k_pool, ref_v_pool = pools_under_test(x, ext_seqs, fmt)
+        got, lse = ops.extend_attention(x["q"], x["k"], x["v"], k_pool, v_pool, x["block_tables"],
+                                        x["prefix_lens"], x["qo_indptr"], max_q_len=x["max_q_len"],
+                                        out=torch.full_like(x["q"], float("nan")), return_lse=True,
+                                        **scales)
+        want, want_lse = reference.extend_attention(
+            x["q"].float(), stored(x["k"], fmt), stored(x["v"], fmt), ref_k_pool, ref_v_pool,
+            x["block_tables"], x["prefix_lens"], x["qo_indptr"], max_q_len=x["max_q_len"], return_lse=True)
+        return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dt]
 
-        def write_check(fmt=fmt):
-            slots = torch.randperm(2 * num_write, generator=torch.Generator().manual_seed(1))[:num_write]
-            slots[::7] = -1
-            keep = slots >= 0
-            slots, keep = slots.to(device), keep.to(device)
-            k = torch.randn(num_write, hkv, d, dtype=dtype, device=device)
-            pools = empty_pools((-(-2 * num_write // 16), 16, hkv, d), fmt)
-            ops.paged_kv_write(k, -k, pools[0], pools[1], slots, k_scale_pool=pools[2], v_scale_pool=pools[3])
-            same = True
-            for values, scales, rows in ((pools[0], pools[2], k), (pools[1], pools[3], -k)):
-                want_q, want_s = kvq.quantize_kv(rows[keep], fmt)
-                got_q = values.view(torch.uint8).flatten(0, 1)[slots[keep]]
-                got_s = scales.flatten(0, 1)[slots[keep]]
-                same = same and torch.equal(got_q, want_q.view(torch.uint8)) and torch.equal(got_s, want_s)
-            return (0.0 if same else float("inf")), 0.0
-        record(f"paged_kv_write {name} B=16 {str(dtype)[6:]} T={num_write} (bytes and scales exact)",
-               write_check)
+    def decode_check(fmt, block_size):
+        x = _paged_inputs(torch, [(n, 1) for n in dec_lens], block_size, heads, dtype, device,
+                          seed=block_size + 1, poison=True)
+        k_pool, v_pool, scales, ref_k_pool, ref_v_pool = pools_under_test(x, [(n, 0) for n in dec_lens], fmt)
+        kv_lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
+        got, lse = ops.decode_attention(x["q"], k_pool, v_pool, x["block_tables"], kv_lens,
+                                        out=torch.full_like(x["q"], float("nan")), return_lse=True,
+                                        **scales)
+        want, want_lse = reference.decode_attention(x["q"].float(), ref_k_pool, ref_v_pool,
+                                                    x["block_tables"], kv_lens, return_lse=True)
+        return max(_max_err(torch, got, want), _max_err(torch, lse, want_lse)), tol[dtype]
+
+    def write_check(fmt):
+        slots = torch.randperm(2 * num_write, generator=torch.Generator().manual_seed(0))[:num_write]
+        slots[::7] = -1  # padding rows: skipped
+        slots = slots.to(device)
+        k = torch.randn(num_write, hkv, d, dtype=dtype, device=device)
+        shape = (-(-2 * num_write // 16), 16, hkv, d)
+        (k_got, v_got, s_got), (k_want, v_want, s_want) = (empty_pools(shape, fmt, dtype) for _ in range(2))
+        ops.paged_kv_write(k, -k, k_got, v_got, slots, **s_got)
+        reference.paged_kv_write(k, -k, k_want, v_want, slots, **s_want)
+        same = all(same_bits(a, b) for a, b in ((k_got, k_want), (v_got, v_want),
+                                                *((s_got[n], s_want[n]) for n in s_got)))
+        return (0.0 if same else float("inf")), 0.0
+
+    dt_name = str(dtype)[6:]
+    for kv_name in (None, *KV_QUANT_NAMES):
+        fmt = None if kv_name is None else kvq.resolve_kv_format(kv_name, torch.float32)
+        label = "" if kv_name is None else f" {kv_name}"
+        for block_size in ((1, 16, 64) if fmt is None else (16,)):
+            for dt in ([dtype, torch.float32] if fmt is None and block_size == 16 else [dtype]):
+                record(f"extend{label} B={block_size} {str(dt)[6:]} seqs={ext_seqs}",
+                       functools.partial(extend_check, fmt, block_size, dt))
+            record(f"decode{label} B={block_size} {dt_name} kv_lens={dec_lens}",
+                   functools.partial(decode_check, fmt, block_size))
+        record(f"paged_kv_write{label} B=16 {dt_name} T={num_write}"
+               + ("" if fmt is None else " (bytes and scales exact)"), functools.partial(write_check, fmt))
     return checks
 
 
@@ -377,9 +334,8 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype)[6:], "heads": heads,
         "smoke": smoke,
     }
-    result["checks"] = run_checks(torch, reference, ops, device, dtype, heads, smoke)
     kvq = load_kv_quant()
-    result["checks"] += run_kvquant_checks(torch, reference, ops, kvq, device, dtype, heads, smoke)
+    result["checks"] = run_checks(torch, reference, ops, kvq, device, dtype, heads, smoke)
     timer = _make_timer(torch, smoke)
     result["roofs"] = run_roofs(torch, device, dtype, timer, smoke)
     timed = {"extend": time_extend, "decode": time_decode, "kv_write": time_kv_write}
