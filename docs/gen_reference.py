@@ -109,7 +109,7 @@ def commands_page() -> str:
         help_text = str(helps[name])
         sections.append(f"## `radixkv {name}`\n\n{help_text[0].upper()}{help_text[1:]}.\n\n"
                         + table_head + "\n".join(_flag_rows(subparsers.choices[name])) + "\n")
-    # `radixkv verify` owns its flags (radixkv/tools/verify.py), as `radixkv verify` builds them.
+    # `radixkv verify` owns its flags (radixkv/tools/verify/flags.py), as `radixkv verify` builds them.
     from radixkv.cli import VERIFY_HELP
     from radixkv.tools import verify
 
