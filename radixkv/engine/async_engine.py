@@ -35,6 +35,7 @@ import uuid
 from typing import Any, Callable, Hashable, Sequence, cast
 
 from radixkv.cache.events import KVEventLog
+from radixkv.cache.manager import CacheManager
 from radixkv.cache.retention import RetentionBreakpoint, RetentionInfo
 from radixkv.cache.store.backend import StoreBackend
 from radixkv.config import EngineConfig, check_int
@@ -280,8 +281,9 @@ class AsyncEngine(AsyncLoRAMixin):
             self._num_seqs -= stream.n
 
     def abort(self, request_id: str) -> None:
-        """Ask the engine thread to abort a request (any phase); returns immediately."""
-        self._inbox.put(("abort", request_id))
+        """Ask the engine thread to abort a request (any phase); returns immediately. The
+        time of asking starts the request's cancel → blocks released measure."""
+        self._inbox.put(("abort", (request_id, time.perf_counter())))
         self._wake.set()
 
     async def reset_prefix_cache(self) -> int:
@@ -314,6 +316,16 @@ class AsyncEngine(AsyncLoRAMixin):
         """
         return await self._call(functools.partial(self._engine.release_retentions, tenant,
                                                   retention_id, all_tenants=all_tenants))
+
+    async def read_cache(self, fn: Callable[[CacheManager], Any]) -> Any:
+        """``fn(cache)`` run on the engine thread, its result returned here: how the event loop
+        reads tree and pool state (the dashboard's tree explorer). ``fn`` must only read, and
+        return plain values (never nodes: the cache goes on changing once it returns).
+
+        Raises:
+            EngineDeadError: the engine thread has stopped.
+        """
+        return await self._call(functools.partial(fn, self._engine.cache))
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread and return its result (or raise its exception)."""
@@ -419,7 +431,8 @@ class AsyncEngine(AsyncLoRAMixin):
                 self._snapshot()  # a /stats read after the answer sees what the call did
                 loop.call_soon_threadsafe(_settle, done, result, None)
             else:
-                aborted = engine.abort_request(payload)
+                payload, cancel_s = payload
+                aborted = engine.abort_request(payload, cancel_s=cancel_s)
                 live = self._streams.get(payload)
                 if aborted:
                     outputs += aborted
