@@ -281,9 +281,8 @@ class AsyncEngine(AsyncLoRAMixin):
             self._num_seqs -= stream.n
 
     def abort(self, request_id: str) -> None:
-        """Ask the engine thread to abort a request (any phase); returns immediately. The
-        time of asking starts the request's cancel → blocks released measure."""
-        self._inbox.put(("abort", (request_id, time.perf_counter())))
+        """Ask the engine thread to abort a request (any phase); returns immediately."""
+        self._inbox.put(("abort", request_id))
         self._wake.set()
 
     async def reset_prefix_cache(self) -> int:
@@ -431,8 +430,7 @@ class AsyncEngine(AsyncLoRAMixin):
                 self._snapshot()  # a /stats read after the answer sees what the call did
                 loop.call_soon_threadsafe(_settle, done, result, None)
             else:
-                payload, cancel_s = payload
-                aborted = engine.abort_request(payload, cancel_s=cancel_s)
+                aborted = engine.abort_request(payload)
                 live = self._streams.get(payload)
                 if aborted:
                     outputs += aborted
