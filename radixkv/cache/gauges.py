@@ -23,6 +23,10 @@ class CacheGauges:
     _miss_tokens: dict[str, int]
     _evicted_blocks_total: int
     _requests: dict[str, RequestState]
+    _forks_total: int
+    _fork_shared_blocks_total: int
+    _cow_copied_blocks_total: int
+    block_size: int
 
     @property
     def miss_tokens(self) -> dict[str, int]:
@@ -68,3 +72,46 @@ class CacheGauges:
     @property
     def num_active_requests(self) -> int:
         return len(self._requests)
+
+    @property
+    def num_live_tail_waste_tokens(self) -> int:
+        """Token slots allocated to active requests and holding no token: for each request,
+        ``len(block_table) * B`` minus the slots it fills (``num_slot_tokens``, at least its
+        published blocks), i.e. the empty rest of its last block (< B per request).
+
+        Cached blocks have no such waste (the tree holds full blocks only). O(active requests).
+        """
+        bs = self.block_size
+        waste = 0
+        for req in self._requests.values():
+            filled = req.num_slot_tokens
+            published = req.num_published_blocks * bs
+            waste += len(req.block_table) * bs - (filled if filled > published else published)
+        return waste
+
+    @property
+    def allocated_blocks_total(self) -> int:
+        """Counter: blocks taken off the free list (``BlockPool.allocate``)."""
+        return self.pool.allocated_blocks_total
+
+    @property
+    def freed_blocks_total(self) -> int:
+        """Counter: blocks returned to the free list (released private blocks, evicted
+        cached blocks)."""
+        return self.pool.freed_blocks_total
+
+    @property
+    def forks_total(self) -> int:
+        """Counter: sequences started as a fork of a running one (``fork``; ``n > 1``)."""
+        return self._forks_total
+
+    @property
+    def fork_shared_blocks_total(self) -> int:
+        """Counter: blocks forked sequences share with their parent instead of copying."""
+        return self._fork_shared_blocks_total
+
+    @property
+    def cow_copied_blocks_total(self) -> int:
+        """Counter: partial tail blocks copied at a fork (copy-on-write; one per fork whose
+        computed tokens do not end on a block boundary)."""
+        return self._cow_copied_blocks_total

@@ -112,6 +112,11 @@ class CacheManager(CacheGauges):
                                         max_retained_fraction=max_retained_fraction,
                                         tenant_max_retained_tokens=tenant_max_retained_tokens)
         self._tenants: dict[str, str | None] = {}  # active request id -> its tenant
+        # Counters of forks (CacheGauges): children started, blocks they share, tail blocks
+        # copied (copy-on-write).
+        self._forks_total = 0
+        self._fork_shared_blocks_total = 0
+        self._cow_copied_blocks_total = 0
 
     def set_clock(self, clock: Callable[[], float]) -> None:
         """Use ``clock`` for policy fields and retention expiry from now on (tests, replays)."""
@@ -266,6 +271,8 @@ class CacheManager(CacheGauges):
             if ids is None:
                 return False
             req.block_table.extend(ids)
+        if num_tokens > req.num_slot_tokens:
+            req.num_slot_tokens = num_tokens
         self._admit(req)
         return True
 
@@ -447,8 +454,12 @@ class CacheManager(CacheGauges):
                       num_computed_tokens, self._take_blocks)
         if forked is None:
             return None
-        self._requests[child_request_id] = forked[0]
-        return forked[1]
+        child, copies = forked
+        self._requests[child_request_id] = child
+        self._forks_total += 1
+        self._cow_copied_blocks_total += len(copies)
+        self._fork_shared_blocks_total += len(child.block_table) - len(copies)
+        return copies
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table (physical id per block position); KeyError

@@ -84,6 +84,11 @@ class BlockPool:
         self._num_cached = 0
         self._in_step = False
         self._deferred: list[int] = []
+        #: Counters: blocks taken off the free list by :meth:`allocate`, and blocks put back on
+        #: it (a private block's last owner gone, a deferred block at :meth:`end_step`, an
+        #: evicted cached block). ``allocated - freed`` is the number of owned blocks.
+        self.allocated_blocks_total = 0
+        self.freed_blocks_total = 0
 
     # ---- gauges -------------------------------------------------------------------------
     @property
@@ -155,6 +160,7 @@ class BlockPool:
         for block_id in ids:
             own[block_id] = 1
         self._num_private += num
+        self.allocated_blocks_total += num
         return ids
 
     def incref(self, block_id: int) -> None:
@@ -201,6 +207,7 @@ class BlockPool:
                     continue
                 own[block_id] = _OWN_FREE
                 self._num_private -= 1
+                self.freed_blocks_total += 1
                 self._free.append(block_id)
 
     def begin_step(self) -> None:
@@ -231,6 +238,7 @@ class BlockPool:
             own[block_id] = _OWN_FREE
             self._num_private -= 1
             self._free.append(block_id)
+        self.freed_blocks_total += len(freed)
         return freed
 
     def to_cached(self, block_ids: Sequence[int]) -> None:
@@ -305,6 +313,7 @@ class BlockPool:
             for block_id in block_ids:
                 own[block_id] = _OWN_FREE
         self._num_cached -= num
+        self.freed_blocks_total += num
         self._free.extend(block_ids)
 
     def free_one_cached(self, block_id: int) -> None:
@@ -316,6 +325,7 @@ class BlockPool:
             self._check_free_cached([block_id])
         own[block_id] = _OWN_FREE
         self._num_cached -= 1
+        self.freed_blocks_total += 1
         self._free.append(block_id)
 
     def _check_free_cached(self, block_ids: Sequence[int]) -> None:

@@ -46,12 +46,16 @@ class RequestState:
         counted: The miss breakdown was added to the cumulative counters.
         match_node: Node at whose end the lookup's match stopped (None on a miss).
         num_store_tokens: Tokens of ``num_cached_tokens`` the store tier loaded.
+        num_slot_tokens: Token slots of ``block_table`` the request filled or is filling: the
+            most ``num_tokens`` given to ``allocate`` (``begin``'s m, a fork's computed tokens
+            at first); the rest of its last block is tail waste.
     """
 
     __slots__ = ("root", "cursor", "last_hash", "block_table", "num_cached_tokens",
                  "num_published_blocks", "mm_items", "duplicate_ids", "num_computed_tokens",
                  "miss", "known_hashes", "known_start", "known_tokens", "admitted", "counted",
-                 "match_node", "ghost_notes", "num_store_tokens", "session_key")
+                 "match_node", "ghost_notes", "num_store_tokens", "session_key",
+                 "num_slot_tokens")
 
     def __init__(self, root: Node | None, cursor: Node | None, last_hash: bytes,
                  block_table: array, num_cached_tokens: int, num_published_blocks: int,
@@ -80,3 +84,4 @@ class RequestState:
         self.ghost_notes = ghost_notes if ghost_notes is not None else []
         self.num_store_tokens = 0
         self.session_key = session_key
+        self.num_slot_tokens = num_computed_tokens

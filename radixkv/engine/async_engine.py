@@ -41,6 +41,7 @@ from radixkv.cache.store.backend import StoreBackend
 from radixkv.config import EngineConfig, check_int
 from radixkv.engine.async_lora import AsyncLoRAMixin
 from radixkv.engine.kv_events import KVEventPublisher, KVEventsConfig
+from radixkv.engine.leak_check import DEFAULT_INTERVAL_S, IdleLeakCheck
 from radixkv.engine.llm_engine import LLMEngine, RequestOutput
 from radixkv.engine.request_stream import ENDS_REQUEST, RequestStream, _Live
 from radixkv.engine.sampling import SamplingParams
@@ -86,6 +87,9 @@ class AsyncEngine(AsyncLoRAMixin):
             sockets are bound by ``start``. A ``KVEventPublisher`` (started or not, same block
             size) is used as is: ``radixkv serve`` binds it before loading the model.
         store_backend: the store tier's backend, built already (see ``LLMEngine``).
+        leak_check_interval_s: least seconds between two idle self-checks of the KV pool
+            (``radixkv.engine.leak_check``: a leak is logged and counted, never raised);
+            None: off.
 
     Attributes:
         instance_id: Unique per engine (a restarted replica gets a new one).
@@ -97,9 +101,13 @@ class AsyncEngine(AsyncLoRAMixin):
                  tokenizer_workers: int | None = None,
                  max_tokenize_queue: int = DEFAULT_MAX_TOKENIZE_QUEUE,
                  kv_events: KVEventsConfig | KVEventPublisher | None = None,
-                 store_backend: StoreBackend | None = None) -> None:
+                 store_backend: StoreBackend | None = None,
+                 leak_check_interval_s: float | None = DEFAULT_INTERVAL_S) -> None:
         if max_queue is not None:
             check_int("max_queue", max_queue, minimum=0)
+        #: The idle KV pool self-check (engine thread), or None.
+        self.leak_check = (IdleLeakCheck(leak_check_interval_s)
+                           if leak_check_interval_s is not None else None)
         self._engine = LLMEngine(config, model, store_backend=store_backend)
         self.tokenizer = self._engine.tokenizer
         self.model_name = self._engine.model_name
@@ -281,8 +289,9 @@ class AsyncEngine(AsyncLoRAMixin):
             self._num_seqs -= stream.n
 
     def abort(self, request_id: str) -> None:
-        """Ask the engine thread to abort a request (any phase); returns immediately."""
-        self._inbox.put(("abort", request_id))
+        """Ask the engine thread to abort a request (any phase); returns immediately. The
+        time of asking starts the request's cancel → blocks released measure."""
+        self._inbox.put(("abort", (request_id, time.perf_counter())))
         self._wake.set()
 
     async def reset_prefix_cache(self) -> int:
@@ -354,6 +363,8 @@ class AsyncEngine(AsyncLoRAMixin):
         out = dict(self._stats)
         out.update(self._engine.stats.counts())
         out["latency_ms"] = self._engine.stats.latency_ms()
+        if self.leak_check is not None:
+            out["leak_check"] = self.leak_check.snapshot()
         return out
 
     def record_server_error(self, tenant: str | None = None) -> None:
@@ -391,6 +402,8 @@ class AsyncEngine(AsyncLoRAMixin):
                 if engine.store is not None:  # blocks still waiting for a write slot
                     engine.store.pump()
                 self._publish_events()  # the store tier's writes finish between steps
+                if self.leak_check is not None:
+                    self.leak_check.maybe_run(engine.cache)
                 if self._check_integrity:
                     engine.cache.check_integrity()
                 self._wake.wait(timeout=0.5)
@@ -430,7 +443,8 @@ class AsyncEngine(AsyncLoRAMixin):
                 self._snapshot()  # a /stats read after the answer sees what the call did
                 loop.call_soon_threadsafe(_settle, done, result, None)
             else:
-                aborted = engine.abort_request(payload)
+                payload, cancel_s = payload
+                aborted = engine.abort_request(payload, cancel_s=cancel_s)
                 live = self._streams.get(payload)
                 if aborted:
                     outputs += aborted

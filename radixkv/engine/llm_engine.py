@@ -36,6 +36,7 @@ from radixkv.engine.faults import (
     make_output,
     num_unfinished,
 )
+from radixkv.engine.kv_activity import chunk_kv_tokens
 from radixkv.engine.request import Request, RequestSpec, RequestStatus
 from radixkv.engine.sampling import SamplingParams, make_generator, sample_each
 from radixkv.engine.scheduler import Scheduler
@@ -325,15 +326,20 @@ class LLMEngine:
         if adapter is not None:
             self.adapters.release(adapter)
 
-    def abort_request(self, request_id: str) -> list[RequestOutput]:
+    def abort_request(self, request_id: str, *, cancel_s: float | None = None
+                      ) -> list[RequestOutput]:
         """Abort every unfinished choice of a request, in any phase.
 
         Blocks are released now: steps run in this same thread, so no step is in flight.
+        ``cancel_s``: when the abort was asked (``time.perf_counter``; None: now), the start
+        of the cancel → blocks released time recorded in ``stats.activity``.
 
         Returns:
             One final output (``finish_reason="abort"``) per choice that was still live;
             empty when the request is unknown or already finished.
         """
+        if cancel_s is None:
+            cancel_s = time.perf_counter()
         group = self._groups.pop(request_id, None)
         if group is None:
             return []
@@ -343,6 +349,7 @@ class LLMEngine:
                 req.finish_reason = "abort"
                 outputs.append(make_output(req, [], "", finished=True))
         if outputs:
+            self.stats.activity.observe_cancel_release(time.perf_counter() - cancel_s)
             self.stats.record_abort(num_sequences=num_unfinished(group), tenant=group[0].tenant)
         self.end_group(group)
         return outputs
@@ -366,16 +373,21 @@ class LLMEngine:
             BaseException: a fatal fault (``faults.is_fatal``) or a failed integrity check; the
                 engine must stop.
         """
+        t_schedule = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.loading and not self.scheduler.loaded:  # wait for a load, not spin
                 self.cache.store_wait(0.005)
             return []
         try:
+            t_batch = time.perf_counter()
             batch = self.runner.build_batch(
                 [(c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
                   self.cache.block_table(c.request.request_id)) for c in chunks],
                 adapters=[c.request.adapter for c in chunks])
+            self.stats.activity.observe_step(t_batch - t_schedule,
+                                             time.perf_counter() - t_batch,
+                                             *chunk_kv_tokens(chunks))
             # Blocks released while the forward may still write (none in this synchronous
             # loop, but the contract holds for an asynchronous device) are freed only at
             # end_step.

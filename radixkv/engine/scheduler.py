@@ -32,6 +32,7 @@ The scheduler talks only to the ``CacheManager`` facade, never to the tree or th
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -81,6 +82,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: list[Request] = []  # begun, waiting for their store load
         self.loaded: deque[Request] = deque()  # loaded blocks in the tree, waiting for room
+        # Preempted requests' computed tokens at preemption (K/V dropped), until their resume
+        # computes past them: chunks below it are recomputation (KVActivity).
+        self._recompute_until: dict[str, int] = {}
 
     @property
     def has_work(self) -> bool:
@@ -115,7 +119,22 @@ class Scheduler:
         # A step that had to preempt admits nobody: the pool is short already.
         if not preempted:
             self._admit(scheduled, budget)
+        if self._recompute_until:
+            self._count_recomputed(scheduled)
         return scheduled
+
+    def _count_recomputed(self, scheduled: list[ScheduledChunk]) -> None:
+        """Count the tokens of resumed requests' chunks that their first run had computed."""
+        for chunk in scheduled:
+            rid = chunk.request.request_id
+            until = self._recompute_until.get(rid)
+            if until is None:
+                continue
+            end = chunk.start + chunk.num_tokens
+            if until > chunk.start:
+                self.stats.activity.record_recomputed(min(end, until) - chunk.start)
+            if end >= until:
+                del self._recompute_until[rid]
 
     def _chunk_size(self, req: Request, start: int, budget: int) -> int:
         remaining = len(req.token_ids) - start
@@ -211,9 +230,11 @@ class Scheduler:
             elif self.waiting:
                 if (req := self._next_waiting()) is None:
                     break
+                t0 = time.perf_counter()
                 num_cached = self.cache.begin(req.request_id, req.cache_root,
                                               bytes(req.token_bytes),
                                               session_key=req.session_key, tenant=req.tenant)
+                self.stats.activity.observe_lookup(time.perf_counter() - t0)
                 if not req.store_checked and self.cache.store_begin(req.request_id,
                                                                     bytes(req.token_bytes)):
                     req.store_checked = True
@@ -255,7 +276,9 @@ class Scheduler:
                 self.stats.record_admission(req.num_prompt_tokens, num_cached,
                                             num_sequences=req.params.n, tenant=req.tenant,
                                             num_store_tokens=min(req.num_store_tokens,
-                                                                 num_cached))
+                                                                 num_cached),
+                                            num_evicted_tokens=self.cache.miss_breakdown(
+                                                req.request_id)["evicted"])
                 self.cache.record_admission(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -283,6 +306,9 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
+        self.stats.activity.record_preempted(req.num_computed_tokens)
+        self._recompute_until[req.request_id] = max(
+            req.num_computed_tokens, self._recompute_until.get(req.request_id, 0))
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)
@@ -297,6 +323,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request in any phase; returns it, or None if it is not here (finished)."""
+        self._recompute_until.pop(request_id, None)
         for queue in (self.waiting, self.loading, self.loaded):
             req = next((r for r in queue if r.request_id == request_id), None)
             if req is not None:

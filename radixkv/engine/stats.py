@@ -11,13 +11,14 @@ and then aborted adds 1 to ``requests_total`` and ``requests_aborted_total`` and
 
 from __future__ import annotations
 
-import bisect
-import math
 import threading
-from collections import deque
 from typing import Any, Mapping, Protocol
 
-from radixkv.eviction.cost_model import CostShape, saved_prefill_flops
+from radixkv.engine.histogram import LATENCY_BUCKETS_S, LatencyHistogram, percentile_ms
+from radixkv.engine.kv_activity import KVActivity
+from radixkv.eviction.cost_model import CostShape, prefill_flops, saved_prefill_flops
+
+__all__ = ["LATENCY_BUCKETS_S", "Counters", "EngineStats", "KVActivity", "LatencyHistogram"]
 
 
 class _CacheGauges(Protocol):
@@ -45,45 +46,21 @@ class _CacheGauges(Protocol):
     def evicted_blocks_total(self) -> int: ...
     @property
     def miss_tokens(self) -> Mapping[str, int]: ...
-
-
-# Prometheus-style upper bounds (seconds) of the TTFT / ITL histograms.
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                     10.0, 30.0, 60.0, 120.0)
-
-
-class LatencyHistogram:
-    """Latency samples (seconds): cumulative bucket counts for Prometheus and a window of the
-    most recent samples for percentiles. Not locked itself: ``EngineStats`` holds its lock."""
-
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS_S, window: int = 4096) -> None:
-        self.buckets = tuple(buckets)
-        self.bucket_counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.sum_s = 0.0
-        self.count = 0
-        self.recent: deque[float] = deque(maxlen=window)
-
-    def observe(self, seconds: float) -> None:
-        self.bucket_counts[bisect.bisect_left(self.buckets, seconds)] += 1  # le = upper bound
-        self.sum_s += seconds
-        self.count += 1
-        self.recent.append(seconds)
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """``[(upper bound, samples <= bound), …, (inf, count)]``."""
-        out, total = [], 0
-        for bound, n in zip((*self.buckets, math.inf), self.bucket_counts):
-            total += n
-            out.append((bound, total))
-        return out
-
-
-def _percentile_ms(samples: list[float], q: float) -> float | None:
-    """Nearest-rank percentile in milliseconds; None without samples."""
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000.0
+    @property
+    def num_live_tail_waste_tokens(self) -> int: ...
+    @property
+    def num_retained_blocks(self) -> int: ...
+    @property
+    def allocated_blocks_total(self) -> int: ...
+    @property
+    def freed_blocks_total(self) -> int: ...
+    @property
+    def forks_total(self) -> int: ...
+    @property
+    def fork_shared_blocks_total(self) -> int: ...
+    @property
+    def cow_copied_blocks_total(self) -> int: ...
+    def num_obtainable_blocks(self) -> int: ...
 
 
 class Counters:
@@ -162,6 +139,11 @@ class EngineStats:
         self.cost_shape = cost_shape
         self.store_cached_prompt_tokens_total = 0  # part of cached_prompt_tokens_total
         self.store_fetch_latency = LatencyHistogram()  # store tier loads: backend seconds
+        # Prefill FLOPs of the prompt tokens that missed because their blocks were evicted
+        # (the ``evicted`` miss cause): what eviction cost, from eviction.cost_model.
+        self.missed_reuse_flops_total = 0.0
+        #: Per-step engine counters and histograms (lookup, schedule, KV bytes, cancels).
+        self.activity = KVActivity()
 
     def observe_store_fetch(self, seconds: float) -> None:
         """One store load's backend time (exists + get), from the tier's loader thread."""
@@ -179,10 +161,12 @@ class EngineStats:
 
     def record_admission(self, num_prompt_tokens: int, num_cached_tokens: int, *,
                          num_sequences: int = 1, tenant: str | None = None,
-                         num_store_tokens: int = 0) -> None:
+                         num_store_tokens: int = 0, num_evicted_tokens: int = 0) -> None:
         """A request's one prefix-cache lookup, at its first admission (``num_sequences``:
         its choices, ``n``; ``num_store_tokens``: the part of ``num_cached_tokens`` the store
-        tier loaded)."""
+        tier loaded; ``num_evicted_tokens``: its ``evicted`` miss tokens, which follow the hit
+        directly, so their prefill costs ``prefill_flops(shape, m, num_evicted_tokens)``,
+        added to ``missed_reuse_flops_total``)."""
         with self._lock:
             self.store_cached_prompt_tokens_total += num_store_tokens
             for view in self._views(tenant):
@@ -194,6 +178,9 @@ class EngineStats:
             if num_cached_tokens > 0 and self.cost_shape is not None:
                 self.saved_prefill_flops_total += saved_prefill_flops(self.cost_shape,
                                                                       num_cached_tokens)
+            if num_evicted_tokens > 0 and self.cost_shape is not None:
+                self.missed_reuse_flops_total += prefill_flops(
+                    self.cost_shape, num_cached_tokens, num_evicted_tokens)
 
     def record_generated(self, num_tokens: int, *, tenant: str | None = None) -> None:
         """Tokens sampled for a request of ``tenant`` (None: no tenant)."""
@@ -247,8 +234,8 @@ class EngineStats:
             view = self.totals if tenant is None else self.tenants.get(tenant)
             ttft = list(view.ttft.recent) if view is not None else []
             itl = list(view.itl.recent) if view is not None else []
-        return {"ttft_p50": _percentile_ms(ttft, 0.5), "ttft_p99": _percentile_ms(ttft, 0.99),
-                "itl_p50": _percentile_ms(itl, 0.5), "itl_p99": _percentile_ms(itl, 0.99)}
+        return {"ttft_p50": percentile_ms(ttft, 0.5), "ttft_p99": percentile_ms(ttft, 0.99),
+                "itl_p50": percentile_ms(itl, 0.5), "itl_p99": percentile_ms(itl, 0.99)}
 
     def latency_histograms(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
         """Global ``{"ttft"|"itl": (cumulative buckets, sum in seconds)}`` for Prometheus."""
@@ -284,6 +271,7 @@ class EngineStats:
             out["preemptions_total"] = self.preemptions_total
             out["resumed_cached_tokens_total"] = self.resumed_cached_tokens_total
             out["saved_prefill_flops_total"] = self.saved_prefill_flops_total
+            out["missed_reuse_flops_total"] = self.missed_reuse_flops_total
             store_tokens = self.store_cached_prompt_tokens_total
             fetch = list(self.store_fetch_latency.recent), self.store_fetch_latency.count
         out["cached_prompt_tokens_by_tier"] = {
@@ -292,8 +280,8 @@ class EngineStats:
         if store is not None:
             out["store"] = store.snapshot()
             out["store"]["fetches_total"] = fetch[1]
-            out["store"]["fetch_ms_p50"] = _percentile_ms(fetch[0], 0.5)
-            out["store"]["fetch_ms_p90"] = _percentile_ms(fetch[0], 0.9)
+            out["store"]["fetch_ms_p50"] = percentile_ms(fetch[0], 0.5)
+            out["store"]["fetch_ms_p90"] = percentile_ms(fetch[0], 0.9)
         out["evicted_blocks_total"] = cache.evicted_blocks_total
         out["miss_tokens"] = dict(cache.miss_tokens)
         out["pool"] = {
@@ -304,6 +292,14 @@ class EngineStats:
             "cached_evictable_blocks": cache.num_cached_evictable_blocks,
             "in_use_blocks": cache.num_in_use_blocks,
         }
+        out["pool"].update(_occupancy(cache))
+        out["fork"] = {
+            "forks_total": cache.forks_total,
+            "shared_blocks_total": cache.fork_shared_blocks_total,
+            "copied_blocks_total": cache.cow_copied_blocks_total,
+            "copied_bytes_total": cache.cow_copied_blocks_total * bytes_per_block,
+        }
+        out["kv_activity"] = self.activity.snapshot(kv_bytes_per_token)
         out["tree"] = {"nodes": cache.num_tree_nodes, "cached_blocks": cache.num_cached_blocks}
         retention = getattr(cache, "retention_snapshot", None)
         if retention is not None:  # retained blocks are part of in_use_blocks (pinned)
@@ -316,3 +312,26 @@ class EngineStats:
         if kv_bytes_per_token is not None:
             out["kv_bytes_per_token"] = kv_bytes_per_token
         return out
+
+
+def _occupancy(cache: _CacheGauges) -> dict[str, int]:
+    """Token occupancy beside block occupancy, and the allocation counters (``/stats``
+    ``pool``): ``used_token_slots`` = (blocks not free) × B − ``live_tail_waste_tokens`` (the
+    empty rest of each active request's last block; cached blocks are always full), out of
+    ``total_token_slots`` = blocks × B; ``live_blocks`` = blocks held by requests (in use
+    less retained blocks only a retention pins)."""
+    bs = cache.block_size
+    waste = cache.num_live_tail_waste_tokens
+    free, evictable = cache.num_free_blocks, cache.num_cached_evictable_blocks
+    # Retained blocks no request holds are pinned (in use) but not live: an allocation would
+    # unpin them (num_obtainable_blocks counts them; the walk runs only while any is retained).
+    pinned_only = (cache.num_obtainable_blocks() - free - evictable
+                   if cache.num_retained_blocks else 0)
+    return {
+        "total_token_slots": cache.num_blocks * bs,
+        "used_token_slots": (cache.num_blocks - free) * bs - waste,
+        "live_tail_waste_tokens": waste,
+        "live_blocks": cache.num_in_use_blocks - pinned_only,
+        "allocated_blocks_total": cache.allocated_blocks_total,
+        "freed_blocks_total": cache.freed_blocks_total,
+    }
