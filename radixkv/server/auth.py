@@ -34,8 +34,10 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # Routes anyone may call, keys configured or not.
 # The routers' discovery endpoints say nothing about any tenant (model id, block size, where
 # the KV events are published); vllm-router calls them without a key.
+# The dashboard page holds no data (its data routes need a key; a browser opening a URL cannot
+# send one).
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/version", "/get_server_info",
-                          "/kv_event_sources"})
+                          "/kv_event_sources", "/dashboard"})
 # Routes that expose global (cross-tenant) numbers or change what the server serves: admin
 # keys only.
 ADMIN_PATHS = frozenset({"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",

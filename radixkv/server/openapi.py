@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixkv.server.dashboard import openapi_paths as dashboard_paths
 from radixkv.server.param_policy import request_schema
 from radixkv.server.param_table import (
     CHAT_PARAMS,
@@ -479,5 +480,6 @@ def openapi_document(model_name: str) -> dict:
                               "403": _json(_ref("Error"), "A non-admin key.")}}}
                for path, name in (("/reset_prefix_cache", "vLLM's name"),
                                   ("/flush_cache", "SGLang's alias of /reset_prefix_cache"))},
+            **dashboard_paths(),  # /dashboard and its data routes
         },
     }
