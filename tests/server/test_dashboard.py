@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +18,10 @@ import aiohttp
 import orjson
 import pytest
 
+from radixkv.server import dashboard
 from radixkv.server.auth import load_api_keys
-from radixkv.server.dashboard import ASSETS_DIR, MAX_TOP
-from radixkv.server.dashboard_tree import tenant_of_salt
+from radixkv.server.dashboard import ASSETS_DIR, MAX_TOP, occupancy_blocks
+from radixkv.server.dashboard_tree import tenant_of_salt, tree_view
 from tests.factories import make_async_engine
 from tests.server.conftest import RunningServer, run_server_in_thread
 from tests.server.helpers import bearer, cached_tokens, complete, get, post_json, wait_idle
@@ -270,3 +272,50 @@ async def test_the_openapi_document_lists_the_routes_and_their_parameters(server
     tree = doc["paths"]["/dashboard/api/tree"]["get"]
     assert [p["name"] for p in tree["parameters"]] == ["top", "sort", "node", "tenant"]
     assert doc["paths"]["/dashboard"]["get"]["security"] == []
+
+
+# ------------------------------------------------------------------ threads, no keys, store
+
+
+async def test_the_tree_is_read_on_the_engine_thread(server, shared_prefix, monkeypatch):
+    threads = []
+
+    def recording(cache, **kwargs):
+        threads.append(threading.current_thread().name)
+        return tree_view(cache, **kwargs)
+
+    monkeypatch.setattr(dashboard, "tree_view", recording)
+    status, tree = await get(server.url, "/dashboard/api/tree?top=1", ADMIN_KEY)
+    assert status == 200 and tree["top"][0]["id"] == shared_prefix["node"]["id"]
+    assert threads == ["radixkv-engine"]
+
+
+@pytest.fixture(scope="module")
+def keyless_server(tiny_model) -> Iterator[RunningServer]:
+    yield from run_server_in_thread(make_async_engine(tiny_model, block_size=B, num_blocks=64))
+
+
+async def test_without_keys_everything_is_visible_without_a_key(keyless_server):
+    url = keyless_server.url
+    status, _ = await complete(url, SHARED + tail(0), cache_salt="abc")
+    assert status == 200
+    await wait_idle(url)
+    status, summary = await get(url, "/dashboard/api/summary")
+    assert status == 200 and summary["scope"] == "server" and "tenants" not in summary
+    assert summary["occupancy_blocks"]["cached"] == 4
+    status, tree = await get(url, "/dashboard/api/tree")
+    assert status == 200 and tree["tenant"] is None
+    [row] = tree["top"]
+    assert (row["num_blocks"], row["tenant"], row["cache_salt"]) == (4, None, "abc")
+    status, detail = await get(url, f"/dashboard/api/tree?node={row['id']}")
+    assert status == 200 and detail["node"]["token_ids"] == (SHARED + tail(0))[:4 * B]
+
+
+def test_occupancy_blocks_takes_the_store_from_its_backend_count():
+    stats = {"pool": {"total_blocks": 10, "free_blocks": 3, "cached_evictable_blocks": 2,
+                      "in_use_blocks": 5, "retained_blocks": 1},
+             "store": {"backend": "host", "num_blocks": 7}}
+    assert occupancy_blocks(stats) == {"live": 4, "cached": 2, "retained": 1, "free": 3,
+                                       "total": 10, "store": 7}
+    del stats["store"]["num_blocks"]  # a backend that does not count its values
+    assert occupancy_blocks(stats)["store"] is None
