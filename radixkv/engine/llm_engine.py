@@ -42,6 +42,7 @@ from radixkv.engine.sampling import SamplingParams, make_generator, sample_each
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.stats import EngineStats
 from radixkv.engine.store_setup import attach_store
+from radixkv.engine.window_kv import hit_granularity
 from radixkv.eviction.cost_model import cost_shape_from_model_shape
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel, load_model
@@ -65,20 +66,6 @@ def _num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
         else:
             budget = 4 * GIB
     return max(1, budget // bytes_per_block)
-
-
-def _prefix_caching_refusal(config: EngineConfig, shape) -> str | None:
-    """Why prefix caching must stay off for this model, or None.
-
-    A sliding-window model's K/V for a position depends only on the last W tokens, but reusing a
-    cached prefix is sound only if every block inside the window is resident; radixkv does not
-    verify window residency yet, so it refuses prefix caching for such models (vLLM #57610,
-    llama.cpp #12357) rather than risk serving wrong K/V.
-    """
-    if config.cache.enable_prefix_caching and shape.sliding_window is not None:
-        return (f"sliding-window attention (window {shape.sliding_window} tokens): prefix "
-                "caching is refused until window residency is verified")
-    return None
 
 
 class LLMEngine:
@@ -118,14 +105,13 @@ class LLMEngine:
                                   compile=config.compile, kv_cache_dtype=config.kv_cache_dtype)
         if config.compile:
             log.info("model_compiled", compile_s=round(self.runner.warm_up(), 2))
-        self.prefix_caching_disabled_reason = _prefix_caching_refusal(config, shape)
-        if self.prefix_caching_disabled_reason is not None:
-            log.warning("prefix_caching_refused", reason=self.prefix_caching_disabled_reason)
+        # What a prefix hit can reuse, per layer group: a 0 % hit rate on a window model
+        # explains itself from the log and /stats (docs/sliding-window.md).
+        self.hit_granularity = hit_granularity(shape, block_size)
         cost_shape = cost_shape_from_model_shape(shape, self.model.name)
         self.cache = CacheManager(num_blocks, block_size,
                                   eviction_policy=config.cache.eviction_policy,
-                                  enable_prefix_caching=(config.cache.enable_prefix_caching
-                                                         and self.prefix_caching_disabled_reason is None),
+                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                   hash_algo=config.cache.hash_algo,
                                   model_shape=cost_shape,
                                   max_retained_fraction=config.cache.max_retained_fraction,
@@ -155,7 +141,8 @@ class LLMEngine:
                  eviction_policy=config.cache.eviction_policy, dtype=config.dtype,
                  kv_cache_dtype=self.runner.kv_cache_dtype,
                  kv_bytes_per_token=self.runner.kv_bytes_per_token,
-                 num_threads=torch.get_num_threads(), compile=config.compile)
+                 num_threads=torch.get_num_threads(), compile=config.compile,
+                 hit_granularity=self.hit_granularity)
 
     # ------------------------------------------------------------------ requests
     def cache_root(self, cache_salt: str | None, adapter: LoRAAdapter | None = None) -> bytes:
@@ -568,8 +555,7 @@ class LLMEngine:
         out = self.stats.snapshot(self.cache, self.runner.bytes_per_block,
                                   kv_cache_dtype=self.runner.kv_cache_dtype,
                                   kv_bytes_per_token=self.runner.kv_bytes_per_token)
-        if self.prefix_caching_disabled_reason is not None:
-            out["prefix_caching_disabled_reason"] = self.prefix_caching_disabled_reason
+        out["hit_granularity"] = self.hit_granularity
         populate = getattr(self.runner, "pool_populate", None)
         if populate is not None:
             out["pool"]["populate"] = populate.snapshot()

@@ -184,18 +184,22 @@ def test_c12_chunked_prefill_is_not_a_hit_and_allocates_once(tiny_model):
     assert r2.num_cached_tokens == 12
 
 
-def test_c13_sliding_window_refuses_prefix_caching(tmp_path):
+def test_c13_sliding_window_model_caches_prefixes(tmp_path):
+    # Every block of every layer stays resident (keep-all), so a hit on a window model reads
+    # only K/V it has; exactness across the window edge: tests/engine/test_engine_window.py.
     model = load_model(str(make_tiny_model_dir(tmp_path / "swa", sliding_window=8)))
     assert model.shape.sliding_window == 8
     engine = make_engine(model)
     stats = engine.stats_snapshot()
-    assert stats["prefix_caching"] is False
-    assert "sliding-window" in stats["prefix_caching_disabled_reason"]
+    assert stats["prefix_caching"] is True
+    assert stats["hit_granularity"] == {
+        "block_size_tokens": 4, "window_kv": "keep-all",
+        "layer_groups": [{"attention": "sliding", "window_tokens": 8, "num_layers": 2}]}
     p = [300 + i for i in range(16)]
     r2_prompt = p[:14] + [5, 6, 7]
     engine.generate([p], greedy(4))
     (r2,) = engine.generate([r2_prompt], greedy(4))
-    assert r2.num_cached_tokens == 0
+    assert r2.num_cached_tokens == 12
     assert r2.output_token_ids == cold_output(model, r2_prompt, greedy(4))
 
 
