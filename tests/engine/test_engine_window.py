@@ -176,3 +176,62 @@ def test_hit_granularity_names_the_layer_groups() -> None:
     llama = dataclasses.replace(shape, sliding_window=None, layer_types=None)
     assert hit_granularity(llama, 4)["layer_groups"] == [
         {"attention": "full", "window_tokens": None, "num_layers": 18}]
+
+
+# ------------------------------------------------------------------ cross-session reuse
+SYSTEM_TOKENS = 24          # shared by every session: 6 blocks of 4
+USER_TOKENS = 8
+REPLY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+TURNS_PER_SESSION = 4
+NEW_SESSIONS_PER_ROUND = 2
+ROUNDS = 8
+POOL_BLOCKS = 48            # B = 4: 192 tokens, about a third of the sessions' working set
+BANDS = ((0.25, 0.5), (0.5, 0.9), (0.9, 1.01))
+
+
+def _round_robin(model: LoadedModel) -> tuple[list[tuple[float, int]], int]:
+    """Sessions sharing a system prompt, taking turns through a pool that fills up: each round
+    two new sessions start and every live session sends its next turn (its history, the model's
+    replies and a new user message); a session ends after four turns. Returns, for every
+    session's first turn, (pool occupancy before it, its cached prompt tokens): what it reuses
+    of other sessions' blocks, since nothing of its own is cached yet; and the blocks evicted."""
+    cfg = engine_config(block_size=4, num_blocks=POOL_BLOCKS)
+    engine = LLMEngine(dataclasses.replace(cfg, attention_backend="torch"), model)
+    rng = torch.Generator().manual_seed(11)
+    system = torch.randint(0, VOCAB, (SYSTEM_TOKENS,), generator=rng).tolist()
+    live: list[list[int]] = []  # each session's history so far
+    turns: list[int] = []
+    first_turns: list[tuple[float, int]] = []
+    for _ in range(ROUNDS):
+        live += [list(system) for _ in range(NEW_SESSIONS_PER_ROUND)]
+        turns += [0] * NEW_SESSIONS_PER_ROUND
+        for s, history in enumerate(live):
+            if turns[s] == TURNS_PER_SESSION:
+                continue
+            history += torch.randint(0, VOCAB, (USER_TOKENS,), generator=rng).tolist()
+            occupancy = 1 - engine.cache.num_free_blocks / POOL_BLOCKS
+            (req,) = engine.generate([history], REPLY)
+            if turns[s] == 0:
+                first_turns.append((occupancy, req.num_cached_tokens))
+            history += req.output_token_ids
+            turns[s] += 1
+        engine.cache.check_integrity()
+    return first_turns, engine.cache.evicted_blocks_total
+
+
+def test_cross_session_reuse_holds_as_the_pool_fills(tokenizer: Any) -> None:
+    """Reuse across sessions (the shared system prompt) at 25-50 %, 50-90 % and over 90 % pool
+    occupancy, hybrid Gemma 3 against the same weights with every layer full attention: never
+    0, and the hybrid model reuses exactly what the full-attention one does."""
+    hybrid = window_model("gemma3", tokenizer)
+    full = dataclasses.replace(hybrid, shape=dataclasses.replace(
+        hybrid.shape, sliding_window=None, layer_types=None))
+    assert full.shape.layer_window_lefts == (-1,) * 6
+    (got, evicted), (want, full_evicted) = _round_robin(hybrid), _round_robin(full)
+    assert len(got) == ROUNDS * NEW_SESSIONS_PER_ROUND
+    assert evicted == full_evicted and evicted > 0  # the pool ran full and evicted
+    assert got == want  # same occupancy, same reuse, request by request
+    for low, high in BANDS:
+        cached = [tokens for occupancy, tokens in got if low <= occupancy < high]
+        assert cached, f"no new session started at {low:.0%}-{high:.0%} occupancy"
+        assert cached == [SYSTEM_TOKENS] * len(cached), (low, cached)
