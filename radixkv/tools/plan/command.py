@@ -24,8 +24,9 @@ __all__ = ["PLAN_HELP", "SHIPPED_MODELS", "DEFAULT_MEMORY_UTILIZATION", "add_arg
 
 PLAN_HELP = ("KV capacity from a model config, no weights: bytes per token per layer group, "
              "blocks and worst-case concurrency in a memory budget")
-#: ``--model`` names that radixkv serve ships (its default model, the embedded GGUF).
-SHIPPED_MODELS = ("SmolLM2-135M-Instruct",)
+#: ``--model`` names that radixkv serve ships (the first is its default, the embedded GGUF;
+#: the same as ``radixkv.model.shipped.SHIPPED_MODELS``, which imports torch through its package).
+SHIPPED_MODELS = ("SmolLM2-135M-Instruct", "gemma3-270m")
 DEFAULT_MEMORY_UTILIZATION = 0.9
 #: ``--trace`` without a budget: radixkv serve's KV pool on CPU (``--kv-cache-memory`` 4).
 DEFAULT_TRACE_KV_MEMORY_BYTES = 4 * GIB
@@ -102,8 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="a Hugging Face config.json, or a directory holding one")
     source.add_argument("--gguf", metavar="PATH", help="a .gguf file (its metadata only)")
     source.add_argument("--model", metavar="NAME",
-                        help=f"a model radixkv serve takes: {', '.join(SHIPPED_MODELS)} (the "
-                             f"embedded default), a Hugging Face directory or a .gguf file")
+                        help=f"a model radixkv serve takes: {SHIPPED_MODELS[0]} (the embedded "
+                             f"default), {', '.join(SHIPPED_MODELS[1:])} (an optional extra), a "
+                             f"Hugging Face directory or a .gguf file")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(PLAN_KV_CACHE_DTYPES),
                    help="KV dtype: auto (the config's torch_dtype; float32 for a GGUF, as "
                         "radixkv serves it), or int8 / fp8_e4m3 with one fp32 scale per token "
@@ -160,12 +162,13 @@ def load_layout(args: argparse.Namespace) -> KVLayout:
     else:
         flag, target = "--model", args.model
     try:
-        if flag == "--model" and target.lower() in (m.lower() for m in SHIPPED_MODELS):
-            from radixkv.model.loader import embedded_gguf_path
+        shipped = [m for m in SHIPPED_MODELS if m.lower() == target.lower()]
+        if flag == "--model" and shipped and not Path(target).expanduser().exists():
+            from radixkv.model.shipped import shipped_gguf_path
 
             from .gguf_meta import layout_from_gguf
 
-            return layout_from_gguf(embedded_gguf_path(), model=SHIPPED_MODELS[0])
+            return layout_from_gguf(shipped_gguf_path(shipped[0]), model=shipped[0])
         path = Path(target).expanduser()
         if flag == "--model" and not path.exists():
             raise ValueError(f"not a shipped model ({', '.join(SHIPPED_MODELS)}) nor an "
