@@ -106,10 +106,12 @@ def tokenizer() -> ChatTokenizer:
     return small_tokenizer()
 
 
-def window_engine(model: LoadedModel, backend: str, *, device: str = "cpu", **config: Any) -> LLMEngine:
+def window_engine(model: LoadedModel, backend: str, *, device: str = "cpu", kv_cache_dtype: str = "auto",
+                  **config: Any) -> LLMEngine:
     """An engine over ``model`` with blocks of one token (a hit can end at any position)."""
     cfg = engine_config(block_size=1, num_blocks=64, **config)
-    return LLMEngine(dataclasses.replace(cfg, attention_backend=backend, device=device), model)
+    return LLMEngine(dataclasses.replace(cfg, attention_backend=backend, device=device,
+                                         kv_cache_dtype=kv_cache_dtype), model)
 
 
 def window_prompt(num_tokens: int) -> list[int]:
@@ -138,17 +140,19 @@ def run_recording(engine: LLMEngine, prompt: list[int], params: SamplingParams =
     return list(req.output_token_ids), torch.stack(rows[-params.max_tokens:]), req.num_cached_tokens
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("backend, kv", [("torch", "auto"), ("reference", "auto"), ("torch", "int8")])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_prefix_hit_across_the_window_is_the_cold_run(family: str, backend: str, tokenizer: Any) -> None:
+def test_prefix_hit_across_the_window_is_the_cold_run(family: str, backend: str, kv: str,
+                                                      tokenizer: Any) -> None:
     model = window_model(family, tokenizer)
-    unchunked = window_engine(model, backend, prefix_cache=False)
+    unchunked = window_engine(model, backend, prefix_cache=False, kv_cache_dtype=kv)
     for hit in HITS:
         prompt = window_prompt(hit + SUFFIX_TOKENS)
         # Both runs prefill in chunks of `hit` tokens: the cold run computes [0, hit) in its
         # first step, the hit's first request the same; then both compute the rest alike.
-        cold = window_engine(model, backend, prefix_cache=False, prefill_chunk_tokens=hit)
-        warm = window_engine(model, backend, prefill_chunk_tokens=hit)
+        cold = window_engine(model, backend, prefix_cache=False, prefill_chunk_tokens=hit,
+                             kv_cache_dtype=kv)
+        warm = window_engine(model, backend, prefill_chunk_tokens=hit, kv_cache_dtype=kv)
         cold_tokens, cold_logits, cold_cached = run_recording(cold, prompt)
         _, _, first_cached = run_recording(warm, prompt[:hit], PREFIX_ONLY)
         tokens, logits, num_cached = run_recording(warm, prompt)
@@ -235,3 +239,27 @@ def test_cross_session_reuse_holds_as_the_pool_fills(tokenizer: Any) -> None:
         cached = [tokens for occupancy, tokens in got if low <= occupancy < high]
         assert cached, f"no new session started at {low:.0%}-{high:.0%} occupancy"
         assert cached == [SYSTEM_TOKENS] * len(cached), (low, cached)
+
+
+def test_a_hybrid_prefix_comes_back_from_the_store_tier_exactly(tokenizer: Any) -> None:
+    """Gemma 3's blocks (every layer, window ones included) through the host store tier: the
+    prefix ``[0, 3W)`` is written, dropped from the device pool and loaded back; the request
+    that reuses it gives the chunk-aligned cold run's logits bit for bit."""
+    model = window_model("gemma3", tokenizer)
+    hit = 3 * WINDOW
+    prompt = window_prompt(hit + SUFFIX_TOKENS)
+    cold = window_engine(model, "torch", prefix_cache=False, prefill_chunk_tokens=hit)
+    cold_tokens, cold_logits, _ = run_recording(cold, prompt)
+    engine = window_engine(model, "torch", prefill_chunk_tokens=hit, kv_store="host:0.01")
+    try:
+        run_recording(engine, prompt[:hit], PREFIX_ONLY)
+        assert engine.store.flush()
+        engine.cache.evict(engine.num_blocks)
+        assert engine.cache.num_cached_blocks == 0
+        tokens, logits, num_cached = run_recording(engine, prompt)
+        assert num_cached == hit
+        assert engine.stats_snapshot()["cached_prompt_tokens_by_tier"] == {"device": 0, "store": hit}
+        assert tokens == cold_tokens
+        assert torch.equal(logits, cold_logits)
+    finally:
+        engine.store.close()
