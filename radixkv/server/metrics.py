@@ -7,7 +7,9 @@ Every name is ``radixkv_`` prefixed with its unit in the name (``_tokens``, ``_b
 same counters as ``/stats`` at scrape time by a collector registered in a per-application
 ``CollectorRegistry`` (never the process-global one), so several servers in one process — the
 tests run many — do not collide. With API keys configured the route needs an admin key: hit
-counters are a side channel across tenants.
+counters are a side channel across tenants. The KV pool's state and the engine's per-step KV
+work (token occupancy, tail waste, forks, lookup and step times, cancel → release) are in
+``radixkv.server.kv_metrics``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from radixkv.server.generation import OUTCOMES
+from radixkv.server.kv_metrics import kv_families
 from radixkv.server.param_policy import IGNORED_COUNTS
 
 if TYPE_CHECKING:
@@ -132,6 +135,7 @@ class RadixkvCollector:
         pool = stats["pool"]
         for name, key, doc in _POOL_GAUGES:
             yield GaugeMetricFamily(name, doc, value=pool[key])
+        yield from kv_families(stats, engine.engine_stats)
         yield GaugeMetricFamily("radixkv_prefix_tree_nodes", "Nodes in the radix tree.",
                                 value=stats["tree"]["nodes"])
         yield GaugeMetricFamily("radixkv_prefix_tree_cached_blocks",
