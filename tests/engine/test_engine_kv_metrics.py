@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from radixkv.cache.retention import RetentionBreakpoint
 from radixkv.engine.request import RequestStatus
 from radixkv.engine.sampling import SamplingParams
 from radixkv.eviction.cost_model import prefill_flops
@@ -115,3 +116,18 @@ def test_missed_reuse_flops_of_an_evicted_prefix(tiny_model):
     stats = engine.stats_snapshot()
     assert stats["miss_tokens"]["evicted"] == 20
     assert stats["missed_reuse_flops_total"] == prefill_flops(engine.stats.cost_shape, 0, 20)
+
+
+def test_live_blocks_leave_out_blocks_only_a_retention_pins(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=64)
+    prompt = list(range(40, 61))  # 21 tokens at B = 4: 5 full blocks
+    engine.generate([prompt], greedy(1), retention=[RetentionBreakpoint(16, "1h")])
+    pool = engine.stats_snapshot()["pool"]
+    # 4 blocks pinned by the retention, no request running: in use, but not live.
+    assert (pool["retained_blocks"], pool["in_use_blocks"], pool["live_blocks"]) == (4, 4, 0)
+    req = engine.make_request(prompt[:12] + [7, 7, 7], greedy(3))
+    engine.add_request(req)
+    engine.step()  # holds 3 of the retained blocks (its hit) and its own tail block
+    pool = engine.stats_snapshot()["pool"]
+    assert req.num_cached_tokens == 12
+    assert (pool["in_use_blocks"], pool["live_blocks"]) == (5, 4)
