@@ -555,7 +555,8 @@ class LLMEngine:
         out = self.stats.snapshot(self.cache, self.runner.bytes_per_block,
                                   kv_cache_dtype=self.runner.kv_cache_dtype,
                                   kv_bytes_per_token=self.runner.kv_bytes_per_token)
-        out["hit_granularity"] = self.hit_granularity
+        # A fresh copy: the snapshot leaves the engine thread (a reader may keep or change it).
+        out["hit_granularity"] = hit_granularity(self.model.shape, self.block_size)
         populate = getattr(self.runner, "pool_populate", None)
         if populate is not None:
             out["pool"]["populate"] = populate.snapshot()
