@@ -97,12 +97,18 @@ def _gguf_tokenizer(path: Path, metadata: dict):
     ``AutoTokenizer`` ends in ``TokenizersBackend`` after first parsing the whole file again
     with ``gguf.GGUFReader`` and importing the model config classes (~5 s of the ~7 s);
     calling that class directly skips both, and a test checks the saved files are identical.
+    A ``gemma3`` GGUF on transformers >= 5 likewise goes to ``GemmaTokenizer`` directly (6 s
+    instead of 19 s for Gemma 3 270M's 262k vocabulary; a test checks the saved files too).
     Anything else takes the ``AutoTokenizer`` path.
     """
     backend = _tokenizers_backend()
-    if (backend is not None and metadata.get("general.architecture") == "llama"
-            and metadata.get("tokenizer.ggml.model") == "gpt2"):
+    arch = metadata.get("general.architecture")
+    if backend is not None and arch == "llama" and metadata.get("tokenizer.ggml.model") == "gpt2":
         return backend.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    if backend is not None and arch == GEMMA3_ARCH:
+        from transformers import GemmaTokenizer  # >= 5: a TokenizersBackend subclass
+
+        return GemmaTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     return _load_tokenizer(path.parent, gguf_file=path.name)
 
 

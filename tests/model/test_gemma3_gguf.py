@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
 from radixkv.engine.sampling import SamplingParams
-from radixkv.model import shipped
+from radixkv.model import loader, shipped
 from radixkv.model.hf_loader import shape_from_hf_config
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner
@@ -111,6 +112,21 @@ def test_tokenizer_and_chat_template(gemma3: LoadedModel) -> None:
     assert tok.decode(ids, skip_special_tokens=False) == (
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
     assert ids[:2] == [2, 105] and ids[-3:] == [105, 4368, 107]
+
+
+def test_direct_tokenizer_saves_what_auto_tokenizer_saves(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    path = shipped.gemma3_270m_gguf_path()
+    direct = loader._gguf_tokenizer(path, {"general.architecture": "gemma3"})
+    auto = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    direct.save_pretrained(tmp_path / "direct")
+    auto.save_pretrained(tmp_path / "auto")
+    names = sorted(p.name for p in (tmp_path / "auto").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "direct").iterdir())
+    assert "tokenizer.json" in names
+    for name in names:
+        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "auto" / name).read_bytes(), name
 
 
 def test_prefill_logits_match_transformers(gemma3: LoadedModel, hf_gemma3) -> None:
