@@ -106,6 +106,27 @@ def test_unsupported_gguf_architecture_is_named(tmp_path: Path, monkeypatch: pyt
                    for p in (tmp_path / "cache").iterdir())
 
 
+def test_cli_unsupported_gguf_exits_2_before_the_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixkv import cli
+
+    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def no_pool(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pool allocated")
+
+    monkeypatch.setattr("radixkv.engine.llm_engine.ModelRunner", no_pool)
+    assert cli.main(["serve", "--port", "0", "--device", "cpu", "--model", str(path)]) == 2
+    assert "model: GGUF architecture 'gpt-oss' is not supported; supported: llama, gemma3" in \
+        capsys.readouterr().err
+
+
 def _render(messages: list[dict], add_generation_prompt: bool = True) -> str:
     # As transformers renders chat templates (trim_blocks, lstrip_blocks, raise_exception).
     def raise_exception(message: str) -> None:
