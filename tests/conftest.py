@@ -16,6 +16,13 @@ import pytest  # noqa: E402
 import structlog  # noqa: E402
 import torch  # noqa: E402
 
+# triton.jit reads TRITON_INTERPRET when a function is decorated, triton.language's own helpers
+# (tl.cdiv, ...) included, and transformers' model classes import triton.language: set before
+# any test module is collected, or a kernel run later under the interpreter calls compiled
+# helpers. Servers and CLIs the tests start inherit it and stay on the torch backend ("auto").
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 from radixkv.cache.pool import BlockPool  # noqa: E402
 from radixkv.model.loader import LoadedModel, embedded_tokenizer_dir, load_model  # noqa: E402
 

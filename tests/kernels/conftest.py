@@ -1,16 +1,10 @@
-"""Kernel tests: Triton interpreter on CPU-only machines, and the ``gpu`` marker's skip.
+"""Kernel tests: Triton interpreter on CPU-only machines (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before any test module imports triton), and the per-ISA native kernels.
 
-``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is decorated (its module imported), so
-the variable is set here, before any test module of this directory imports
-``radixkv.kernels.triton_backend``. Nothing imports the Triton modules earlier: the package
-``radixkv.kernels`` itself exports only the torch reference, and the model runner imports the
-Triton backend lazily. On a CUDA machine the variable is left alone and the same tests run
-compiled kernels on the GPU.
+On a CUDA machine the variable is left alone and the same tests run compiled kernels on the GPU.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -18,9 +12,6 @@ import torch
 from radixkv.kernels import native
 from radixkv.model.loader import LoadedModel, load_model
 from tests.conftest import make_tiny_model_dir
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="module", params=native.ISAS)
