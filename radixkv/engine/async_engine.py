@@ -199,9 +199,12 @@ class AsyncEngine(AsyncLoRAMixin):
         return await self._tokenize_pool.run(
             lambda tok: tok.apply_chat_template(messages, tools, **extra), key=pool_key(tenant))
 
-    async def tokenize_text(self, text: str, *, tenant: Hashable = CONTEXT_KEY) -> list[int]:
-        """Tokenize plain text (no special tokens) on the pool (see ``tokenize_chat``)."""
-        return await self._tokenize_pool.run(lambda tok: tok.encode(text), key=pool_key(tenant))
+    async def tokenize_text(self, text: str, *, add_special_tokens: bool = False,
+                            tenant: Hashable = CONTEXT_KEY) -> list[int]:
+        """Tokenize text on the pool (see ``tokenize_chat``): as is, or with
+        ``add_special_tokens`` behind the tokenizer's BOS (``ChatTokenizer.encode_prompt``)."""
+        return await self._tokenize_pool.run(
+            lambda tok: tok.encode_prompt(text, add_special_tokens), key=pool_key(tenant))
 
     async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
                          tenant: Hashable = CONTEXT_KEY) -> str:

@@ -313,6 +313,32 @@ class ChatTokenizer:
         with self._lock:
             return list(self.hf_tokenizer.encode(text, add_special_tokens=False))
 
+    @functools.cached_property
+    def prompt_prefix_ids(self) -> tuple[int, ...]:
+        """Ids the tokenizer puts in front of a text with its special tokens on
+        (transformers' ``add_special_tokens=True``): Gemma's ``<bos>`` (2), Llama 3's
+        ``<|begin_of_text|>``; empty for SmolLM2, whose tokenizer adds none. Read once from the
+        tokenizer itself (the leading ids a probe gains over its plain encoding); ids it would
+        add at the end (an EOS) are not used: a prompt is continued, not closed."""
+        with self._lock:
+            plain = list(self.hf_tokenizer.encode("a", add_special_tokens=False))
+            full = list(self.hf_tokenizer.encode("a", add_special_tokens=True))
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return tuple(int(i) for i in full[:start])
+        return ()
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt: ``prompt_prefix_ids`` (the BOS, where the tokenizer has
+        one) then ``encode(text)``; ``add_special_tokens=False`` is ``encode(text)``. A text
+        that itself starts with the BOS's text gets it twice, as transformers and vLLM do.
+
+        Raises:
+            ValueError: ``text`` is not a string.
+        """
+        ids = self.encode(text)
+        return [*self.prompt_prefix_ids, *ids] if add_special_tokens else ids
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids``; special tokens dropped unless ``skip_special_tokens`` is False."""
         with self._lock:

@@ -171,7 +171,7 @@ async def completions(request: web.Request, state: ServerState, tenant: Tenant |
                            n=req.n, return_token_ids=req.return_token_ids, prompt_token_ids=ids)
     if req.echo:
         shape.echoes.update((i, p.text) for i, p in enumerate(prompts) if p.text is not None)
-    remember = remember_texts(engine, state.prefixes, salt,
+    remember = remember_texts(engine, state.prefixes, (salt, req.add_special_tokens),
                               [(p.text, prompt) for p, prompt in zip(prompts, ids)], req.n)
     adapters.require_lora(engine, lora)  # may have been unloaded while tokenizing
     return await generate_response(
@@ -214,7 +214,8 @@ async def tokenize(request: web.Request) -> web.Response:
                                      template_kwargs=req.chat_template_kwargs)
     else:  # the engine encodes on its tokenizer pool, off the event loop
         assert req.prompt is not None  # exactly one of messages / prompt (parser)
-        tokens = await tokenize_text(engine, req.prompt, fit=False)
+        tokens = await tokenize_text(engine, req.prompt, fit=False,
+                                     add_special_tokens=req.add_special_tokens)
     return json_response({"tokens": list(tokens), "count": len(tokens),
                           "max_model_len": engine.max_model_len})
 

@@ -55,6 +55,9 @@ class CompletionRequest(Sampling):
 
     Attributes:
         echo: Return the prompt text in front of each choice.
+        add_special_tokens: Put the tokenizer's BOS in front of each text prompt
+            (``ChatTokenizer.encode_prompt``; vLLM's default, true); token-id prompts are sent
+            as they are.
         prompt_param: Where the prompt sits in the body, for errors: ``prompt``, or
             ``prompt[0]`` for the one-prompt list form (``[[ids]]`` / ``["text"]``).
     """
@@ -65,6 +68,7 @@ class CompletionRequest(Sampling):
     prompt_param: str = "prompt"
     prompts: tuple[PromptInput, ...] = ()
     return_token_ids: bool = False
+    add_special_tokens: bool = True
 
 
 def _token_ids(ids: list, param: str) -> list[int]:
@@ -147,6 +151,7 @@ def parse_completion_request(body: dict[str, Any], served_model: str | tuple[str
     req = CompletionRequest(prompt_text=first.text, prompt_ids=first.ids, echo=echo,
                             prompt_param=first.param, prompts=prompts,
                             return_token_ids=bool(opt_bool(body, "return_token_ids")),
+                            add_special_tokens=opt_bool(body, "add_special_tokens") is not False,
                             **sampling.fields())
     found.record()
     return req

@@ -247,8 +247,9 @@ _COMPLETIONS = [
     only("suffix", why="insertion (suffix) is not implemented"),
     only("prompt_embeds", why="prompt embeddings are not accepted"),
     only("max_completion_tokens", why="/v1/completions caps output with 'max_tokens'"),
-    only("add_special_tokens", False, why="text prompts are encoded as is, without BOS/EOS (vLLM "
-                                          "adds them by default; send token ids to control them)"),
+    supported("add_special_tokens", {"type": "boolean", "description": "Put the tokenizer's BOS "
+                                     "in front of each text prompt (default true, as vLLM; "
+                                     "token-id prompts are sent as they are)."}),
 ]
 
 _TOKENIZE = [
@@ -259,7 +260,10 @@ _TOKENIZE = [
     supported("cache_salt", {"type": "string", "minLength": 1, "maxLength": 1024}),
     supported("chat_template_kwargs", _TEMPLATE_KWARGS),
     only("add_generation_prompt", True, why="chat requests always add the generation prompt"),
-    only("add_special_tokens", False, why="prompts are encoded as is"),
+    supported("add_special_tokens", {"type": "boolean", "description": "With 'prompt': put the "
+                                     "tokenizer's BOS in front (default true, as "
+                                     "/v1/completions); with 'messages' only false (the chat "
+                                     "template places them)."}),
     only("continue_final_message", False, why="continuing the final message is not implemented"),
     only("chat_template", why="per-request chat templates are not accepted"),
     only("documents", [], why="RAG documents are not passed to the template"),

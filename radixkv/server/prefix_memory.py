@@ -137,13 +137,16 @@ class PrefixMemory:
 
 
 async def tokenize_with_memory(engine: AsyncEngine, memory: PrefixMemory, scope: Hashable,
-                               text: str) -> list[int]:
+                               text: str, *, add_special_tokens: bool = False) -> list[int]:
     """Token ids of a text prompt: the longest remembered prefix's ids, then the rest encoded
     (plain encoding when nothing is remembered, or when the join does not decode back to the
-    text, e.g. a SentencePiece tokenizer that puts a space in front of the rest)."""
+    text, e.g. a SentencePiece tokenizer that puts a space in front of the rest). With
+    ``add_special_tokens`` a plain encoding starts with the tokenizer's BOS; remembered ids
+    already hold what their request sent, so ``scope`` must tell the two apart (the server
+    scopes by ``(cache salt, add_special_tokens)``)."""
     hit = memory.longest_prefix(scope, text)
     if hit is None:
-        return await engine.tokenize_text(text)
+        return await engine.tokenize_text(text, add_special_tokens=add_special_tokens)
     length, ids = hit
     if length == len(text):
         return ids
@@ -153,7 +156,7 @@ async def tokenize_with_memory(engine: AsyncEngine, memory: PrefixMemory, scope:
         rest_ids = tok.encode(rest)
         joined = tok.decode(tail + rest_ids, skip_special_tokens=False)
         if joined != tok.decode(tail, skip_special_tokens=False) + rest:
-            return tok.encode(text)
+            return tok.encode_prompt(text) if add_special_tokens else tok.encode(text)
         return ids + rest_ids
 
     return await engine.tokenize_pool.run(join, key=TOKENIZE_KEY.get())

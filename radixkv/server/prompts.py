@@ -128,7 +128,9 @@ async def completion_prompts(state: ServerState, req: CompletionRequest,
                 ids.append(p.ids)
             else:
                 assert p.text is not None  # a PromptInput has ids or text
-                ids.append(await tokenize_with_memory(engine, state.prefixes, salt, p.text))
+                ids.append(await tokenize_with_memory(
+                    engine, state.prefixes, (salt, req.add_special_tokens), p.text,
+                    add_special_tokens=req.add_special_tokens))
     for p, prompt in zip(prompts, ids):  # here, not only in the engine: render must refuse too
         try:
             check_token_ids(p.param, prompt, engine.vocab_size)

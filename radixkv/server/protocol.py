@@ -297,14 +297,16 @@ class TokenizeRequest:
     prompt: str | None
     cache_salt: str | None = None  # the salt whose remembered replies a chat is rendered with
     chat_template_kwargs: dict[str, Any] | None = None  # as for ChatRequest (messages only)
+    add_special_tokens: bool = True  # a prompt behind the tokenizer's BOS, as /v1/completions
 
 
 def parse_tokenize_request(body: dict[str, Any], served_model: str | tuple[str, ...]) -> TokenizeRequest:
     """Validate a ``/tokenize`` body (vLLM's shape).
 
     ``{"model", "messages", "tools"?}`` renders the chat template exactly as a chat request
-    would (generation prompt included); ``{"model", "prompt": str}`` encodes raw text without
-    special tokens.
+    would (generation prompt included); ``{"model", "prompt": str}`` encodes the text as
+    ``/v1/completions`` does (behind the tokenizer's BOS unless ``add_special_tokens`` is
+    false).
 
     Raises:
         APIError: 400 naming the parameter; 404 for an unknown model.
@@ -322,11 +324,15 @@ def parse_tokenize_request(body: dict[str, Any], served_model: str | tuple[str, 
             if body.get(key) is not None:
                 raise bad_request(f"'{key}' needs 'messages'", key)
         found.record()
-        return TokenizeRequest(messages=None, tools=None, prompt=body["prompt"])
+        return TokenizeRequest(messages=None, tools=None, prompt=body["prompt"],
+                               add_special_tokens=opt_bool(body, "add_special_tokens") is not False)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_SALT_CHARS):
         raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} "
                           "characters", "cache_salt")
+    if body.get("add_special_tokens"):
+        raise bad_request("'add_special_tokens' needs 'prompt': the chat template places the "
+                          "special tokens of 'messages'", "add_special_tokens")
     req = TokenizeRequest(messages=validate_messages(body["messages"], found),
                           tools=validate_tools(body.get("tools")), prompt=None, cache_salt=salt,
                           chat_template_kwargs=parse_template_kwargs(body))

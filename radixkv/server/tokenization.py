@@ -76,8 +76,9 @@ async def tokenize_chat(engine: AsyncEngine, messages: list[dict], tools: list |
 
 
 async def tokenize_text(engine: AsyncEngine, text: str, param: str = "prompt", *,
-                        fit: bool = True) -> list[int]:
-    """Tokenize a text prompt; with ``fit``, refuse one that cannot fit the context first.
+                        fit: bool = True, add_special_tokens: bool = False) -> list[int]:
+    """Tokenize a text prompt (behind the tokenizer's BOS with ``add_special_tokens``); with
+    ``fit``, refuse one that cannot fit the context first.
 
     Raises:
         APIError: 400 ``context_length_exceeded`` naming ``param``, 503 ``queue_full``.
@@ -85,7 +86,7 @@ async def tokenize_text(engine: AsyncEngine, text: str, param: str = "prompt", *
     if fit:
         check_fits(engine, engine.tokenizer.min_tokens([text]), param)
     with tokenize_errors():
-        return await engine.tokenize_text(text)
+        return await engine.tokenize_text(text, add_special_tokens=add_special_tokens)
 
 
 @web.middleware

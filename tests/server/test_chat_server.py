@@ -73,8 +73,19 @@ async def test_tokenize_matches_the_chat_template(server):
     assert body == {"tokens": expected, "count": len(expected), "max_model_len": 2048}
     status, raw = await post(server.url, "/tokenize", {"prompt": "Hello there"})
     expected = engine.tokenizer.encode("Hello there")
+    # SmolLM2's tokenizer adds no BOS: add_special_tokens (default true) changes nothing.
+    assert engine.tokenizer.prompt_prefix_ids == ()
     assert (status, orjson.loads(raw)) == (
         200, {"tokens": expected, "count": len(expected), "max_model_len": 2048})
+    for flag in (True, False):
+        status, raw = await post(server.url, "/tokenize", {"prompt": "Hello there", "add_special_tokens": flag})
+        assert (status, orjson.loads(raw)["tokens"]) == (200, expected)
+    # With messages the chat template places the special tokens: true is refused, naming it.
+    status, raw = await post(server.url, "/tokenize", {"messages": HI, "add_special_tokens": True})
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "add_special_tokens"
+    status, raw = await post(server.url, "/v1/completions",
+                             {"prompt": "Hello there", "max_tokens": 1, "add_special_tokens": "yes"})
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "add_special_tokens"
 
 
 async def test_non_stream_chat_shape_and_usage(server):

@@ -61,13 +61,35 @@ async def test_chat_renders_gemma_turns(gemma3_server: RunningServer, gemma3: Lo
     assert again["choices"][0]["message"]["content"] == choice["message"]["content"]  # greedy
 
 
-async def test_completion_continues_the_prompt(gemma3_server: RunningServer) -> None:
-    status, body = await complete(gemma3_server.url, "<bos>The capital of France is", max_tokens=16,
-                                  temperature=0, model="gemma3-270m")
+async def test_completion_continues_the_prompt(gemma3_server: RunningServer, gemma3: LoadedModel) -> None:
+    # add_special_tokens defaults to true (vLLM's default): the text goes behind Gemma's <bos>.
+    assert gemma3.tokenizer.prompt_prefix_ids == (2,)
+    text_ids = gemma3.tokenizer.encode("The capital of France is")
+    status, body = await complete(gemma3_server.url, "The capital of France is", max_tokens=16,
+                                  temperature=0, model="gemma3-270m", return_token_ids=True)
     assert status == 200, body
-    assert body["usage"]["prompt_tokens"] == 6  # <bos> is read as the special token
+    assert body["choices"][0]["prompt_token_ids"] == [2, *text_ids] and len(text_ids) == 5
     # The same greedy continuation as tests/model/test_gemma3_gguf.py checks against transformers.
-    assert body["choices"][0]["text"].startswith(" the capital of the country of France.")
+    reply = body["choices"][0]["text"]
+    assert reply.startswith(" the capital of the country of France.")
+    # The next turn re-sends prompt + reply as text: its remembered ids are reused behind the
+    # one <bos> they already hold (not a second one), so the whole first turn is a prefix hit.
+    status, again = await complete(gemma3_server.url, "The capital of France is" + reply + " Paris",
+                                   max_tokens=1, temperature=0, model="gemma3-270m",
+                                   return_token_ids=True)
+    assert status == 200, again
+    ids = again["choices"][0]["prompt_token_ids"]
+    assert ids[:len(text_ids) + 1] == [2, *text_ids] and ids.count(2) == 1
+    # Without the BOS, as sent; a BOS written into the text is read as the special token.
+    status, plain = await complete(gemma3_server.url, "The capital of France is", max_tokens=1,
+                                   model="gemma3-270m", add_special_tokens=False,
+                                   return_token_ids=True)
+    assert status == 200 and plain["choices"][0]["prompt_token_ids"] == text_ids
+    status, tok = await post_json(gemma3_server.url, "/tokenize", {"prompt": "The capital of France is"})
+    assert status == 200 and tok["tokens"] == [2, *text_ids]
+    status, tok = await post_json(gemma3_server.url, "/tokenize",
+                                  {"prompt": "<bos>The capital of France is", "add_special_tokens": False})
+    assert status == 200 and tok["tokens"] == [2, *text_ids]
 
 
 async def test_turns_that_do_not_alternate_are_a_400(gemma3_server: RunningServer) -> None:

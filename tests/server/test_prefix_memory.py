@@ -112,8 +112,8 @@ class SentencePieceLike:
 
     # The AsyncEngine surface tokenize_with_memory uses: plain encoding, and pool jobs that
     # get a tokenizer (this codec itself).
-    async def tokenize_text(self, text: str) -> list[int]:
-        return self.encode(text)
+    async def tokenize_text(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return self.encode(text)  # a codec without a BOS: the flag changes nothing
 
     @property
     def tokenize_pool(self) -> SentencePieceLike:
