@@ -20,6 +20,7 @@ from radixkv.tools.verify.variants import (
     HIT_PAST,
     PAGED,
     RECOMPUTE,
+    AttentionSettings,
     StepHook,
     Trace,
     hit_points,
@@ -119,19 +120,21 @@ def run(args: argparse.Namespace, *, step_hook: StepHook | None = None) -> dict[
     tol = Tolerances(
         logit_atol=args.logit_atol if args.logit_atol is not None else LOGIT_ATOL[args.dtype],
         kv_atol=KV_ATOL[args.dtype], kv_rtol=KV_RTOL[args.dtype])
-    window_left = shape.window_left
+    attn = AttentionSettings.of(shape)
     longest = max(len(p.token_ids) for p in prompts) + args.max_new_tokens
     num_blocks = runner_blocks_needed(longest, args.block_size)
     notes: list[str] = []
 
-    from radixkv.model.llama import LlamaForward
+    from radixkv.model.family_forward import make_forward
 
     try:
         paged_runner = _make_runner(model, num_blocks, args, device)
     except ValueError as exc:
         raise VerifyError(f"--attention-backend: {exc}") from exc
     backend = paged_runner.attention_backend
-    reference_fwd = LlamaForward(shape, model.state_dict, device=device, dtype=model.dtype)
+    # The model's own forward class (LlamaForward, or FamilyForward for Qwen3 / Gemma), eager,
+    # without the C kernels: (a) and (b) run the reference attention through it.
+    reference_fwd = make_forward(shape, model.state_dict, device=device, dtype=model.dtype)
 
     # (e): quantized KV runners, the runner's own refusal naming what it cannot run here.
     quant_runners: dict[str, ModelRunner] = {}
@@ -179,7 +182,7 @@ def run(args: argparse.Namespace, *, step_hook: StepHook | None = None) -> dict[
         ids = prompt.token_ids
         prompt_len = len(ids)
         _progress(f"prompt {index + 1}/{len(prompts)} ({prompt_len} tokens): {RECOMPUTE}")
-        recompute, continuation = run_recompute(reference_fwd, ids, args.max_new_tokens, window_left)
+        recompute, continuation = run_recompute(reference_fwd, ids, args.max_new_tokens, attn)
         sequence = ids + continuation
         prompt_rows.append({"label": prompt.label, "prompt_tokens": prompt_len,
                             "continuation": continuation,
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace, *, step_hook: StepHook | None = None) -> dict[
             pairs[name].per_prompt.append(result)
 
         _progress(f"prompt {index + 1}: {CONTIGUOUS}")
-        record(CONTIGUOUS, run_contiguous(reference_fwd, sequence, prompt_len, window_left, step_hook),
+        record(CONTIGUOUS, run_contiguous(reference_fwd, sequence, prompt_len, attn, step_hook),
                recompute)
         _progress(f"prompt {index + 1}: {PAGED} ({backend})")
         with torch.inference_mode():

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``radixkv verify``'s flags to ``p`` (imports no torch); every help line states its
     default."""
     p.add_argument("--model", default=None,
-                   help="Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+                   help="Hugging Face directory, .gguf file or shipped name (gemma3-270m; default: "
+                        "embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights, activations and the unquantized KV pools (default: %(default)s)")
     p.add_argument("--device", default="auto",

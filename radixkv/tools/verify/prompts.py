@@ -76,9 +76,10 @@ def read_prompt_file(path: str) -> list[tuple[str, Any]]:
 
 
 def tokenize_prompts(records: Sequence[tuple[str, Any]], tokenizer: ChatTokenizer) -> list[Prompt]:
-    """Token ids of :func:`read_prompt_file`'s records: text encoded as is (no special tokens
-    added), messages rendered with the model's chat template (generation prompt appended),
-    token ids checked against the vocabulary.
+    """Token ids of :func:`read_prompt_file`'s records: text encoded as ``/v1/completions``
+    encodes it by default (behind the tokenizer's BOS, where it has one:
+    ``ChatTokenizer.encode_prompt``), messages rendered with the model's chat template
+    (generation prompt appended), token ids checked against the vocabulary.
 
     Raises:
         VerifyError: naming ``--prompt-file`` for a prompt with no tokens, an id outside the
@@ -87,7 +88,7 @@ def tokenize_prompts(records: Sequence[tuple[str, Any]], tokenizer: ChatTokenize
     prompts: list[Prompt] = []
     for label, record in records:
         if isinstance(record, str):
-            ids = tokenizer.encode(record)
+            ids = tokenizer.encode_prompt(record)
         elif "prompt_token_ids" in record:
             ids = list(record["prompt_token_ids"])
             bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
@@ -100,7 +101,7 @@ def tokenize_prompts(records: Sequence[tuple[str, Any]], tokenizer: ChatTokenize
             except ValueError as exc:
                 raise VerifyError(f"--prompt-file: {label}: {exc}") from exc
         else:
-            ids = tokenizer.encode(record["prompt"])
+            ids = tokenizer.encode_prompt(record["prompt"])
         if not ids:
             raise VerifyError(f"--prompt-file: {label}: the prompt has no tokens")
         prompts.append(Prompt(label, ids))

@@ -57,8 +57,37 @@ def _single_seq_meta(prefix_len: int, num_new: int, device: torch.device
             torch.tensor([0, num_new], dtype=torch.int32, device=device))
 
 
+@dataclass(frozen=True)
+class AttentionSettings:
+    """What the reference attention of variants (a) and (b) needs per layer, as the runner
+    passes it to its kernels (``ModelRunner._family_attention``).
+
+    Attributes:
+        window_lefts: per layer, keys visible left of a query (-1 = unlimited;
+            ``ModelShape.layer_window_lefts``).
+        sm_scale: softmax scale, or None for ``head_dim ** -0.5`` (the kernels' default).
+        logits_soft_cap: ``cap * tanh(s / cap)`` on scaled scores (Gemma 2); 0 = none.
+    """
+
+    window_lefts: tuple[int, ...]
+    sm_scale: float | None
+    logits_soft_cap: float
+
+    @classmethod
+    def of(cls, shape: Any) -> AttentionSettings:
+        """The settings of a ``ModelShape`` (any family: hybrid window layers, Gemma's scale
+        and soft cap)."""
+        return cls(tuple(shape.layer_window_lefts),
+                   None if shape.query_pre_attn_scalar is None else shape.attention_scale,
+                   0.0 if shape.attn_logit_softcap is None else float(shape.attn_logit_softcap))
+
+    def kwargs(self, layer: int) -> dict[str, Any]:
+        return {"window_left": self.window_lefts[layer], "sm_scale": self.sm_scale,
+                "logits_soft_cap": self.logits_soft_cap}
+
+
 def run_recompute(fwd: LlamaForward, prompt: Sequence[int], max_new_tokens: int,
-                  window_left: int) -> tuple[Trace, list[int]]:
+                  attn: AttentionSettings) -> tuple[Trace, list[int]]:
     """Variant (a): greedy generation with no cache, a full forward of the sequence per step.
 
     Returns:
@@ -82,7 +111,7 @@ def run_recompute(fwd: LlamaForward, prompt: Sequence[int], max_new_tokens: int,
             keys[layer] = k.to(torch.float32, copy=True).cpu()
             values[layer] = v.to(torch.float32, copy=True).cpu()
         out = reference.extend_attention(q, k, v, empty, empty, tables, prefix_lens, indptr,
-                                         max_q_len=num, window_left=window_left)
+                                         max_q_len=num, **attn.kwargs(layer))
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -103,7 +132,7 @@ def run_recompute(fwd: LlamaForward, prompt: Sequence[int], max_new_tokens: int,
     return Trace(torch.cat(rows), keys, values), generated
 
 
-def run_contiguous(fwd: LlamaForward, sequence: Sequence[int], prompt_len: int, window_left: int,
+def run_contiguous(fwd: LlamaForward, sequence: Sequence[int], prompt_len: int, attn: AttentionSettings,
                    hook: StepHook | None) -> Trace:
     """Variant (b): prefill into a contiguous per-sequence cache, then one token per step."""
     import torch
@@ -124,7 +153,7 @@ def run_contiguous(fwd: LlamaForward, sequence: Sequence[int], prompt_len: int, 
         cache_v[start:start + num] = v
         tables, prefix_lens, indptr = _single_seq_meta(start, num, device)
         out = reference.extend_attention(q, k, v, cache_k[None], cache_v[None], tables, prefix_lens,
-                                         indptr, max_q_len=num, window_left=window_left)
+                                         indptr, max_q_len=num, **attn.kwargs(layer))
         assert isinstance(out, torch.Tensor)
         return out
 
