@@ -445,6 +445,8 @@ BENCHES = {
                     "server at a time, tau-bench replay and cold prefill",
     "plan-check": "radixkv plan --trace against a real bench serve of the same trace and pool: "
                   "hit rate and peak blocks side by side",
+    "cancel-release": "cancel -> KV blocks released under a load with a share of cancelled "
+                      "streams (prefill and mid-decode), against the ITL of the others",
 }
 
 
