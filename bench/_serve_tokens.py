@@ -65,7 +65,8 @@ def load_client_tokenizer(spec: str | None) -> tuple[Any, str]:
     Args:
         spec: None for the embedded SmolLM2-135M-Instruct tokenizer (converted once and cached
             by ``radixkv.model.loader``); a Hugging Face model folder (its tokenizer files);
-            or a ``*.gguf`` file (tokenizer and chat template from its metadata).
+            a ``*.gguf`` file or a shipped model's name (``gemma3-270m``): the tokenizer, chat
+            template and EOS ids ``radixkv serve`` converts from it (``gguf_tokenizer_dir``).
 
     Returns:
         ``(ChatTokenizer, description)``; the description names what was loaded. The
@@ -78,7 +79,8 @@ def load_client_tokenizer(spec: str | None) -> tuple[Any, str]:
     from transformers import AutoTokenizer  # deferred: heavy import
 
     from radixkv.model.hf_loader import generation_eos_ids
-    from radixkv.model.loader import embedded_tokenizer_dir
+    from radixkv.model.loader import embedded_tokenizer_dir, gguf_tokenizer_dir
+    from radixkv.model.shipped import shipped_model_name
     from radixkv.model.tokenizer import ChatTokenizer
 
     extra_eos: list[int] = []
@@ -90,10 +92,17 @@ def load_client_tokenizer(spec: str | None) -> tuple[Any, str]:
         if path.is_dir():
             hf = AutoTokenizer.from_pretrained(str(path))
             extra_eos = generation_eos_ids(path)
-        elif path.is_file() and path.suffix == ".gguf":
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        elif (path.is_file() and path.suffix == ".gguf") or (not path.exists()
+                                                              and shipped_model_name(spec) is not None):
+            try:
+                directory = gguf_tokenizer_dir(spec)
+            except ValueError as exc:  # a shipped model whose package is missing
+                raise ValueError(f"--tokenizer: {exc}") from exc
+            hf = AutoTokenizer.from_pretrained(str(directory))
+            extra_eos = generation_eos_ids(directory.parent)
         else:
-            raise ValueError(f"--tokenizer: {path} is neither a model folder nor a .gguf file")
+            raise ValueError(f"--tokenizer: {path} is neither a model folder, a .gguf file nor "
+                             "a shipped model name")
         name = str(path)
     return ChatTokenizer(hf, max_model_len=0, extra_eos_token_ids=extra_eos), name
 

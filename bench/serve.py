@@ -188,7 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", default="radixkv", help="name of the first target (--url)")
     parser.add_argument("--tokenizer", default=None, metavar="DIR_OR_GGUF",
                         help="the served model's tokenizer and chat template: a Hugging Face "
-                             "folder or a .gguf file (default: the embedded SmolLM2 one)")
+                             "folder, a .gguf file or a shipped model name (gemma3-270m) "
+                             "(default: the embedded SmolLM2 one)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                         help="skip requests whose prompt + --max-tokens exceed this (default: "
                              "the smallest max_model_len the targets' /v1/models list, else "

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["LoadedModel", "load_model", "embedded_gguf_path", "embedded_tokenizer_dir", "EMBEDDED_PACKAGE",
-           "GEMMA3_CHAT_TEMPLATE_PATH"]
+           "GEMMA3_CHAT_TEMPLATE_PATH", "gguf_tokenizer_dir"]
 
 log = structlog.get_logger(__name__)
 
@@ -231,6 +231,27 @@ def embedded_tokenizer_dir() -> Path:
     tokenizer and chat template. Converts (and caches) the GGUF on first use.
     """
     return _converted_gguf_dir(embedded_gguf_path())[1] / "tokenizer"
+
+
+def gguf_tokenizer_dir(spec: str | os.PathLike[str]) -> Path:
+    """The tokenizer folder (``save_pretrained`` layout, chat template included) that
+    ``radixkv serve`` uses for a ``.gguf`` file or a shipped model's name (e.g.
+    ``"gemma3-270m"``); its parent holds ``generation_config.json`` with the extra EOS ids.
+    Converts (and caches) the GGUF on first use, like :func:`load_model`.
+
+    Raises:
+        ValueError: naming ``model`` when ``spec`` is neither an existing ``.gguf`` file nor a
+            shipped name (or the shipped model's package is missing).
+    """
+    path = Path(spec).expanduser()
+    if not path.exists():
+        shipped = shipped_model_name(str(spec))
+        if shipped is None:
+            raise ValueError(f"model: {spec} is neither a .gguf file nor a shipped model name")
+        path = shipped_gguf_path(shipped)
+    elif path.suffix != ".gguf":
+        raise ValueError(f"model: {path} is not a .gguf file")
+    return _converted_gguf_dir(path)[1] / "tokenizer"
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, name: str | None = None) -> LoadedModel:

@@ -99,3 +99,22 @@ async def test_turns_that_do_not_alternate_are_a_400(gemma3_server: RunningServe
     assert status == 400
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == "messages"
     assert "Conversation roles must alternate" in body["error"]["message"]
+
+
+def test_bench_serve_client_tokenizer_is_the_servers(gemma3_server: RunningServer) -> None:
+    # `bench serve --tokenizer gemma3-270m` counts ideal hits with the tokenizer and chat
+    # template radixkv serve converted from the GGUF (the GGUF alone carries no template).
+    from radixkv.tools.transcripts import load_tau_bench
+    from tests.server.test_bench_serve import _server_tokens
+    from tests.server.test_bench_serve_targets import _modules
+
+    tokens_mod, _ = _modules()
+    tokenizer, name = tokens_mod.load_client_tokenizer("gemma3-270m")
+    assert name == "gemma3-270m" and 106 in tokenizer.eos_token_ids  # <end_of_turn>
+    requests = [r for s in load_tau_bench()[:2] for r in s[:2]]
+    flat = [tokens_mod.flatten_request(r) for r in requests]
+    ours = tokens_mod.client_tokens(tokenizer, flat)
+    assert ours == _server_tokens(gemma3_server.url, requests)
+    assert all(ids[0] == 2 and ids.count(105) >= 2 for ids in ours)  # <bos>, <start_of_turn> x 2+
+    with pytest.raises(ValueError, match="--tokenizer"):
+        tokens_mod.load_client_tokenizer("gemma9-1b")
