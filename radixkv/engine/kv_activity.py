@@ -36,6 +36,10 @@ STEP_BUCKETS_S = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e
 #: to finish the step in flight, then releases at once.
 CANCEL_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0)
+#: Upper bounds (seconds) of a whole engine step (schedule, batch, forward, sampling): a
+#: decode step takes milliseconds, a CPU step carrying thousands of prefill tokens seconds.
+ENGINE_STEP_BUCKETS_S = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                         10.0, 30.0)
 
 
 class _Chunk(Protocol):
@@ -74,6 +78,8 @@ class KVActivity:
             the engine thread: admission, lookups, allocation), seconds.
         block_table_seconds: wall time of each step's batch build (block tables, slot mapping,
             positions: ``ModelRunner.build_batch``), seconds.
+        step_seconds: wall time of each engine step that ran a forward, from its schedule to
+            its outputs (what a cancel arriving mid-step waits for at most), seconds.
         cancel_release_seconds: from an abort being asked (``AsyncEngine.abort``; the call for
             ``LLMEngine.abort_request`` used directly) to the request's blocks being back in
             the pool (released, on the engine thread), seconds.
@@ -92,6 +98,7 @@ class KVActivity:
         self.schedule_seconds = LatencyHistogram(STEP_BUCKETS_S, window=1)
         self.block_table_seconds = LatencyHistogram(STEP_BUCKETS_S, window=1)
         self.cancel_release_seconds = LatencyHistogram(CANCEL_BUCKETS_S)
+        self.step_seconds = LatencyHistogram(ENGINE_STEP_BUCKETS_S)
         self.steps_total = 0
         self.decode_kv_read_tokens_total = 0
         self.prefill_kv_written_tokens_total = 0
@@ -112,6 +119,11 @@ class KVActivity:
             self.decode_kv_read_tokens_total += decode_read_tokens
             self.prefill_kv_written_tokens_total += prefill_written_tokens
 
+    def observe_step_end(self, seconds: float) -> None:
+        """A step that ran a forward ended ``seconds`` after its schedule began."""
+        with self.lock:
+            self.step_seconds.observe(seconds)
+
     def observe_cancel_release(self, seconds: float) -> None:
         with self.lock:
             self.cancel_release_seconds.observe(seconds)
@@ -126,12 +138,13 @@ class KVActivity:
 
     def histograms(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
         """``{name: (cumulative buckets, sum in seconds)}`` for Prometheus: ``lookup``,
-        ``schedule``, ``block_table``, ``cancel_release``."""
+        ``schedule``, ``block_table``, ``cancel_release``, ``step``."""
         with self.lock:
             return {name: (hist.cumulative(), hist.sum_s) for name, hist in (
                 ("lookup", self.lookup_seconds), ("schedule", self.schedule_seconds),
                 ("block_table", self.block_table_seconds),
-                ("cancel_release", self.cancel_release_seconds))}
+                ("cancel_release", self.cancel_release_seconds),
+                ("step", self.step_seconds))}
 
     def snapshot(self, kv_bytes_per_token: int | None) -> dict[str, Any]:
         """The ``kv_activity`` object of ``/stats``: counters, their bytes (when
@@ -153,8 +166,12 @@ class KVActivity:
                 out[f"{name}_ms_mean"] = (hist.sum_s / hist.count * 1000.0 if hist.count
                                           else None)
             recent = list(self.cancel_release_seconds.recent)
+            steps = list(self.step_seconds.recent)
         out["cancel_release_ms_p50"] = percentile_ms(recent, 0.5)
         out["cancel_release_ms_p99"] = percentile_ms(recent, 0.99)
+        out["step_ms_p50"] = percentile_ms(steps, 0.5)
+        out["step_ms_p99"] = percentile_ms(steps, 0.99)
+        out["step_ms_max"] = max(steps) * 1000.0 if steps else None
         if kv_bytes_per_token is not None:
             out["decode_kv_read_bytes_total"] = (out["decode_kv_read_tokens_total"]
                                                  * kv_bytes_per_token)

@@ -406,6 +406,7 @@ class LLMEngine:
                 faulted = True
         if faulted:
             self.cache.check_integrity()
+        self.stats.activity.observe_step_end(time.perf_counter() - t_schedule)
         return outputs
 
     def _advance(self, chunk, token: int | Exception | None, logits_row: torch.Tensor,

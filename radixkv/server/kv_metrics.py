@@ -66,6 +66,8 @@ _ACTIVITY_HISTOGRAMS = (
      "Time to build one step's batch: block tables, slot mapping, positions."),
     ("radixkv_cancel_release_seconds", "cancel_release",
      "From an abort being asked to the request's KV blocks being back in the pool."),
+    ("radixkv_engine_step_seconds", "step",
+     "Wall time of one engine step that ran a forward: schedule, batch, forward, sampling."),
 )
 
 

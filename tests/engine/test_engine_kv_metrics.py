@@ -4,6 +4,7 @@ read and written, lookups, recomputation after preemption, cancel → release sa
 
 from __future__ import annotations
 
+import math
 import random
 
 from radixkv.cache.retention import RetentionBreakpoint
@@ -104,6 +105,12 @@ def test_every_abort_feeds_the_cancel_release_histogram(tiny_model):
     assert engine.abort_request("no-such-request") == []  # nothing live: no sample
     assert engine.stats_snapshot()["kv_activity"]["cancels_total"] == aborted
     assert act["cancel_release_ms_p99"] is not None
+    # Every step that ran a forward is timed, and no cancel waits longer than the steps did
+    # (aborts are taken between steps here, so a release takes far less than one step).
+    hist = engine.stats.activity.histograms()["step"][0]
+    assert hist[-1] == (math.inf, act["steps_total"]) and act["steps_total"] > 0
+    assert 0 < act["step_ms_p50"] <= act["step_ms_p99"] <= act["step_ms_max"]
+    assert act["cancel_release_ms_p99"] <= act["step_ms_max"]
 
 
 def test_missed_reuse_flops_of_an_evicted_prefix(tiny_model):
