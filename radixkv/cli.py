@@ -45,7 +45,8 @@ KV_STORE_CONNECT_TIMEOUT_S = 20.0
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+                   help="Hugging Face directory, .gguf file or shipped name (gemma3-270m; default: "
+                        "embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None,
                    help="model id that /v1/models lists and requests send as 'model' "
                         "(default: the model's own name)")
