@@ -447,7 +447,8 @@ BENCHES = {
     "plan-check": "radixkv plan --trace against a real bench serve of the same trace and pool: "
                   "hit rate and peak blocks side by side",
     "cancel-release": "cancel -> KV blocks released under a load with a share of cancelled "
-                      "streams (prefill and mid-decode), against the ITL of the others",
+                      "streams (prefill and mid-decode), against the engine step and the "
+                      "ITL of the others",
 }
 
 
@@ -524,8 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         except SharedDataMissing as exc:  # a usage error: what --shared needs is not there
             print(f"radixkv bench {argv[1]}: {exc}", file=sys.stderr)
             return 2
-        # A driver reports failed checks in its result (bench kernels: all_checks_ok / error;
-        # bench plan-check: all_within).
+        # A driver reports failed checks in its result (bench kernels, cancel-release:
+        # all_checks_ok / error; bench plan-check: all_within).
         failed = isinstance(result, dict) and (result.get("error") or result.get("all_checks_ok") is False
                                                or result.get("all_within") is False)
         return 1 if failed else 0
