@@ -17,9 +17,11 @@ import torch
 from radixkv.eviction.cost_model import cost_shape_from_model_shape, prefill_flops
 from radixkv.kernels import reference
 from radixkv.kernels.kv_quant import resolve_kv_format
+from radixkv.model.family_forward import make_forward
 from radixkv.model.llama import LlamaForward
 from radixkv.model.loader import LoadedModel, embedded_tokenizer_dir, load_model
 from radixkv.model.runner import ModelRunner
+from radixkv.tools.verify.variants import AttentionSettings
 
 GIB = 1 << 30
 
@@ -399,8 +401,9 @@ def apply_prefill_floors(row: dict, roofs: dict, dtype: torch.dtype) -> dict:
 
 
 def reference_forward(model: LoadedModel) -> LlamaForward:
-    """A separate ``LlamaForward`` of ``model`` on the CPU, for :func:`reference_logits`."""
-    return LlamaForward(model.shape, model.state_dict, device="cpu", dtype=model.dtype)
+    """A separate forward of ``model`` on the CPU (``LlamaForward``, or ``FamilyForward`` for
+    Qwen3 / Gemma: ``make_forward``), eager, for :func:`reference_logits`."""
+    return make_forward(model.shape, model.state_dict, device="cpu", dtype=model.dtype)
 
 
 def reference_logits(model: LoadedModel, forward: LlamaForward, runner: ModelRunner,
@@ -415,18 +418,18 @@ def reference_logits(model: LoadedModel, forward: LlamaForward, runner: ModelRun
     logits: that would measure the quantizer's discontinuity, not the kernels."""
     max_q_len = int((batch.qo_indptr[1:] - batch.qo_indptr[:-1]).max())
     k_scales, v_scales = runner.k_scales, runner.v_scales
+    attn = AttentionSettings.of(model.shape)  # each layer's window, the scale, the soft cap
 
     def attention(layer, q, k, v):
         k_pool, v_pool = runner.k_pools[layer], runner.v_pools[layer]
         if k_scales is not None and v_scales is not None:
             assert max_q_len == 1, "reference_logits reads a quantized pool for decode steps only"
             return reference.decode_attention(q, k_pool, v_pool, batch.block_tables, batch.prefix_lens + 1,
-                                              window_left=model.shape.window_left,
+                                              **attn.kwargs(layer),
                                               k_scale_pool=k_scales[layer], v_scale_pool=v_scales[layer])
         reference.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping)
         return reference.extend_attention(q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens,
-                                          batch.qo_indptr, max_q_len=max_q_len,
-                                          window_left=model.shape.window_left)
+                                          batch.qo_indptr, max_q_len=max_q_len, **attn.kwargs(layer))
 
     with torch.inference_mode():
         return forward.forward(batch.input_ids, batch.positions, attention,

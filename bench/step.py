@@ -11,8 +11,9 @@ Llama for tests), each point on a fresh runner whose pool it sizes itself:
   its own ``ceil((ctx + 1) / B)`` blocks, no prefill) take one token at position ``ctx``;
   2 warm-ups then the median of ``--repeats`` steps; ms per token (= ms per step: every
   sequence gets one token per step). Unless ``--no-check``, the last step's logits are compared
-  with a separate ``LlamaForward`` using ``radixkv.kernels.reference`` attention on the same
-  pools (``check_max_abs_diff``).
+  with a separate eager forward of the model's own class (``LlamaForward``, ``FamilyForward``
+  for Qwen3 / Gemma) using ``radixkv.kernels.reference`` attention with each layer's window,
+  scale and soft cap on the same pools (``check_max_abs_diff``).
 
 **KV dtypes** (``--kv-cache-dtype``, repeatable or a comma list, e.g. ``float32,int8``): every
 prefill and decode point is measured once per KV cache format, each on its own runner (the

@@ -272,3 +272,21 @@ def test_dtype_accuracy_of_a_model_against_itself_is_exact(tiny_model) -> None:
     other = _step_accuracy.dtype_accuracy(tiny_model, bf16, max_prompt_tokens=96, greedy_tokens=8)
     assert other["dtype"] == "bfloat16" and other["prompt_tokens"] == 96
     assert 0.0 < other["max_abs_logit_diff"] < 1.0
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_decode_check_on_window_and_hybrid_families(family: str) -> None:
+    """The bench's reference forward is the model's own class with each layer's window, scale
+    and soft cap: on tiny Gemma 2 / Gemma 3 (window 8) the runner's decode logits over 5 and 40
+    tokens of synthetic K/V (inside and far past the window) agree with it within 1e-4."""
+    from tests.engine.test_engine_window import small_tokenizer, window_model
+
+    model = window_model(family, small_tokenizer())
+    forward = m.reference_forward(model)
+    assert type(forward).__name__ == "FamilyForward"
+    for context in (5, 40):
+        runner, batch = m.decode_inputs(model, 2, context, 4, seed=5)
+        got = runner.forward(batch)
+        want = m.reference_logits(model, forward, runner, batch)
+        assert got.shape == want.shape == (2, 300)
+        assert float((got - want).abs().max()) <= LOGIT_TOL
