@@ -76,12 +76,17 @@ def weight_bytes(model: LoadedModel) -> int:
 
 
 def kv_bytes(model: LoadedModel, context: int, kv_cache_dtype: str = "auto") -> int:
-    """K + V bytes of one sequence's ``context`` cached tokens in the ``kv_cache_dtype`` format,
-    scales included: ``ctx · KVFormat.bytes_per_token`` (unquantized:
-    ``2 · L · ctx · Hkv · D · itemsize``; int8: ``2 · L · ctx · Hkv · (D + 4)``)."""
+    """K + V bytes a decode step reads of one sequence's ``context`` cached tokens in the
+    ``kv_cache_dtype`` format, scales included: per layer, the cached tokens its attention sees
+    (all ``ctx`` for a full layer; ``min(ctx, window_left)`` for a sliding-window layer, whose
+    kernels read only the window) × that layer's bytes per token (unquantized
+    ``2 · Hkv · D · itemsize``; int8 ``2 · Hkv · (D + 4)``). A model without windows reads
+    ``ctx · KVFormat.bytes_per_token``; the pool still holds every token (keep-all)."""
     s = model.shape
     fmt = resolve_kv_format(kv_cache_dtype, model.dtype)
-    return context * fmt.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim)
+    per_layer_token = fmt.bytes_per_token(1, s.num_kv_heads, s.head_dim)
+    return sum((context if left < 0 else min(context, left)) * per_layer_token
+               for left in s.layer_window_lefts)
 
 
 def median_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:

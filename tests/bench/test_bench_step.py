@@ -282,6 +282,11 @@ def test_decode_check_on_window_and_hybrid_families(family: str) -> None:
     from tests.engine.test_engine_window import small_tokenizer, window_model
 
     model = window_model(family, small_tokenizer())
+    # The floor counts the K/V each layer reads: 40 cached tokens on a full layer, the 7 keys
+    # left of the query on a window-8 layer; 2 KV heads x 32 dims x 4 B x K and V = 512 B.
+    windows = {"gemma2": (2, 2), "gemma3": (5, 1)}[family]  # (window layers, full layers)
+    assert m.kv_bytes(model, 40) == (windows[0] * 7 + windows[1] * 40) * 512
+    assert m.kv_bytes(model, 5) == sum(windows) * 5 * 512  # inside the window: every layer reads all 5
     forward = m.reference_forward(model)
     assert type(forward).__name__ == "FamilyForward"
     for context in (5, 40):
