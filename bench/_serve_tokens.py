@@ -88,9 +88,17 @@ def load_client_tokenizer(spec: str | None) -> tuple[Any, str]:
         hf = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
         name = "embedded SmolLM2-135M-Instruct"
     else:
+        if not spec.strip():
+            raise ValueError("--tokenizer: empty; give a model folder, a .gguf file or a shipped "
+                             "model name")
         path = Path(spec).expanduser()
         if path.is_dir():
-            hf = AutoTokenizer.from_pretrained(str(path))
+            try:
+                hf = AutoTokenizer.from_pretrained(str(path))
+            except (OSError, ValueError) as exc:  # no tokenizer files, or ones it cannot read
+                raise ValueError(f"--tokenizer: the folder {path} holds no tokenizer transformers "
+                                 f"can load (tokenizer.json / tokenizer_config.json; "
+                                 f"{type(exc).__name__})") from exc
             extra_eos = generation_eos_ids(path)
         elif (path.is_file() and path.suffix == ".gguf") or (not path.exists()
                                                               and shipped_model_name(spec) is not None):

@@ -123,6 +123,14 @@ def _non_negative_ms(text: str) -> float:
     return value
 
 
+def _serve_arg(text: str) -> str:
+    """A ``--serve-arg``: anything but the address, which the driver chooses and polls."""
+    if text.split("=", 1)[0] in ("--host", "--port"):
+        raise argparse.ArgumentTypeError(f"{text.split('=', 1)[0]} is chosen by the driver (a free "
+                                         "port on 127.0.0.1), got " + repr(text))
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the driver's flags on ``parser`` (used by ``radixkv bench cancel-release``)."""
     parser.add_argument("--model", default=None,
@@ -150,9 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which requests are cancelled and when (default 0)")
     parser.add_argument("--trace-path", default=None, metavar="PATH",
                         help="tau-bench transcript file (default: the shipped sample)")
-    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+    parser.add_argument("--serve-arg", action="append", type=_serve_arg, default=[], metavar="ARG",
                         help="one more argument for radixkv serve (repeatable, e.g. "
-                             "--serve-arg=--max-num-batched-tokens=2048)")
+                             "--serve-arg=--max-num-batched-tokens=2048; not --host / --port, "
+                             "which the driver picks)")
     parser.add_argument("--startup-timeout", type=positive_float, default=300.0, metavar="S",
                         help="seconds to wait for the server's /health (default 300)")
     parser.add_argument("--settle-timeout", type=positive_float, default=60.0, metavar="S",

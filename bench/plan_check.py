@@ -50,6 +50,7 @@ from _arg_types import sizes as _sizes  # noqa: E402
 from _provenance import provenance  # noqa: E402
 from fleet import parse_pools, working_set  # noqa: E402
 
+from radixkv.arg_types import positive_float, positive_int  # noqa: E402
 from radixkv.tools.plan.trace_input import trace_prompts  # noqa: E402
 
 #: Compared quantities: (label, plan replay key, server key).
@@ -58,24 +59,43 @@ MEASURES = (("token hit rate", "token_hit_rate", "token_hit_rate"),
             ("peak used blocks", "peak_used_blocks", "peak_used_blocks"))
 
 
+def _pools(text: str) -> list[str | float]:
+    """``--pools`` as argparse reads it: ``parse_pools``' error becomes a usage error (exit 2)."""
+    try:
+        return parse_pools(text)
+    except SystemExit as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--pools: ")) from None
+
+
+def _poll_ms(text: str) -> float:
+    """A period in (0, 1000] ms."""
+    value = positive_float(text)
+    if value > 1000:
+        raise argparse.ArgumentTypeError(f"expected a period in (0, 1000] ms, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the driver's flags on ``parser`` (used by ``radixkv bench plan-check``)."""
     parser.add_argument("--concurrency", type=_sizes, default=[1, 4], metavar="LIST",
                         help="comma-separated sessions in flight (default 1,4)")
-    parser.add_argument("--pools", default="large,0.5",
+    parser.add_argument("--pools", type=_pools, default="large,0.5",
                         help="comma-separated pools: 'large' (nothing evicted) or a fraction of "
                              "the trace's working set (default large,0.5)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-tokens", type=positive_int, default=16,
+                        help="output tokens per request (default 16)")
+    parser.add_argument("--block-size", type=positive_int, default=16,
+                        help="tokens per KV block, on the server and in the plan (default 16)")
     parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2"),
                         help="served model (default tiny: SmolLM2's tokenizer, random weights)")
     parser.add_argument("--trace-path", default=None, metavar="PATH",
                         help="tau-bench transcript file (default: the shipped sample)")
-    parser.add_argument("--poll-ms", type=float, default=10.0,
-                        help="/stats sampling period during the replay (default 10)")
-    parser.add_argument("--tolerance", type=float, default=0.05,
+    parser.add_argument("--poll-ms", type=_poll_ms, default=10.0,
+                        help="/stats sampling period during the replay, in (0, 1000] (default 10)")
+    parser.add_argument("--tolerance", type=positive_float, default=0.05,
                         help="relative difference counted as agreement (default 0.05)")
-    parser.add_argument("--startup-timeout", type=float, default=180.0)
+    parser.add_argument("--startup-timeout", type=positive_float, default=180.0, metavar="S",
+                        help="seconds each fresh server may take to start (default 180)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
 
 
@@ -189,12 +209,7 @@ def format_report(results: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measure per ``args``; prints the tables, writes ``--json``; returns the results."""
-    for name in ("max_tokens", "block_size"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 < args.poll_ms <= 1000:
-        raise SystemExit("--poll-ms must be in (0, 1000]")
-    pools = parse_pools(args.pools)
+    pools = args.pools if isinstance(args.pools, list) else parse_pools(args.pools)
     try:
         sessions = trace_prompts("tau-bench", args.trace_path)
     except ValueError as exc:

@@ -31,6 +31,15 @@ def test_bad_flags_exit_2_naming_the_flag(flag: str, value: str,
     assert f"argument {flag}:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("arg", ["--serve-arg=--port=8450", "--serve-arg=--host"])
+def test_serve_arg_cannot_move_the_server(arg: str, capsys: pytest.CaptureFixture) -> None:
+    # The driver polls the free port it picked: a --port / --host for the server is refused.
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "cancel-release", arg])
+    assert exc.value.code == 2
+    assert "argument --serve-arg:" in (err := capsys.readouterr().err) and "chosen by the driver" in err
+
+
 def test_plan_alternates_phases_and_is_seeded() -> None:
     plan = cancel_release.plan_cancels(50, 0.2, 64, seed=3, prefill_window_ms=100.0)
     assert len(plan) == 10

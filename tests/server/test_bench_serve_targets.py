@@ -155,3 +155,13 @@ def test_summary_without_reported_cached_tokens_says_so():
     assert out["decode_ms_per_token_p50"] == 10.0  # 40 ms over 4 tokens after the first
     sample.cached_tokens = 2
     assert _serve_replay.summarise([sample], 1)["cached_over_prompt"] == pytest.approx(2 / 3)
+
+
+def test_client_tokenizer_errors_name_the_flag(tmp_path) -> None:
+    tokens_mod, _ = _modules()
+    (tmp_path / "notes.txt").write_text("not a tokenizer")
+    for spec, match in ((str(tmp_path), "holds no tokenizer"), ("", "empty"),
+                        (str(tmp_path / "missing"), "neither a model folder"),
+                        (str(tmp_path / "notes.txt"), "neither a model folder")):
+        with pytest.raises(ValueError, match=f"^--tokenizer: .*{match}"):
+            tokens_mod.load_client_tokenizer(spec)
