@@ -13,7 +13,7 @@ cannot be rendered at all retains nothing, never fails the request.
 from __future__ import annotations
 
 import dataclasses
-import uuid
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,8 +126,15 @@ async def retentions(server: RunningServer) -> list[tuple[int, str]]:
     return sorted((r["num_tokens"], r["ttl"]) for r in body["data"])
 
 
+_FRESH = itertools.count()
+
+
 def unique(text: str) -> str:
-    return f"{text} [{uuid.uuid4().hex}]"  # a fresh prefix: nothing cached before
+    # A fresh prefix (nothing cached before) that tokenizes the same on every run: a random
+    # suffix made the token counts, and so which block a breakpoint lands in, vary by run. The
+    # marker goes first so the text parts from every earlier one inside the template's first
+    # block.
+    return f"[session {next(_FRESH):04d}] {text}"
 
 
 def test_the_template_refuses_tools_without_a_user_turn(tok):
@@ -175,7 +182,10 @@ async def test_a_tool_or_system_breakpoint_retains_up_to_the_end_of_the_tools(
 async def test_tool_and_message_breakpoints_together(server, tok, no_retentions):
     """The tool breakpoint needs the fallback, the message one renders as it is."""
     system = unique("You are a careful lexicographer.")
-    question = "Define the word 'pin'."
+    # Long enough (> one block of the message turn) that the message breakpoint always ends in a
+    # later block than the tools' one.
+    question = ("Define the word 'pin', give its origin, and list three common phrases that use "
+                "it, each with a short example sentence.")
     status, reply = await message(
         server, system=system, tools=[{**LOOKUP, "cache_control": CC1}],
         messages=[{"role": "user", "content": [{"type": "text", "text": question,
