@@ -467,8 +467,8 @@ class _Run:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)  # raises ConnectionResetError for a client gone
             await resp.write(shape.start_events(message_usage(first)))
             out: RequestOutput | None = first
             last = first

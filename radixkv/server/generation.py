@@ -400,12 +400,14 @@ async def _respond_stream(request: web.Request, shape: ResponseShape, gen: Reque
                           report: bool = False) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
     last: dict[int, RequestOutput] = {}
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     ids: dict[int, list[int]] = {i: [] for i in range(n)}
     wants_ids = getattr(shape, "return_token_ids", False)  # vLLM's per-chunk token_ids
     try:
+        # Inside the try: a client that went away during prefill makes the headers' write
+        # raise ConnectionResetError, which is the client leaving, not a server fault.
+        await resp.prepare(request)
         for index in range(n):
             head = shape.role_chunk(index)
             if head:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -86,6 +88,45 @@ async def test_disconnect_storm_frees_every_block_and_lock(server):
     assert cache.tree.num_locked_blocks == 0 and cache.num_in_use_blocks == 0
     _, metrics = await get(url, "/metrics")
     assert "radixkv_in_flight_requests 0.0" in metrics
+
+
+def _outcome_counts(metrics: str) -> dict[str, float]:
+    return {s.labels["outcome"]: s.value
+            for family in text_string_to_metric_families(metrics)
+            if family.name == "radixkv_requests"
+            for s in family.samples if s.name == "radixkv_requests_total"}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_reset_before_the_stream_headers_counts_abort_not_a_server_error(server, path):
+    # A client that resets its connection while its request prefills: the handler either is
+    # cancelled or finds the transport closing when it writes the stream's headers. Both are the
+    # client going away (outcome "abort"), never a server error.
+    url, n = server.url, 40
+    host, port = url.removeprefix("http://").split(":")
+    _, before = await get(url, "/metrics")
+    for i in range(n):
+        body = orjson.dumps({"model": server.engine.model_name, "max_tokens": 8, "stream": True,
+                             "messages": [{"role": "user", "content": f"Reset {i} {uuid.uuid4()}"}]})
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        await asyncio.sleep(0.00025 * i)  # spread the resets over the prefill and first write
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+        writer.transport.abort()
+    deadline = time.monotonic() + 30
+    while True:  # the outcome is counted when the handler ends
+        _, after = await get(url, "/metrics")
+        delta = {k: v - _outcome_counts(before).get(k, 0.0)
+                 for k, v in _outcome_counts(after).items()}
+        if sum(delta.values()) >= n or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert delta["abort"] == n and delta["error"] == 0, delta
+    stats = await wait_idle(url)  # the engine thread releases the aborted requests' blocks
+    assert stats["pool"]["in_use_blocks"] == 0
 
 
 async def test_c20_tokenizing_and_hashing_stay_off_the_event_loop(server, monkeypatch):
