@@ -141,6 +141,16 @@ class NativeKernels:
             _P, _P, ctypes.c_int, _P, _I64, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int,
             ctypes.c_int])
 
+        self._take_attention_s = lib.rk_take_attention_seconds
+        self._take_attention_s.argtypes = []
+        self._take_attention_s.restype = ctypes.c_double
+
+    def take_attention_seconds(self) -> float:
+        """Wall seconds :func:`decode_layer` calls spent in their paged attention since the
+        last call (then reset to 0): the fused layer has no boundary a caller could time.
+        One caller thread at a time (the engine thread)."""
+        return float(self._take_attention_s())
+
     def __repr__(self) -> str:
         return f"NativeKernels(isa={self.isa!r}, path={str(self.path)!r})"
 

@@ -28,10 +28,12 @@
  * its score and each value's into its softmax weight; the decode layer quantizes the new K/V
  * with rk_quantize_head (torch's quantize_kv bit for bit) before attending over them.
  */
+#define _POSIX_C_SOURCE 199309L  /* clock_gettime under -std=c11 */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "rk_vec.h"
 
@@ -821,6 +823,24 @@ static void silu_mul(float *g, const float *u, int64_t n) {
     }
 }
 
+/* Wall seconds the decode layers spent in attention (the paged decode part of each call), summed
+ * since the last rk_take_attention_seconds: the fused layer has no boundary a caller could time.
+ * Written by the region's master thread between the barriers that close the K/V write and the
+ * attention merge, so it is the attention's wall time on all threads; one engine thread calls. */
+static double rk_attention_seconds_acc;
+
+static inline double rk_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+double rk_take_attention_seconds(void) {
+    const double s = rk_attention_seconds_acc;
+    rk_attention_seconds_acc = 0.0;
+    return s;
+}
+
 static int decode_layer_entry(float *hidden, int64_t num_seqs, int64_t hd, int64_t inter,
                               const float *input_norm, const void *w_qkv, const float *b_qkv,
                               const void *w_o, const float *post_norm, const void *w_gate_up,
@@ -864,7 +884,12 @@ static int decode_layer_entry(float *hidden, int64_t num_seqs, int64_t hd, int64
             store_kv(k_pool, k_scales, slots[i], row + q_n, hkv, d, kind);
             store_kv(v_pool, v_scales, slots[i], row + q_n + kv_row, hkv, d, kind);
         }
-        decode_for(&a);
+        double attn_t0 = 0.0;  /* the single above ended at a barrier: every thread is here */
+#pragma omp master
+        attn_t0 = rk_now_s();
+        decode_for(&a);  /* ends at its merge loop's barrier */
+#pragma omp master
+        rk_attention_seconds_acc += rk_now_s() - attn_t0;
         linear_for(attn, t, q_n, w_o, hd, NULL, hidden, 1, bf16);
 #pragma omp single
         rms_norm_rows(hidden, t, hd, post_norm, eps, x);

@@ -21,6 +21,7 @@ Their rates (Prometheus ``rate()``) are the bytes per second the issue asks for.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import Any, Iterable, Protocol
 
@@ -40,6 +41,21 @@ CANCEL_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.2
 #: decode step takes milliseconds, a CPU step carrying thousands of prefill tokens seconds.
 ENGINE_STEP_BUCKETS_S = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                          10.0, 30.0)
+
+#: Upper bounds (tokens) of the context-length buckets of the attention histograms: a step's
+#: longest context (the most K/V tokens one of its rows attends over).
+ATTENTION_CONTEXT_BUCKETS_TOKENS = (1024, 4096, 16384, 65536)
+#: The attention histograms' ``context_tokens_le`` label values, Prometheus style.
+ATTENTION_CONTEXT_LABELS = (*(str(b) for b in ATTENTION_CONTEXT_BUCKETS_TOKENS), "+Inf")
+#: A step is ``decode`` when every row is one generated token, ``prefill`` otherwise (it
+#: computes prompt tokens: a prefill, a suffix after a prefix hit, or a recompute).
+ATTENTION_PHASES = ("prefill", "decode")
+
+
+def context_label(context_tokens: int) -> str:
+    """The ``context_tokens_le`` label of a step whose longest context is ``context_tokens``."""
+    return ATTENTION_CONTEXT_LABELS[bisect.bisect_left(ATTENTION_CONTEXT_BUCKETS_TOKENS,
+                                                       context_tokens)]
 
 
 class _Chunk(Protocol):
@@ -68,6 +84,18 @@ def chunk_kv_tokens(chunks: Iterable[_Chunk]) -> tuple[int, int]:
     return read, written
 
 
+def chunk_attention_context(chunks: Iterable[_Chunk]) -> tuple[str, int]:
+    """``(phase, longest context in tokens)`` of one step's chunks: ``decode`` when every
+    chunk is a decode chunk (see :func:`chunk_kv_tokens`), else ``prefill``; the context of a
+    chunk is ``start + num_tokens`` (the K/V its last row attends over, its own included)."""
+    decode, longest = True, 0
+    for chunk in chunks:
+        start, num = chunk.start, chunk.num_tokens
+        decode = decode and num == 1 and start >= chunk.request.num_prompt_tokens
+        longest = max(longest, start + num)
+    return ("decode" if decode else "prefill"), longest
+
+
 class KVActivity:
     """Per-step engine counters and histograms (see the module docstring for units).
 
@@ -80,6 +108,10 @@ class KVActivity:
             positions: ``ModelRunner.build_batch``), seconds.
         step_seconds: wall time of each engine step that ran a forward, from its schedule to
             its outputs (what a cancel arriving mid-step waits for at most), seconds.
+        attention_seconds: per ``(phase, context_tokens_le)`` (:data:`ATTENTION_PHASES`,
+            :data:`ATTENTION_CONTEXT_LABELS`), each step's wall time in attention over all
+            layers (``ModelRunner.last_attention_seconds``: K/V pool writes included; measured
+            on the CPU only), bucketed by the step's longest context, seconds.
         cancel_release_seconds: from an abort being asked (``AsyncEngine.abort``; the call for
             ``LLMEngine.abort_request`` used directly) to the request's blocks being back in
             the pool (released, on the engine thread), seconds.
@@ -99,6 +131,9 @@ class KVActivity:
         self.block_table_seconds = LatencyHistogram(STEP_BUCKETS_S, window=1)
         self.cancel_release_seconds = LatencyHistogram(CANCEL_BUCKETS_S)
         self.step_seconds = LatencyHistogram(ENGINE_STEP_BUCKETS_S)
+        self.attention_seconds = {(phase, label): LatencyHistogram(ENGINE_STEP_BUCKETS_S, window=1)
+                                  for phase in ATTENTION_PHASES
+                                  for label in ATTENTION_CONTEXT_LABELS}
         self.steps_total = 0
         self.decode_kv_read_tokens_total = 0
         self.prefill_kv_written_tokens_total = 0
@@ -124,6 +159,17 @@ class KVActivity:
         with self.lock:
             self.step_seconds.observe(seconds)
 
+    def observe_attention(self, phase: str, context_tokens: int, seconds: float) -> None:
+        """A step of ``phase`` whose longest context was ``context_tokens`` spent ``seconds``
+        in attention (``chunk_attention_context`` gives the first two).
+
+        Raises:
+            KeyError: a phase not in :data:`ATTENTION_PHASES`.
+        """
+        hist = self.attention_seconds[phase, context_label(context_tokens)]
+        with self.lock:
+            hist.observe(seconds)
+
     def observe_cancel_release(self, seconds: float) -> None:
         with self.lock:
             self.cancel_release_seconds.observe(seconds)
@@ -146,10 +192,19 @@ class KVActivity:
                 ("cancel_release", self.cancel_release_seconds),
                 ("step", self.step_seconds))}
 
+    def attention_histograms(self) -> dict[tuple[str, str], tuple[list[tuple[float, int]], float]]:
+        """``{(phase, context_tokens_le): (cumulative buckets, sum in seconds)}`` for
+        Prometheus, every combination (empty ones included)."""
+        with self.lock:
+            return {key: (hist.cumulative(), hist.sum_s)
+                    for key, hist in self.attention_seconds.items()}
+
     def snapshot(self, kv_bytes_per_token: int | None) -> dict[str, Any]:
         """The ``kv_activity`` object of ``/stats``: counters, their bytes (when
         ``kv_bytes_per_token`` is known), and sample counts and mean times (ms) of the
-        histograms; ``cancel_release_ms_p50/p99`` over the recent window."""
+        histograms; ``cancel_release_ms_p50/p99`` over the recent window; ``attention_by_context``:
+        ``{phase: {context_tokens_le: {"steps", "ms_mean"}}}`` of the attention histograms
+        that have samples."""
         with self.lock:
             out: dict[str, Any] = {
                 "steps_total": self.steps_total,
@@ -165,6 +220,12 @@ class KVActivity:
                                ("block_table", self.block_table_seconds)):
                 out[f"{name}_ms_mean"] = (hist.sum_s / hist.count * 1000.0 if hist.count
                                           else None)
+            attention: dict[str, dict[str, dict[str, float | int]]] = {}
+            for (phase, label), hist in self.attention_seconds.items():
+                if hist.count:
+                    attention.setdefault(phase, {})[label] = {
+                        "steps": hist.count, "ms_mean": hist.sum_s / hist.count * 1000.0}
+            out["attention_by_context"] = attention
             recent = list(self.cancel_release_seconds.recent)
             steps = list(self.step_seconds.recent)
         out["cancel_release_ms_p50"] = percentile_ms(recent, 0.5)

@@ -36,7 +36,7 @@ from radixkv.engine.faults import (
     make_output,
     num_unfinished,
 )
-from radixkv.engine.kv_activity import chunk_kv_tokens
+from radixkv.engine.kv_activity import chunk_attention_context, chunk_kv_tokens
 from radixkv.engine.request import Request, RequestSpec, RequestStatus
 from radixkv.engine.sampling import SamplingParams, make_generator, sample_each
 from radixkv.engine.scheduler import Scheduler
@@ -383,6 +383,9 @@ class LLMEngine:
                 logits = self.runner.forward(batch)
             finally:
                 self.cache.end_step()
+            if self.runner.last_attention_seconds is not None:
+                self.stats.activity.observe_attention(*chunk_attention_context(chunks),
+                                                      self.runner.last_attention_seconds)
         except Exception as exc:  # noqa: BLE001 - fail_request re-raises fatal faults
             return fail_step(self, chunks, exc)
         sampling_rows = [i for i, c in enumerate(chunks) if c.completes_prompt]

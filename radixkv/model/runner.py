@@ -35,6 +35,7 @@ from radixkv.kernels.paged_sdpa import native_quant_formats, plan_attention
 
 from .config import ModelShape
 from .family_forward import make_forward
+from .llama import AttentionFn
 from .loader import LoadedModel
 from .lora import LoRAAdapter, LoRABatch
 
@@ -170,6 +171,9 @@ class ModelRunner:
                               and self.kv_format.name in native_quant_formats()[0] else None)
         self.forward_model = make_forward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
                                           compile=compile, native_kernels=kernels)
+        #: Wall seconds the latest :meth:`forward` spent in attention over all layers (K/V
+        #: pool writes included), measured on the CPU; None on an accelerator (not timed).
+        self.last_attention_seconds: float | None = None
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not self.forward_model.bf16_native:
             log.warning("bf16_emulated", missing_cpu_flags=list(gemm.BF16_DOT_FLAGS),
                         detail="no native bf16 dot products: bf16 prefill GEMMs and elementwise ops "
@@ -381,9 +385,11 @@ class ModelRunner:
         """
         batch = batch.to(self.device)
         rows = None if all_logits else batch.qo_indptr[1:].to(torch.int64) - 1
+        self.last_attention_seconds = None
         if self._family_layers:
             return self.forward_model.forward(batch.input_ids, batch.positions,
-                                              self._family_attention(batch), rows, lora=batch.lora)
+                                              self._timed(self._family_attention(batch)), rows,
+                                              lora=batch.lora)
         window_left = self.shape.window_left
         if self.attention_backend == "torch":
             # Metadata-only work (slots, masks, padding) once per step, not once per layer.
@@ -404,9 +410,13 @@ class ModelRunner:
                 # (_native_decode is set for a quantized format only where the C kernels read it.)
                 scales = ({} if self.k_scales is None
                           else {"k_scales": self.k_scales, "v_scales": self.v_scales})
-                return self.forward_model.decode_native(
+                kernels = self.forward_model.native
+                kernels.take_attention_seconds()  # drop what other callers left
+                logits = self.forward_model.decode_native(
                     batch.input_ids, batch.positions, self.k_pools, self.v_pools, plan.slot_mapping,
                     nd.block_tables, nd.kv_lens, window_left=window_left, **scales)
+                self.last_attention_seconds = kernels.take_attention_seconds()
+                return logits
             k_scales, v_scales = self.k_scales, self.v_scales
 
             def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -416,8 +426,28 @@ class ModelRunner:
                                    k_scales[layer], v_scales[layer])
         else:
             attention = self._kernel_attention(batch, [window_left] * self.shape.num_layers)
-        return self.forward_model.forward(batch.input_ids, batch.positions, attention, rows,
-                                          lora=batch.lora)
+        return self.forward_model.forward(batch.input_ids, batch.positions, self._timed(attention),
+                                          rows, lora=batch.lora)
+
+    def _timed(self, attention: AttentionFn) -> AttentionFn:
+        """``attention`` adding each call's wall time to :attr:`last_attention_seconds` (which
+        starts the step at 0). On the CPU the call is synchronous, so its wall time is the
+        attention's (the K/V write into the pool included); on an accelerator the kernels run
+        asynchronously and only events could time them, so nothing is measured (stays None)."""
+        if self.device.type != "cpu":
+            return attention
+        self.last_attention_seconds = 0.0
+        clock = time.perf_counter
+        total_s = [0.0]
+
+        def timed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            t0 = clock()
+            out = attention(layer, q, k, v)
+            total_s[0] += clock() - t0
+            self.last_attention_seconds = total_s[0]
+            return out
+
+        return timed
 
     def _family_attention(self, batch: ForwardBatch):
         """The attention callback of a model that is not ``plain_llama``: each layer with its

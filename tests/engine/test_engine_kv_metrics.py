@@ -11,6 +11,8 @@ from radixkv.cache.retention import RetentionBreakpoint
 from radixkv.engine.request import RequestStatus
 from radixkv.engine.sampling import SamplingParams
 from radixkv.eviction.cost_model import prefill_flops
+from radixkv.model.loader import load_model
+from tests.conftest import make_tiny_model_dir
 from tests.factories import make_engine
 
 
@@ -64,6 +66,48 @@ def test_kv_tokens_read_and_written_steps_and_lookups(tiny_model):
     hist = engine.stats.activity.histograms()
     assert hist["schedule"][0][-1][1] == hist["block_table"][0][-1][1] == 4
     assert hist["lookup"][0][-1][1] == 1
+
+
+def test_attention_time_by_phase_and_longest_context(tmp_path, monkeypatch):
+    # head_dim 32: decode steps take the fused C decode layer where it builds, which times its
+    # attention part inside the call.
+    engine = make_engine(load_model(str(make_tiny_model_dir(tmp_path / "d32", head_dim=32))),
+                         block_size=16, num_blocks=256)
+    model = engine.runner.forward_model
+    fused: list[float] = []
+    if engine.runner._native_decode is not None:
+        take = model.native.take_attention_seconds
+        monkeypatch.setattr(model.native, "take_attention_seconds",
+                            lambda: fused.append(take()) or fused[-1])
+    # A 1,100-token prompt: its prefill step and first decode steps (contexts 1,101..1,103)
+    # land in the <= 4096 bucket; a 5-token prompt's steps in the <= 1024 one.
+    engine.generate([[5 + (i % 300) for i in range(1100)]], greedy(3))
+    engine.generate([[5, 6, 7, 8, 9]], greedy(2))
+    act = engine.stats_snapshot()["kv_activity"]
+    counts = {key: hist[0][-1][1] for key, hist in engine.stats.activity.attention_histograms().items()}
+    assert {key: n for key, n in counts.items() if n} == {
+        ("prefill", "4096"): 1, ("decode", "4096"): 2, ("prefill", "1024"): 1, ("decode", "1024"): 1}
+    assert act["attention_by_context"]["decode"]["4096"]["steps"] == 2
+    assert all(entry["ms_mean"] > 0 for phase in act["attention_by_context"].values()
+               for entry in phase.values())
+    assert sum(counts.values()) == act["steps_total"] == 5
+    if engine.runner._native_decode is not None:  # reset before, read after each decode step
+        assert len(fused) == 6 and all(s > 0 for s in fused[1::2])
+
+
+def test_context_buckets_and_step_phase():
+    from types import SimpleNamespace
+
+    from radixkv.engine.kv_activity import chunk_attention_context, context_label
+    assert [context_label(n) for n in (1, 1024, 1025, 4096, 16384, 65536, 65537)] == [
+        "1024", "1024", "4096", "4096", "16384", "65536", "+Inf"]
+    request = SimpleNamespace(num_prompt_tokens=10)
+    decode = SimpleNamespace(start=12, num_tokens=1, request=request)
+    suffix = SimpleNamespace(start=4, num_tokens=6, request=request)
+    last_prompt_token = SimpleNamespace(start=9, num_tokens=1, request=request)
+    assert chunk_attention_context([decode]) == ("decode", 13)
+    assert chunk_attention_context([decode, suffix]) == ("prefill", 13)
+    assert chunk_attention_context([last_prompt_token]) == ("prefill", 10)
 
 
 def test_recomputed_tokens_after_preemption(tiny_model):

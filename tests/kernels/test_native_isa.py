@@ -174,9 +174,13 @@ def test_decode_layer_matches_torch(kernels, kv_lens, hidden, inter, heads, head
     step = native.DecodeStep(slots=slots, block_tables=tables, kv_lens=lens,
                              q_rows=torch.arange(n, dtype=torch.int64), cos=cos, sin=sin, sm_scale=scale,
                              window_left=window_left, chunk_tokens=256 if n < 5 else 16)
+    kernels.take_attention_seconds()
     native.decode_layer(kernels, got, step, input_norm=input_norm, qkv_bias=qkv_bias, post_norm=post_norm,
                         rms_norm_eps=eps, k_pool=k_pool, v_pool=v_pool, num_q_heads=num_q_heads, **weights)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # The layer timed its attention part (clock_gettime in the parallel region), then reset.
+    attention_s = kernels.take_attention_seconds()
+    assert 0 < attention_s < 10 and kernels.take_attention_seconds() == 0.0
     written_k = k_pool.flatten(0, 1)[slots].float()
     written_v = v_pool.flatten(0, 1)[slots].float()
     step_tol = dict(rtol=2 ** -8, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)

@@ -101,6 +101,20 @@ async def test_kv_families_agree_with_stats(server: RunningServer):
     assert steps > 0 and after[("radixkv_scheduler_step_seconds_count", ())] == steps
     assert after[("radixkv_block_table_prepare_seconds_count", ())] == steps
     assert after[("radixkv_decode_kv_read_bytes_total", ())] > 0
+    # Attention time on the CPU: every step that ran a forward is in exactly one
+    # (phase, context) histogram; the prompts here are < 1024 tokens, so all in that bucket.
+    attention = {labels: value for (name, labels), value in after.items()
+                 if name == "radixkv_attention_seconds_count"}
+    assert len(attention) == 10 and sum(attention.values()) == steps
+    small = {dict(labels)["phase"]: value for labels, value in attention.items()
+             if dict(labels)["context_tokens_le"] == "1024"}
+    assert small["prefill"] >= 2 and small["decode"] >= 2
+    assert small["prefill"] + small["decode"] == steps
+    assert after[("radixkv_attention_seconds_sum", (("context_tokens_le", "1024"),
+                                                    ("phase", "decode")))] > 0
+    by_context = stats["kv_activity"]["attention_by_context"]
+    assert by_context["decode"]["1024"]["steps"] == small["decode"]
+    assert by_context["decode"]["1024"]["ms_mean"] > 0
     # Idle: no live block, no tail waste; every block not free is a full cached one.
     free, total = after[("radixkv_kv_free_blocks", ())], after[("radixkv_kv_total_blocks", ())]
     assert after[("radixkv_kv_live_blocks", ())] == 0
