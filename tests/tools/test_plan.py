@@ -289,12 +289,23 @@ def test_unreadable_config_and_unknown_model_exit_2(tmp_path: Path, capsys) -> N
     (["--max-tokens", "-1"], "--max-tokens: expected an int >= 0, got '-1'"),
     # 1 GiB − int(0.999 GiB) = 1,073,742 B, under one 2 MiB block: the flag that set it is named.
     (["--device-memory-gib", "1", "--memory-utilization", "1", "--weights-gib", "0.999",
-      "--trace", "tau-bench"], "--device-memory-gib: the budget holds no block of 2,097,152 B"),
+      "--trace", "tau-bench"], "--device-memory-gib: the budget (1,073,742 B) holds no block of 2,097,152 B"),
+    (["--device-memory-gib", "1", "--memory-utilization", "1", "--weights-gib", "0.999"],
+     "--device-memory-gib: the budget (1,073,742 B) holds no block of 2,097,152 B"),
+    # 1e-9 GiB = 1 B: a plan of 0 blocks was printed with exit 0.
+    (["--kv-memory-gib", "1e-9"], "--kv-memory-gib: the budget (1 B) holds no block of 2,097,152 B"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(tmp_path: Path, capsys, flags, message) -> None:
     directory = _write_config(tmp_path, LLAMA3_8B)
     code, err = _exit(["--config", str(directory), *flags], capsys)
     assert code == 2 and message in err, err
+
+
+def test_a_string_boolean_in_the_config_is_refused_naming_the_field(tmp_path: Path, capsys) -> None:
+    # "false" as a JSON string read as true: the lm_head left out of the weights estimate.
+    directory = _write_config(tmp_path, {**LLAMA3_8B, "tie_word_embeddings": "false"})
+    code, err = _exit(["--config", str(directory)], capsys)
+    assert code == 2 and "tie_word_embeddings: must be true or false, got 'false'" in err, err
 
 
 def test_max_tokens_zero_is_accepted() -> None:

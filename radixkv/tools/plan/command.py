@@ -225,6 +225,10 @@ def main(args: argparse.Namespace) -> int:
         if plan.budget is not None and plan.max_model_len is None:
             raise ValueError("--max-model-len: the config states no max_position_embeddings; "
                              "give the worst-case sequence length")
+        if plan.budget is not None and plan.num_blocks == 0:  # below one block: name the flag
+            flag = "--kv-memory-gib" if args.kv_memory_gib is not None else "--device-memory-gib"
+            raise ValueError(f"{flag}: the budget ({plan.budget.kv_memory_bytes:,} B) holds no "
+                             f"block of {plan.bytes_per_block:,} B")
         result = None
         if args.trace is not None:
             from .replay import replay_sessions

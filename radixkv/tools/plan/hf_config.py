@@ -131,6 +131,9 @@ def dense_num_params(config: dict[str, Any]) -> int | None:
     mixture of experts, MLA, or lacks ``hidden_size`` / ``intermediate_size`` /
     ``vocab_size``. Llama-3-8B: 8,030,261,248; SmolLM2-135M: 134,515,008.
 
+    Raises:
+        ValueError: naming ``tie_word_embeddings`` when it is not a JSON boolean.
+
     The config must already be the decoder's (:func:`layout_from_hf_config` passes it so).
     """
     if any(config.get(k) for k in _MOE_KEYS) or config.get("kv_lora_rank"):
@@ -148,8 +151,11 @@ def dense_num_params(config: dict[str, Any]) -> int | None:
     per_layer = 2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * inter + 2 * hidden
     if config.get("model_type") == "qwen2" or config.get("attention_bias"):
         per_layer += q_width + 2 * kv_width  # q/k/v biases (Qwen2 always has them)
+    tied = config.get("tie_word_embeddings", False)
+    if type(tied) is not bool:  # a string "false" would otherwise read as tied
+        raise ValueError(f"tie_word_embeddings: must be true or false, got {tied!r:.100}")
     embed = vocab * hidden
-    lm_head = 0 if config.get("tie_word_embeddings", False) else embed
+    lm_head = 0 if tied else embed
     return embed + lm_head + num_layers * per_layer + hidden
 
 
