@@ -28,7 +28,6 @@ servers given as ``stats_urls`` (radixkv's).
 
 # No ``from __future__ import annotations``: loaded by path (see bench/serve.py).
 import asyncio
-import json
 import random
 import time
 import uuid
@@ -40,7 +39,13 @@ import aiohttp
 import numpy as np
 from _arg_types import ThinkTime, chosen_sessions
 from _serve_targets import NotServed, get_json, get_stats, tokenize_all  # noqa: F401 - re-exported
-from _serve_tokens import RETENTION_MODES, anthropic_messages, read_anthropic_usage, read_usage
+from _serve_tokens import (
+    RETENTION_MODES,
+    anthropic_messages,
+    read_anthropic_usage,
+    read_usage,
+    sse_events,
+)
 from tqdm import tqdm
 
 from radixkv.tools.transcripts import ideal_cached_tokens
@@ -110,14 +115,7 @@ async def stream_one(http: aiohttp.ClientSession, url: str, model: str, sample: 
         if resp.status != 200:
             sample.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             return
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
+        async for chunk in sse_events(resp.content):
             if "error" in chunk:
                 error = chunk["error"]
                 sample.error = error.get("message", "stream error") if isinstance(error, dict) else str(error)
@@ -168,11 +166,7 @@ async def stream_message(http: aiohttp.ClientSession, url: str, model: str, samp
         if resp.status != 200:
             sample.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             return
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            event = json.loads(line[5:].strip())
+        async for event in sse_events(resp.content):
             kind = event.get("type")
             if kind == "error":
                 error = event.get("error")

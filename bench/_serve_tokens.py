@@ -13,10 +13,13 @@
   folder, a GGUF file, or the embedded SmolLM2 one), without loading weights.
 - ``read_usage``: prompt / completion / cached tokens of one streamed chunk, from
   ``usage.prompt_tokens_details.cached_tokens`` or llama.cpp's ``timings.cache_n``.
+- ``sse_events``: the JSON events of a server-sent-events body, as they arrive.
 """
 
 # No ``from __future__ import annotations``: loaded by path (see bench/serve.py).
+import json
 import os
+from collections.abc import AsyncIterable, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -221,3 +224,21 @@ def read_anthropic_usage(event: dict[str, Any]) -> dict[str, int | None] | None:
     return {"prompt_tokens": prompt, "completion_tokens": usage.get("output_tokens"),
             "cached_tokens": usage.get("cache_read_input_tokens"),
             "cache_creation_tokens": usage.get("cache_creation_input_tokens")}
+
+
+async def sse_events(lines: AsyncIterable[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON object of each ``data:`` line of a server-sent-events body (an aiohttp
+    ``resp.content``), in order, ending at ``data: [DONE]`` (OpenAI) or at the body's end
+    (Anthropic sends no ``[DONE]``); ``event:`` lines, comments and blank lines are skipped.
+
+    Raises:
+        json.JSONDecodeError: a ``data:`` line that is not JSON.
+    """
+    async for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)

@@ -113,6 +113,13 @@ def tiny_model(tiny_model_dir: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def gemma3() -> LoadedModel:
+    """Gemma 3 270M from the optional ``gemma3`` extra, dequantized to fp32, loaded once per
+    session (~6 s; modules using it skip when the extra is not installed)."""
+    return load_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The embedded SmolLM2-135M-Instruct, loaded once per test session (fp32)."""
     return load_model(None)

@@ -70,6 +70,18 @@ def _tau_tokens(url: str, sessions: int, turns: int) -> dict[tuple[str, int], li
 
 # ---- pure helpers -----------------------------------------------------------------------------
 
+def test_sse_events_yield_data_objects_up_to_done() -> None:
+    async def body():
+        for line in (b"event: message_start\n", b'data: {"a": 1}\n', b"\n", b": keep-alive\n",
+                     b'data:{"b": [2]}\r\n', b"data: [DONE]\n", b'data: {"after": 3}\n'):
+            yield line
+
+    async def collect(lines):
+        return [event async for event in _serve_tokens.sse_events(lines)]
+
+    assert asyncio.run(collect(body())) == [{"a": 1}, {"b": [2]}]
+
+
 def test_anthropic_messages_puts_cache_control_on_the_last_block() -> None:
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]

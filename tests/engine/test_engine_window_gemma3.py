@@ -18,7 +18,7 @@ import torch
 from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model import shipped
-from radixkv.model.loader import LoadedModel, load_model
+from radixkv.model.loader import LoadedModel
 from tests.factories import engine_config
 
 pytestmark = [
@@ -32,11 +32,6 @@ WINDOW = 512
 SUFFIX_TOKENS = 5
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 PREFIX_ONLY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def gemma3() -> LoadedModel:
-    return load_model("gemma3-270m")
 
 
 def _engine(model: LoadedModel, chunk: int, *, prefix_cache: bool = True) -> LLMEngine:

@@ -20,7 +20,7 @@ import transformers
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model import loader, shipped
 from radixkv.model.hf_loader import shape_from_hf_config
-from radixkv.model.loader import LoadedModel, load_model
+from radixkv.model.loader import LoadedModel
 from radixkv.model.runner import ModelRunner
 from tests.factories import make_engine
 
@@ -57,11 +57,6 @@ PROMPTS = [
 ]
 NUM_TOKENS = 32
 ATOL = 1e-3  # fp32 logits (O(30)); reduction order differs between the two forwards
-
-
-@pytest.fixture(scope="module")
-def gemma3() -> LoadedModel:
-    return load_model("gemma3-270m")
 
 
 @pytest.fixture(scope="module")

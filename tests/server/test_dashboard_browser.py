@@ -284,11 +284,17 @@ async def test_admin_page_charts_update_and_explorer_shows_the_shared_prefix(ser
         children = await page.evaluate(
             "document.querySelectorAll('#node-children tbody tr').length")
         assert children == 2
-        # The whole page, no wider than the window (tables scroll inside their boxes).
-        shot = await page.screenshot(ARTIFACTS / "dashboard-admin.png")
-        width, height, visible_width = await page.evaluate(
-            "[document.documentElement.scrollWidth, document.documentElement.scrollHeight, "
-            "document.documentElement.clientWidth]")
+        # The whole page, no wider than the window (tables scroll inside their boxes). The page
+        # keeps polling, so its height (and a transient scrollbar's width) can change while
+        # the shot is taken: a shot counts when the page measured the same before and after.
+        size = "[document.documentElement.scrollWidth, document.documentElement.scrollHeight, " \
+               "document.documentElement.clientWidth]"
+        for _ in range(5):
+            before_shot = await page.evaluate(size)
+            shot = await page.screenshot(ARTIFACTS / "dashboard-admin.png")
+            width, height, visible_width = await page.evaluate(size)
+            if before_shot == [width, height, visible_width] and png_size(shot) == (width, height):
+                break
         assert png_size(shot) == (width, height) and width == visible_width
         assert page.errors == []
 

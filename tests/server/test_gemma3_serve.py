@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from radixkv.model import shipped
-from radixkv.model.loader import LoadedModel, load_model
+from radixkv.model.loader import LoadedModel
 from tests.factories import make_async_engine
 from tests.server.conftest import RunningServer, run_server_in_thread
 from tests.server.helpers import complete, get, post_json
@@ -22,11 +22,6 @@ pytestmark = [
 
 CHAT = [{"role": "system", "content": "Answer briefly."},
         {"role": "user", "content": "Name three prime numbers."}]
-
-
-@pytest.fixture(scope="module")
-def gemma3() -> LoadedModel:
-    return load_model("gemma3-270m")
 
 
 @pytest.fixture(scope="module")
