@@ -20,7 +20,7 @@ import inspect
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -59,6 +59,11 @@ class ForwardBatch:
         slot_mapping: ``[T]`` int64, ``block_id * B + offset`` where row t's K/V go.
         lora: which rows use which LoRA adapter (indices already on the runner device), or
             None when no sequence uses one.
+        window_block_tables / window_slot_mapping: for a runner with window KV groups
+            (``ModelRunner.kv_groups``), per window group (keyed by its ``window_left``) the
+            ``[N, max_blocks]`` int32 block tables into that group's pools (-1 padded; 0, the
+            group's null block, where a block lies wholly left of the window) and the ``[T]``
+            int64 slots where the group's layers write row t's K/V; None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -68,6 +73,8 @@ class ForwardBatch:
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     lora: LoRABatch | None = None
+    window_block_tables: dict[int, torch.Tensor] | None = None
+    window_slot_mapping: dict[int, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -81,9 +88,14 @@ class ForwardBatch:
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         """Copy of the batch with every tensor on ``device``."""
+        def moved(group: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor] | None:
+            return None if group is None else {w: t.to(device) for w, t in group.items()}
+
         return ForwardBatch(self.input_ids.to(device), self.positions.to(device),
                             self.qo_indptr.to(device), self.prefix_lens.to(device),
-                            self.block_tables.to(device), self.slot_mapping.to(device), lora=self.lora)
+                            self.block_tables.to(device), self.slot_mapping.to(device), lora=self.lora,
+                            window_block_tables=moved(self.window_block_tables),
+                            window_slot_mapping=moved(self.window_slot_mapping))
 
 
 class ModelRunner:
@@ -109,6 +121,14 @@ class ModelRunner:
             dtype), ``float32`` / ``bfloat16`` (the model dtype only), ``int8`` or
             ``fp8_e4m3`` (quantized with one fp32 scale per token and KV head, stored in
             scale pools beside the values).
+        window_num_blocks: None (default): every layer's pools have ``num_blocks`` blocks and
+            one block table serves every layer. Given: KV groups, the layout of
+            docs/sliding-window.md: the full-attention layers keep ``num_blocks``-block pools
+            and the full block table; each window group (the layers of one window size) gets
+            pools of ``window_num_blocks`` blocks and a block table of its own per sequence
+            (``build_batch(window_tables=...)``), whose block 0 is the null block (zeros,
+            never written) standing in for blocks wholly left of the window. Needs a model with
+            window layers; ``>= 2``.
 
     Attributes:
         kv_format: the resolved ``KVFormat``.
@@ -117,9 +137,14 @@ class ModelRunner:
         k_scales / v_scales: per layer ``[M, B, Hkv]`` contiguous fp32 scale pools (block
             ``b``'s scales are row ``b``) for a quantized format; None otherwise.
         bytes_per_block: K+V bytes of one block over all layers, scales included.
+        kv_group_of_layer: per layer, its KV group: the layer's ``window_left`` for a window
+            layer of a runner with window KV groups, -1 (the full group, whose pools and block
+            table are the batch's own) otherwise.
+        kv_groups: KV group -> blocks in each of its layers' pools.
 
     Raises:
-        ValueError: on a ``num_blocks`` < 1, a ``block_size`` outside ``[1, MAX_BLOCK_SIZE]``
+        ValueError: on a ``num_blocks`` < 1, naming ``window_num_blocks`` when < 2 or given
+            for a model without window layers, a ``block_size`` outside ``[1, MAX_BLOCK_SIZE]``
             (``radixkv.config``), an unknown backend, ``"triton"`` where it cannot run
             (triton missing, or CPU without TRITON_INTERPRET=1), or a ``kv_cache_dtype`` this
             model, backend or device cannot run (:func:`kv_format_problem`; naming
@@ -128,8 +153,13 @@ class ModelRunner:
 
     def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int,
                  device: str = "cpu", attention_backend: str = "torch", compile: bool = False,
-                 native_kernels: bool | None = None, kv_cache_dtype: str = "auto") -> None:
+                 native_kernels: bool | None = None, kv_cache_dtype: str = "auto",
+                 window_num_blocks: int | None = None) -> None:
         check_int("num_blocks", num_blocks, minimum=1)
+        if window_num_blocks is not None:
+            check_int("window_num_blocks", window_num_blocks, minimum=2)
+            if all(w < 0 for w in model.shape.layer_window_lefts):
+                raise ValueError("window_num_blocks: the model has no sliding-window layers")
         check_block_size(block_size)
         if attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend: must be one of {_BACKENDS}, got {attention_backend!r}")
@@ -179,16 +209,21 @@ class ModelRunner:
                         detail="no native bf16 dot products: bf16 prefill GEMMs and elementwise ops "
                                "stay on torch (F.linear); decode steps and extend attention still "
                                "take the C kernels where they loaded (fp32 arithmetic on bf16 data)")
-        pool_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
-        num_layers = self.shape.num_layers
+        self.kv_group_of_layer: tuple[int, ...] = tuple(
+            w if window_num_blocks is not None and w >= 0 else -1 for w in shape.layer_window_lefts)
+        self.kv_groups: dict[int, int] = {
+            group: num_blocks if group < 0 else int(window_num_blocks or 0)
+            for group in sorted(set(self.kv_group_of_layer))}
         storage = self.kv_format.storage_dtype
-        self.k_pools = [_zeroed(pool_shape, storage, self.device) for _ in range(num_layers)]
-        self.v_pools = [_zeroed(pool_shape, storage, self.device) for _ in range(num_layers)]
+        pool_shapes = [(self.kv_groups[group], block_size, shape.num_kv_heads, shape.head_dim)
+                       for group in self.kv_group_of_layer]
+        self.k_pools = [_zeroed(ps, storage, self.device) for ps in pool_shapes]
+        self.v_pools = [_zeroed(ps, storage, self.device) for ps in pool_shapes]
         self.k_scales: list[torch.Tensor] | None = None
         self.v_scales: list[torch.Tensor] | None = None
         if self.kv_format.quantized:
-            self.k_scales = [_zeroed(pool_shape[:3], torch.float32, self.device) for _ in range(num_layers)]
-            self.v_scales = [_zeroed(pool_shape[:3], torch.float32, self.device) for _ in range(num_layers)]
+            self.k_scales = [_zeroed(ps[:3], torch.float32, self.device) for ps in pool_shapes]
+            self.v_scales = [_zeroed(ps[:3], torch.float32, self.device) for ps in pool_shapes]
         self.bytes_per_block = self.bytes_per_block_for(self.shape, block_size, self.dtype,
                                                         self.kv_format.name)
         # K+V of one token in one layer as attention gathers it (dequantized: the model dtype),
@@ -196,7 +231,8 @@ class ModelRunner:
         self._kv_bytes_per_token = 2 * self.shape.num_kv_heads * self.shape.head_dim * _itemsize(self.dtype)
         log.info("model_runner_ready", model=model.name, num_blocks=num_blocks, block_size=block_size,
                  kv_cache_dtype=self.kv_cache_dtype, kv_bytes_per_token=self.kv_bytes_per_token,
-                 kv_pool_bytes=self.bytes_per_block * num_blocks, device=str(self.device),
+                 kv_pool_bytes=sum(t.numel() * t.element_size() for t in self._pool_tensors()),
+                 kv_groups={str(g): n for g, n in self.kv_groups.items()}, device=str(self.device),
                  attention_backend=self.attention_backend, native_kernels=kernels is not None,
                  prefill_gemm=self.forward_model.prefill_gemm,
                  packed_weight_bytes=self.forward_model.packed_weight_bytes,
@@ -205,7 +241,9 @@ class ModelRunner:
         # them (radixkv.kernels.host_memory); off unless the CLI enabled it for this process.
         self.pool_populate: host_memory.PoolPopulator | None = None
         if self.device.type == "cpu" and host_memory.pool_populate_enabled():
-            regions = [(int(t.data_ptr()), t[0].numel() * t.element_size()) for t in self._pool_tensors()]
+            # The full group's pools (a window group's are small and touched at once).
+            regions = [(int(t.data_ptr()), t[0].numel() * t.element_size()) for t in self._pool_tensors()
+                       if t.shape[0] == num_blocks]
             self.pool_populate = host_memory.PoolPopulator(regions, num_blocks).start()
 
     @staticmethod
@@ -235,24 +273,39 @@ class ModelRunner:
         return _POOL_DTYPE_NAMES.get(self.k_pools[0].dtype, str(self.k_pools[0].dtype))
 
     def build_batch(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
-                    adapters: Sequence[LoRAAdapter | None] | None = None) -> ForwardBatch:
+                    adapters: Sequence[LoRAAdapter | None] | None = None, *,
+                    window_tables: Sequence[Mapping[int, Sequence[int]]] | None = None) -> ForwardBatch:
         """Pack sequences into one ForwardBatch (CPU tensors).
 
         Args:
             seqs: per sequence ``(new_token_ids, prefix_len, block_table)``: the L tokens to
                 compute, the P tokens already in the pool, and block ids covering at least
-                ``P + L`` token slots.
+                ``P + L`` token slots (the full group's, with window KV groups).
             adapters: per sequence, its LoRA adapter or None (base model); None: no adapters.
+            window_tables: with window KV groups (``window_num_blocks``), required: per
+                sequence, per window group (its ``window_left`` w, a key of :attr:`kv_groups`)
+                the block table into that group's pools, position p in entry ``p // B``. The
+                blocks overlapping ``[max(0, P - w), P + L)`` (what the new rows attend to and
+                write) must be ids in ``[1, window_num_blocks)``; earlier entries may be 0, the
+                null block. Without window groups it must be None.
 
         Raises:
             ValueError: naming the field, for an empty batch, an empty ``new_token_ids``, a
-                negative ``prefix_len``, a context overflow, or a ``block_table`` too short or
-                holding a block id outside ``[0, num_blocks)``.
+                negative ``prefix_len``, a context overflow, a ``block_table`` too short or
+                holding a block id outside ``[0, num_blocks)``, or ``window_tables`` missing,
+                given without window groups, or short of a group, a needed block or a valid id.
         """
         if not seqs:
             raise ValueError("seqs: empty batch")
         if adapters is not None and len(adapters) != len(seqs):
             raise ValueError(f"adapters: {len(adapters)} entries for {len(seqs)} sequences")
+        window_groups = [g for g in self.kv_groups if g >= 0]
+        if window_groups and window_tables is None:
+            raise ValueError("window_tables: required with window KV groups (window_num_blocks)")
+        if not window_groups and window_tables is not None:
+            raise ValueError("window_tables: this runner has no window KV groups")
+        if window_tables is not None and len(window_tables) != len(seqs):
+            raise ValueError(f"window_tables: {len(window_tables)} entries for {len(seqs)} sequences")
         block_size = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -284,17 +337,57 @@ class ModelRunner:
             indptr.append(indptr[-1] + num_new)
             prefix_lens.append(prefix_len)
             tables.append(list(table))
-        width = max(len(t) for t in tables)
-        padded = [t + [-1] * (width - len(t)) for t in tables]
+        window_block_tables = window_slots = None
+        if window_tables is not None:
+            window_block_tables, window_slots = {}, {}
+            for group in window_groups:
+                group_tables, group_slots = self._window_group_tables(seqs, window_tables, group)
+                window_block_tables[group] = _padded_tables(group_tables)
+                window_slots[group] = torch.tensor(group_slots, dtype=torch.int64)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             qo_indptr=torch.tensor(indptr, dtype=torch.int32),
             prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
-            block_tables=torch.tensor(padded, dtype=torch.int32),
+            block_tables=_padded_tables(tables),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             lora=LoRABatch.build(adapters, indptr, self.device),
+            window_block_tables=window_block_tables,
+            window_slot_mapping=window_slots,
         )
+
+    def _window_group_tables(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+                             window_tables: Sequence[Mapping[int, Sequence[int]]], group: int
+                             ) -> tuple[list[list[int]], list[int]]:
+        """Window group ``group``'s block tables and slots of a batch (checked as
+        :meth:`build_batch` says)."""
+        block_size, group_blocks = self.block_size, self.kv_groups[group]
+        tables: list[list[int]] = []
+        slots: list[int] = []
+        for i, ((new_ids, prefix_len, _), per_group) in enumerate(zip(seqs, window_tables)):
+            if group not in per_group:
+                raise ValueError(f"window_tables: sequence {i} has no table for window group {group}")
+            table = list(per_group[group])
+            end = prefix_len + len(new_ids)
+            first, last = max(0, prefix_len - group) // block_size, (end - 1) // block_size
+            if len(table) <= last:
+                raise ValueError(f"window_tables: sequence {i}, window group {group}: {len(table)} "
+                                 f"blocks, needs {last + 1} for {end} tokens")
+            if any(b < 0 or b >= group_blocks for b in table[:last + 1]) or 0 in table[first:last + 1]:
+                raise ValueError(f"window_tables: sequence {i}, window group {group}: blocks "
+                                 f"{first}..{last} must be ids in [1, {group_blocks}), earlier "
+                                 f"ones in [0, {group_blocks})")
+            slots.extend(table[pos // block_size] * block_size + pos % block_size
+                         for pos in range(prefix_len, end))
+            tables.append(table)
+        return tables, slots
+
+    def _group_meta(self, batch: ForwardBatch, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(block_tables, slot_mapping, pool blocks)`` the layers of KV group ``group`` read
+        and write through (the batch's own for the full group)."""
+        if group < 0 or batch.window_block_tables is None or batch.window_slot_mapping is None:
+            return batch.block_tables, batch.slot_mapping, self.num_blocks
+        return batch.window_block_tables[group], batch.window_slot_mapping[group], self.kv_groups[group]
 
     def warm_up(self) -> float:
         """Run a 2-token prefill and a 1-token decode in block 0, so a compiled model builds
@@ -332,6 +425,9 @@ class ModelRunner:
         if self.device.type != "cpu":
             raise ValueError(f"kv_store: the store tier needs the KV pool in host memory; this "
                              f"runner's pool is on {self.device}")
+        if len(self.kv_groups) > 1:
+            raise ValueError("kv_store: the store tier moves whole blocks of every layer; window "
+                             "KV groups (window_num_blocks) have per-group block ids")
         return [(int(t.data_ptr()), t[0].numel() * t.element_size()) for t in self._pool_tensors()]
 
     @torch.inference_mode()
@@ -360,9 +456,15 @@ class ModelRunner:
 
         Args:
             copies: ``(src_block, dst_block)`` pairs; dst blocks must be distinct from srcs.
+
+        Raises:
+            ValueError: naming ``copies`` with window KV groups (ids are per group there).
         """
         if not copies:
             return
+        if len(self.kv_groups) > 1:
+            raise ValueError("copies: block ids are per KV group with window_num_blocks; "
+                             "copy-on-write of grouped blocks is not supported")
         device = self.k_pools[0].device
         src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=device)
@@ -392,10 +494,12 @@ class ModelRunner:
                                               lora=batch.lora)
         window_left = self.shape.window_left
         if self.attention_backend == "torch":
-            # Metadata-only work (slots, masks, padding) once per step, not once per layer.
-            plan = plan_attention(batch.block_tables, batch.prefix_lens, batch.qo_indptr,
-                                  batch.slot_mapping, block_size=self.block_size,
-                                  num_pool_blocks=self.num_blocks, head_dim=self.shape.head_dim,
+            # Metadata-only work (slots, masks, padding) once per step, not once per layer. One
+            # window for every layer here, so one KV group.
+            tables, slots, pool_blocks = self._group_meta(batch, self.kv_group_of_layer[0])
+            plan = plan_attention(tables, batch.prefix_lens, batch.qo_indptr,
+                                  slots, block_size=self.block_size,
+                                  num_pool_blocks=pool_blocks, head_dim=self.shape.head_dim,
                                   window_left=window_left,
                                   kv_bytes_per_token=self._kv_bytes_per_token,
                                   native_kernels=self._native_decode,
@@ -469,15 +573,16 @@ class ModelRunner:
             ops = self._attn_ops if self.attention_backend != "torch" else reference
             return self._kernel_attention(batch, windows, ops=ops, sm_scale=scale,
                                           logits_soft_cap=0.0 if cap is None else cap)
-        plans = {window: plan_attention(batch.block_tables, batch.prefix_lens, batch.qo_indptr,
-                                        batch.slot_mapping, block_size=self.block_size,
-                                        num_pool_blocks=self.num_blocks, head_dim=shape.head_dim,
-                                        window_left=window, sm_scale=scale,
-                                        kv_bytes_per_token=self._kv_bytes_per_token,
-                                        native_kernels=self._native_decode,
-                                        native_extend=self._native_extend,
-                                        native_write=self._native_write)
-                 for window in sorted(set(windows))}
+        plans = {}
+        for window, group in sorted(set(zip(windows, self.kv_group_of_layer))):
+            tables, slots, pool_blocks = self._group_meta(batch, group)
+            plans[window] = plan_attention(tables, batch.prefix_lens, batch.qo_indptr, slots,
+                                           block_size=self.block_size, num_pool_blocks=pool_blocks,
+                                           head_dim=shape.head_dim, window_left=window,
+                                           sm_scale=scale, kv_bytes_per_token=self._kv_bytes_per_token,
+                                           native_kernels=self._native_decode,
+                                           native_extend=self._native_extend,
+                                           native_write=self._native_write)
         layer_plans = [plans[window] for window in windows]
         k_scales, v_scales = self.k_scales, self.v_scales
 
@@ -503,21 +608,30 @@ class ModelRunner:
 
         k_scales, v_scales = self.k_scales, self.v_scales
 
+        metas = {group: self._group_meta(batch, group) for group in self.kv_groups}
+
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
+            tables, slots, _ = metas[self.kv_group_of_layer[layer]]
             # Quantized pools: the layer's scale pools (kv_quant); unquantized calls unchanged.
             scales = ({} if k_scales is None or v_scales is None
                       else {"k_scale_pool": k_scales[layer], "v_scale_pool": v_scales[layer]})
-            ops.paged_kv_write(k, v, k_pool, v_pool, batch.slot_mapping, **scales)
+            ops.paged_kv_write(k, v, k_pool, v_pool, slots, **scales)
             window_left = window_lefts[layer]
             if kv_lens is not None:
-                return ops.decode_attention(q, k_pool, v_pool, batch.block_tables, kv_lens,
+                return ops.decode_attention(q, k_pool, v_pool, tables, kv_lens,
                                             window_left=window_left, **options, **scales)
             return ops.extend_attention(
-                q, k, v, k_pool, v_pool, batch.block_tables, batch.prefix_lens, batch.qo_indptr,
+                q, k, v, k_pool, v_pool, tables, batch.prefix_lens, batch.qo_indptr,
                 max_q_len=max_q_len, window_left=window_left, **options, **scales)
 
         return attention
+
+
+def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """``[N, max_blocks]`` int32 block tables, short ones padded with -1."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
 #: Pool storage dtype -> ``--kv-cache-dtype`` name (``ModelRunner.kv_cache_dtype``).
