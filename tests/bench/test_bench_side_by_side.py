@@ -164,13 +164,26 @@ def test_a_whole_run_against_a_stand_in_vllm(tmp_path: Path, tiny_model_dir: Pat
     venv = fake_vllm_venv(tmp_path)
     out = tmp_path / "out"
     base = _free_port()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "radixkv.cli", "bench", "side-by-side", "--vllm-venv", str(venv),
          "--hf-dir", str(tiny_model_dir), "--out", str(out), "--data", "sample", "--sessions", "2",
          "--max-tokens", "4", "--concurrency", "1,2", "--cold-tokens", "32,100", "--cold-repeats",
          "2", "--settle-seconds", "0", "--port-base", str(base), "--start-timeout", "180"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not SIGKILL: the driver then stops the server it runs (in its own session,
+        # which a killed driver would leave behind) before it exits.
+        proc.terminate()
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+        pytest.fail(f"side-by-side did not finish in 600 s:\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
     record = json.loads((out / "side-by-side-float32.json").read_text())
     assert "error" not in record and record["provenance"]["machine"]["cores"] >= 1
     assert [(s["step"], s["rc"]) for s in record["steps"]] == [
