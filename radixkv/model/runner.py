@@ -136,7 +136,8 @@ class ModelRunner:
             ``kv_format.storage_dtype`` (the model dtype, int8 or float8_e4m3fn).
         k_scales / v_scales: per layer ``[M, B, Hkv]`` contiguous fp32 scale pools (block
             ``b``'s scales are row ``b``) for a quantized format; None otherwise.
-        bytes_per_block: K+V bytes of one block over all layers, scales included.
+        bytes_per_block: K+V bytes of one block over all layers, scales included (the
+            keep-all layout; with window KV groups see :attr:`group_bytes_per_block`).
         kv_group_of_layer: per layer, its KV group: the layer's ``window_left`` for a window
             layer of a runner with window KV groups, -1 (the full group, whose pools and block
             table are the batch's own) otherwise.
@@ -258,6 +259,14 @@ class ModelRunner:
         """
         fmt = resolve_kv_format(kv_cache_dtype, dtype)
         return block_size * fmt.bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim)
+
+    @property
+    def group_bytes_per_block(self) -> dict[int, int]:
+        """KV group -> K+V bytes of one of its blocks over its layers, scales included
+        (``B * KVFormat.bytes_per_token(layers in the group, Hkv, D)``)."""
+        return {group: self.block_size * self.kv_format.bytes_per_token(
+                    self.kv_group_of_layer.count(group), self.shape.num_kv_heads, self.shape.head_dim)
+                for group in self.kv_groups}
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -93,6 +93,12 @@ def test_grouped_layout_gives_the_keep_all_logits(tokenizer, family: str, backen
                                  WINDOW - 1: WINDOW_BLOCKS}
     assert [p.shape[0] for p in grouped.k_pools] == [
         FULL_BLOCKS if w < 0 else WINDOW_BLOCKS for w in windows]
+    # One block of a group: B × 2 (K, V) × Hkv 2 × D 32 × 4 bytes × its layers.
+    assert grouped.group_bytes_per_block == {g: B * 2 * 2 * 32 * 4 * windows.count(g)
+                                             for g in grouped.kv_groups}
+    assert sum(grouped.group_bytes_per_block.values()) == keep_all.bytes_per_block
+    assert sum(grouped.group_bytes_per_block[g] * n for g, n in grouped.kv_groups.items()) == sum(
+        t.numel() * t.element_size() for t in grouped.k_pools + grouped.v_pools)
     want, got = run_steps(keep_all, grouped=False), run_steps(grouped, grouped=True)
     assert len(got) == 3 + DECODE_STEPS
     for step, (a, b) in enumerate(zip(want, got)):
