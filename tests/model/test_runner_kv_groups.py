@@ -6,7 +6,8 @@ ragged batch, chunked prefills crossing the window edge, then decode steps.
 
 Tiny random-init Mistral (every layer windowed: the Llama path, fused C decode layer included),
 Gemma 2 (alternating, soft caps: the reference kernels) and Gemma 3 (5:1) from transformers'
-classes (``tests/engine/test_engine_window.py``), window W = 8 tokens, blocks of 4.
+classes (``tests/engine/test_engine_window.py``), window W = 8 tokens, blocks of 4; the torch
+and reference backends, and the Triton kernels (interpreted) on Mistral.
 """
 
 from __future__ import annotations
@@ -80,8 +81,11 @@ def run_steps(runner: ModelRunner, grouped: bool) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize(("family", "backend"), [
+    *((family, backend) for family in ("mistral", "gemma2", "gemma3")
+      for backend in ("torch", "reference")),
+    ("mistral", "triton"),  # the Triton kernels under TRITON_INTERPRET=1 (~5 s)
+])
 def test_grouped_layout_gives_the_keep_all_logits(tokenizer, family: str, backend: str) -> None:
     model: LoadedModel = window_model(family, tokenizer)
     keep_all = ModelRunner(model, num_blocks=FULL_BLOCKS, block_size=B, attention_backend=backend)
