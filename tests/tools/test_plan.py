@@ -301,11 +301,24 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path: Path, capsys, flags, message
     assert code == 2 and message in err, err
 
 
-def test_a_string_boolean_in_the_config_is_refused_naming_the_field(tmp_path: Path, capsys) -> None:
-    # "false" as a JSON string read as true: the lm_head left out of the weights estimate.
-    directory = _write_config(tmp_path, {**LLAMA3_8B, "tie_word_embeddings": "false"})
-    code, err = _exit(["--config", str(directory)], capsys)
-    assert code == 2 and "tie_word_embeddings: must be true or false, got 'false'" in err, err
+@pytest.mark.parametrize("fields,flags,message", [
+    # "false" as a JSON string read as true: the lm_head left out of the weights estimate, or
+    # Qwen2's top layers planned as sliding.
+    ({"tie_word_embeddings": "false"}, [], "tie_word_embeddings: must be true or false, got 'false'"),
+    ({"model_type": "qwen2", "use_sliding_window": "false", "sliding_window": 4096}, [],
+     "use_sliding_window: must be true or false, got 'false'"),
+    # A list of 1e30 layer kinds: OverflowError (a traceback, exit 1) before the bound.
+    ({"num_hidden_layers": 10**30}, [], "num_hidden_layers: must be at most 10,000, got 1,"),
+    ({"text_config": "x"}, [], "text_config: must be an object, got 'x'"),
+    # A wrong-typed size named as such, not as "--weights-gib: parameters cannot be counted".
+    ({"intermediate_size": "14336"}, ["--device-memory-gib", "80"],
+     "intermediate_size: must be a positive int, got '14336'"),
+])
+def test_wrong_typed_config_fields_exit_2_naming_the_field(tmp_path: Path, capsys, fields, flags,
+                                                          message) -> None:
+    directory = _write_config(tmp_path, {**LLAMA3_8B, **fields})
+    code, err = _exit(["--config", str(directory), *flags], capsys)
+    assert code == 2 and message in err, err
 
 
 def test_max_tokens_zero_is_accepted() -> None:

@@ -61,6 +61,8 @@ def _decoder_config(config: dict[str, Any]) -> dict[str, Any]:
     """The text decoder's fields: a multimodal config's ``text_config`` over the top level's
     ``torch_dtype``, with the model type's class defaults under what the file states."""
     text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise ValueError(f"text_config: must be an object, got {text!r:.100}")
     if "num_hidden_layers" not in config and isinstance(text, dict):
         merged: dict[str, Any] = {k: config[k] for k in ("torch_dtype", "dtype") if k in config}
         merged.update(text)
@@ -69,12 +71,20 @@ def _decoder_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **config}
 
 
-def _int_field(config: dict[str, Any], name: str, default: Any = None) -> int:
+#: The most layers a config may state: a hundred times today's deepest models, and a bound that
+#: keeps a per-layer list of a corrupt config from exhausting memory.
+MAX_NUM_LAYERS = 10_000
+
+
+def _int_field(config: dict[str, Any], name: str, default: Any = None,
+               maximum: int | None = None) -> int:
     value = config.get(name, default)
     if value is None:
         raise ValueError(f"{name}: the config lacks it")
     if type(value) is not int or value <= 0:
-        raise ValueError(f"{name}: must be a positive int, got {value!r}")
+        raise ValueError(f"{name}: must be a positive int, got {value!r:.100}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}: must be at most {maximum:,}, got {value:,}")
     return value
 
 
@@ -101,7 +111,10 @@ def _layer_kinds(config: dict[str, Any], num_layers: int) -> list[str]:
     if model_type == "gemma2":
         return [FULL if (i + 1) % 2 == 0 else SLIDING for i in range(num_layers)]
     if "use_sliding_window" in config:
-        if not config["use_sliding_window"] or config.get("sliding_window") is None:
+        use = config["use_sliding_window"]
+        if type(use) is not bool:  # a string "false" would otherwise read as true
+            raise ValueError(f"use_sliding_window: must be true or false, got {use!r:.100}")
+        if not use or config.get("sliding_window") is None:
             return [FULL] * num_layers
         # Absent, transformers' Qwen2Config / Qwen3Config default (28) applies, as radixkv
         # serve reads it (model/hf_loader.py): layers 0-27 stay full, not all slide.
@@ -132,21 +145,24 @@ def dense_num_params(config: dict[str, Any]) -> int | None:
     ``vocab_size``. Llama-3-8B: 8,030,261,248; SmolLM2-135M: 134,515,008.
 
     Raises:
-        ValueError: naming ``tie_word_embeddings`` when it is not a JSON boolean.
+        ValueError: naming the field when one of the sizes above is present but not a positive
+            int (``num_hidden_layers`` also above :data:`MAX_NUM_LAYERS`), or
+            ``tie_word_embeddings`` is not a JSON boolean.
 
     The config must already be the decoder's (:func:`layout_from_hf_config` passes it so).
     """
     if any(config.get(k) for k in _MOE_KEYS) or config.get("kv_lora_rank"):
         return None
-    try:
-        hidden, inter, vocab = (_int_field(config, k) for k in
-                                ("hidden_size", "intermediate_size", "vocab_size"))
-        num_layers = _int_field(config, "num_hidden_layers")
-        num_q_heads = _int_field(config, "num_attention_heads")
-        num_kv_heads = _int_field(config, "num_key_value_heads", num_q_heads)
-        head_dim = _int_field(config, "head_dim", hidden // num_q_heads)
-    except ValueError:
+    if any(config.get(k) is None for k in ("hidden_size", "intermediate_size", "vocab_size",
+                                           "num_hidden_layers", "num_attention_heads")):
         return None
+    # Present but not a positive int: a ValueError naming the field, not "cannot be counted".
+    hidden, inter, vocab = (_int_field(config, k) for k in
+                            ("hidden_size", "intermediate_size", "vocab_size"))
+    num_layers = _int_field(config, "num_hidden_layers", maximum=MAX_NUM_LAYERS)
+    num_q_heads = _int_field(config, "num_attention_heads")
+    num_kv_heads = _int_field(config, "num_key_value_heads", num_q_heads)
+    head_dim = _int_field(config, "head_dim", hidden // num_q_heads)
     q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
     per_layer = 2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * inter + 2 * hidden
     if config.get("model_type") == "qwen2" or config.get("attention_bias"):
@@ -172,7 +188,7 @@ def layout_from_hf_config(config: dict[str, Any], *, model: str = "", source: st
             ``head_dim``, ``sliding_window``, ``layer_types``, ``kv_lora_rank``, ``torch_dtype``).
     """
     config = _decoder_config(config)
-    num_layers = _int_field(config, "num_hidden_layers")
+    num_layers = _int_field(config, "num_hidden_layers", maximum=MAX_NUM_LAYERS)
     dtype, dtype_note = _torch_dtype(config)
     notes = [dtype_note] if dtype_note else []
     max_len = config.get("max_position_embeddings")
