@@ -110,8 +110,9 @@ class KVActivity:
             its outputs (what a cancel arriving mid-step waits for at most), seconds.
         attention_seconds: per ``(phase, context_tokens_le)`` (:data:`ATTENTION_PHASES`,
             :data:`ATTENTION_CONTEXT_LABELS`), each step's wall time in attention over all
-            layers (``ModelRunner.last_attention_seconds``: K/V pool writes included; measured
-            on the CPU only), bucketed by the step's longest context, seconds.
+            layers (``ModelRunner.last_attention_seconds``: K/V pool writes included, except
+            in the fused C decode layer; measured on the CPU only), bucketed by the step's
+            longest context, seconds.
         cancel_release_seconds: from an abort being asked (``AsyncEngine.abort``; the call for
             ``LLMEngine.abort_request`` used directly) to the request's blocks being back in
             the pool (released, on the engine thread), seconds.

@@ -203,7 +203,8 @@ class ModelRunner:
         self.forward_model = make_forward(self.shape, model.state_dict, device=self.device, dtype=self.dtype,
                                           compile=compile, native_kernels=kernels)
         #: Wall seconds the latest :meth:`forward` spent in attention over all layers (K/V
-        #: pool writes included), measured on the CPU; None on an accelerator (not timed).
+        #: pool writes included, except in the fused C decode layer), measured on the CPU;
+        #: None on an accelerator (not timed).
         self.last_attention_seconds: float | None = None
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not self.forward_model.bf16_native:
             log.warning("bf16_emulated", missing_cpu_flags=list(gemm.BF16_DOT_FLAGS),

@@ -120,9 +120,10 @@ def kv_families(stats: dict, engine_stats: Any) -> Iterator[Any]:
         yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=sum_s)
     attention = HistogramMetricFamily(
         "radixkv_attention_seconds",
-        "Wall time of one step's attention over all layers (K/V pool writes included), by "
-        "phase (decode: every row a generated token; prefill otherwise) and by the step's "
-        "longest context in tokens (context_tokens_le). Measured on the CPU only.",
+        "Wall time of one step's attention over all layers (the new rows' K/V pool writes "
+        "included, except in the fused C decode layer), by phase (decode: every row a "
+        "generated token; prefill otherwise) and by the step's longest context in tokens "
+        "(context_tokens_le). Measured on the CPU only.",
         labels=["phase", "context_tokens_le"])
     for (phase, label), (cumulative, sum_s) in engine_stats.activity.attention_histograms().items():
         attention.add_metric([phase, label],
