@@ -21,7 +21,6 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from types import ModuleType
 
 import numpy
@@ -35,6 +34,7 @@ from radixkv.kernels.paged_sdpa import native_quant_formats, plan_attention
 
 from .config import ModelShape
 from .family_forward import make_forward
+from .forward_batch import ForwardBatch, padded_tables, window_group_tables
 from .llama import AttentionFn
 from .loader import LoadedModel
 from .lora import LoRAAdapter, LoRABatch
@@ -44,58 +44,6 @@ __all__ = ["ForwardBatch", "ModelRunner", "kv_format_problem"]
 log = structlog.get_logger(__name__)
 
 _BACKENDS = ("auto", "torch", "reference", "triton")
-
-
-@dataclass
-class ForwardBatch:
-    """Packed metadata of one forward step (see module docstring).
-
-    Attributes:
-        input_ids: ``[T]`` int64, packed suffix tokens of N sequences.
-        positions: ``[T]`` int64, absolute positions (seq i token j -> prefix_lens[i] + j).
-        qo_indptr: ``[N+1]`` int32, seq i owns rows ``qo_indptr[i]:qo_indptr[i+1]``.
-        prefix_lens: ``[N]`` int32, tokens of seq i whose K/V already sit in the pool.
-        block_tables: ``[N, max_blocks]`` int32, padded with -1.
-        slot_mapping: ``[T]`` int64, ``block_id * B + offset`` where row t's K/V go.
-        lora: which rows use which LoRA adapter (indices already on the runner device), or
-            None when no sequence uses one.
-        window_block_tables / window_slot_mapping: for a runner with window KV groups
-            (``ModelRunner.kv_groups``), per window group (keyed by its ``window_left``) the
-            ``[N, max_blocks]`` int32 block tables into that group's pools (-1 padded; 0, the
-            group's null block, where a block lies wholly left of the window) and the ``[T]``
-            int64 slots where the group's layers write row t's K/V; None otherwise.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    qo_indptr: torch.Tensor
-    prefix_lens: torch.Tensor
-    block_tables: torch.Tensor
-    slot_mapping: torch.Tensor
-    lora: LoRABatch | None = None
-    window_block_tables: dict[int, torch.Tensor] | None = None
-    window_slot_mapping: dict[int, torch.Tensor] | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        """N, sequences in the batch."""
-        return int(self.prefix_lens.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        """T, packed new tokens."""
-        return int(self.input_ids.shape[0])
-
-    def to(self, device: torch.device | str) -> ForwardBatch:
-        """Copy of the batch with every tensor on ``device``."""
-        def moved(group: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor] | None:
-            return None if group is None else {w: t.to(device) for w, t in group.items()}
-
-        return ForwardBatch(self.input_ids.to(device), self.positions.to(device),
-                            self.qo_indptr.to(device), self.prefix_lens.to(device),
-                            self.block_tables.to(device), self.slot_mapping.to(device), lora=self.lora,
-                            window_block_tables=moved(self.window_block_tables),
-                            window_slot_mapping=moved(self.window_slot_mapping))
 
 
 class ModelRunner:
@@ -351,46 +299,21 @@ class ModelRunner:
         if window_tables is not None:
             window_block_tables, window_slots = {}, {}
             for group in window_groups:
-                group_tables, group_slots = self._window_group_tables(seqs, window_tables, group)
-                window_block_tables[group] = _padded_tables(group_tables)
+                group_tables, group_slots = window_group_tables(
+                    seqs, window_tables, group, self.block_size, self.kv_groups[group])
+                window_block_tables[group] = padded_tables(group_tables)
                 window_slots[group] = torch.tensor(group_slots, dtype=torch.int64)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             qo_indptr=torch.tensor(indptr, dtype=torch.int32),
             prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
-            block_tables=_padded_tables(tables),
+            block_tables=padded_tables(tables),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             lora=LoRABatch.build(adapters, indptr, self.device),
             window_block_tables=window_block_tables,
             window_slot_mapping=window_slots,
         )
-
-    def _window_group_tables(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
-                             window_tables: Sequence[Mapping[int, Sequence[int]]], group: int
-                             ) -> tuple[list[list[int]], list[int]]:
-        """Window group ``group``'s block tables and slots of a batch (checked as
-        :meth:`build_batch` says)."""
-        block_size, group_blocks = self.block_size, self.kv_groups[group]
-        tables: list[list[int]] = []
-        slots: list[int] = []
-        for i, ((new_ids, prefix_len, _), per_group) in enumerate(zip(seqs, window_tables)):
-            if group not in per_group:
-                raise ValueError(f"window_tables: sequence {i} has no table for window group {group}")
-            table = list(per_group[group])
-            end = prefix_len + len(new_ids)
-            first, last = max(0, prefix_len - group) // block_size, (end - 1) // block_size
-            if len(table) <= last:
-                raise ValueError(f"window_tables: sequence {i}, window group {group}: {len(table)} "
-                                 f"blocks, needs {last + 1} for {end} tokens")
-            if any(b < 0 or b >= group_blocks for b in table[:last + 1]) or 0 in table[first:last + 1]:
-                raise ValueError(f"window_tables: sequence {i}, window group {group}: blocks "
-                                 f"{first}..{last} must be ids in [1, {group_blocks}), earlier "
-                                 f"ones in [0, {group_blocks})")
-            slots.extend(table[pos // block_size] * block_size + pos % block_size
-                         for pos in range(prefix_len, end))
-            tables.append(table)
-        return tables, slots
 
     def _group_meta(self, batch: ForwardBatch, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(block_tables, slot_mapping, pool blocks)`` the layers of KV group ``group`` read
@@ -636,12 +559,6 @@ class ModelRunner:
                 max_q_len=max_q_len, window_left=window_left, **options, **scales)
 
         return attention
-
-
-def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
-    """``[N, max_blocks]`` int32 block tables, short ones padded with -1."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
 #: Pool storage dtype -> ``--kv-cache-dtype`` name (``ModelRunner.kv_cache_dtype``).
