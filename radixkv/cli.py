@@ -29,6 +29,7 @@ from radixkv.arg_types import (
 from radixkv.config import (
     GIB,
     KV_CACHE_DTYPES,
+    SLIDING_WINDOW_KV,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -65,6 +66,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", type=eviction_policy_arg, default="lru",
                    help=f"eviction policy of the KV pool (and of a host store tier without its "
                         f"own): {', '.join(online_eviction_policies())}")
+    p.add_argument("--sliding-window-kv", default="keep-all", choices=list(SLIDING_WINDOW_KV),
+                   help="KV of sliding-window layers: keep-all (every block of every layer) or "
+                        "window (window layers hold only the blocks of each request's window "
+                        "in a pool of their own, and the blocks where requests resume)")
+    p.add_argument("--window-kv-fraction", type=float, default=0.25, metavar="FRACTION",
+                   help="with --sliding-window-kv window: share of --kv-cache-memory for the "
+                        "window layers' pool, in (0, 1)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt in full (blocks are still paged)")
     p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"],
@@ -254,6 +262,8 @@ def engine_config_from_args(args: argparse.Namespace, api_keys: dict | None = No
                           kv_store=args.kv_store, kv_store_write=args.kv_store_write,
                           kv_store_timeout_s=args.kv_store_timeout,
                           max_retained_fraction=args.max_retained_fraction,
+                          sliding_window_kv=args.sliding_window_kv,
+                          window_kv_fraction=args.window_kv_fraction,
                           tenant_max_retained_tokens=tuple(sorted(budgets.items()))),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

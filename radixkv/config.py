@@ -123,6 +123,10 @@ def eviction_policy_problem(name: object) -> str | None:
     return f"unknown policy {name!r}; usable: {', '.join(usable)}"
 
 
+#: Residency rules for sliding-window layers' KV (``CacheConfig.sliding_window_kv``).
+SLIDING_WINDOW_KV = ("keep-all", "window")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV cache and prefix-cache settings.
@@ -154,6 +158,16 @@ class CacheConfig:
         tenant_max_retained_tokens: per-tenant cap on retained tokens, as ``(tenant, tokens)``
             pairs (the ``--api-keys`` file's ``max_retained_tokens``); a tenant not named has
             only the pool-wide cap.
+        sliding_window_kv: which blocks a model with sliding-window layers keeps
+            (docs/sliding-window.md): ``keep-all`` (every block of every layer, one pool) or
+            ``window`` (KV groups: window layers keep their own pool and hold only the blocks
+            of a request's window, caching runs where requests resume). Models without window
+            layers keep every block either way.
+        window_kv_fraction: with ``window`` and a memory budget, the share of
+            ``kv_cache_memory_bytes`` given to the window layers' pool, in ``(0, 1)``.
+        window_num_blocks: with ``window``, the window pool's size in blocks (null block
+            included, ≥ 2) instead of ``window_kv_fraction``; None with ``num_blocks`` given
+            sizes it ``num_blocks + 1`` (never shorter than the full pool).
     """
 
     block_size: int = 16
@@ -168,9 +182,23 @@ class CacheConfig:
     kv_store_timeout_s: float = 2.0
     max_retained_fraction: float = 0.5
     tenant_max_retained_tokens: tuple[tuple[str, int], ...] = ()
+    sliding_window_kv: str = "keep-all"
+    window_kv_fraction: float = 0.25
+    window_num_blocks: int | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
+        _require(self.sliding_window_kv in SLIDING_WINDOW_KV, "sliding_window_kv",
+                 f"must be one of {', '.join(SLIDING_WINDOW_KV)}, got {self.sliding_window_kv!r}")
+        _require(not isinstance(self.window_kv_fraction, bool)
+                 and isinstance(self.window_kv_fraction, (int, float))
+                 and 0.0 < self.window_kv_fraction < 1.0, "window_kv_fraction",
+                 f"must be a number in (0, 1), got {self.window_kv_fraction!r}")
+        if self.window_num_blocks is not None:
+            check_int("window_num_blocks", self.window_num_blocks, minimum=2)
+        _require(self.kv_store is None or self.sliding_window_kv == "keep-all",
+                 "sliding_window_kv", "the store tier (kv_store) carries keep-all blocks only; "
+                 "use keep-all with a store")
         _require(not isinstance(self.max_retained_fraction, bool)
                  and isinstance(self.max_retained_fraction, (int, float))
                  and 0.0 <= self.max_retained_fraction <= 1.0, "max_retained_fraction",

@@ -21,7 +21,8 @@ def engine_config(*, block_size: int = 4, num_blocks: int = 256, prefix_cache: b
                   max_num_batched_tokens: int = 8192, prefill_chunk_tokens: int | None = None,
                   admission_policy: str = "lpm", max_bypass: int = 8,
                   lora_adapters: tuple[tuple[str, str], ...] = (), kv_store: str | None = None,
-                  kv_store_write: str = "all", kv_store_timeout_s: float = 2.0
+                  kv_store_write: str = "all", kv_store_timeout_s: float = 2.0,
+                  sliding_window_kv: str = "keep-all", window_num_blocks: int | None = None
                   ) -> EngineConfig:
     """An ``EngineConfig`` from the fields tests vary (the model is passed in already loaded)."""
     return EngineConfig(
@@ -29,7 +30,9 @@ def engine_config(*, block_size: int = 4, num_blocks: int = 256, prefix_cache: b
                           enable_prefix_caching=prefix_cache,
                           publish_interval_blocks=publish_interval_blocks,
                           kv_store=kv_store, kv_store_write=kv_store_write,
-                          kv_store_timeout_s=kv_store_timeout_s),
+                          kv_store_timeout_s=kv_store_timeout_s,
+                          sliding_window_kv=sliding_window_kv,
+                          window_num_blocks=window_num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   prefill_chunk_tokens=prefill_chunk_tokens,

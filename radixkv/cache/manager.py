@@ -24,7 +24,7 @@ from radixkv.cache.gauges import CacheGauges
 from radixkv.cache.hashing import BlockHasher, CacheIdentity, HashFn
 from radixkv.cache.identity_memo import IdentityMemo
 from radixkv.cache.lookup import lookup_inputs
-from radixkv.cache.miss_causes import classify_miss, empty_breakdown
+from radixkv.cache.miss_causes import classify_miss, empty_breakdown, move_to_window_evicted
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.publish import publish
 from radixkv.cache.request_state import RequestState
@@ -33,6 +33,12 @@ from radixkv.cache.store import bridge
 from radixkv.cache.store.tier import StoreTier
 from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, split_hashes
 from radixkv.cache.tree.radix_tree import RadixTree
+from radixkv.cache.window_cache import (
+    WindowBlocks,
+    WindowTable,
+    register_published,
+    table_for_hit,
+)
 from radixkv.config import check_block_size, check_int
 from radixkv.eviction import make_policy
 
@@ -69,6 +75,10 @@ class CacheManager(CacheGauges):
         max_retained_fraction: Share of the pool that retentions may pin, in ``[0, 1]``
             (``radixkv.cache.retention``).
         tenant_max_retained_tokens: Per-tenant cap on retained tokens (None: no tenant capped).
+        window_num_blocks: With window KV groups (window-bounded residency,
+            ``radixkv.cache.window_cache``): blocks of each window group's pool, null block 0
+            included (≥ 2); None: one pool for every layer (``keep-all``).
+        window_tokens: W of the largest window group (with ``window_num_blocks``).
 
     Raises:
         ValueError: naming the offending argument.
@@ -79,7 +89,9 @@ class CacheManager(CacheGauges):
                  hash_fn: HashFn | None = None, clock: Callable[[], float] = time.monotonic,
                  ghost_capacity: int | None = None, model_shape: object | None = None,
                  max_retained_fraction: float = 0.5,
-                 tenant_max_retained_tokens: Mapping[str, int] | None = None) -> None:
+                 tenant_max_retained_tokens: Mapping[str, int] | None = None,
+                 window_num_blocks: int | None = None,
+                 window_tokens: int | None = None) -> None:
         self.block_size = check_block_size(block_size)
         self.num_blocks = num_blocks
         self.eviction_policy = eviction_policy
@@ -117,6 +129,13 @@ class CacheManager(CacheGauges):
         self._forks_total = 0
         self._fork_shared_blocks_total = 0
         self._cow_copied_blocks_total = 0
+        #: The window groups' pool (window-bounded residency); None: keep-all.
+        self.window: WindowBlocks | None = None
+        if window_num_blocks is not None or window_tokens is not None:
+            if window_num_blocks is None or window_tokens is None:
+                raise ValueError("window_num_blocks: window_tokens and window_num_blocks go "
+                                 "together")
+            self.window = WindowBlocks(window_num_blocks, window_tokens, self.block_size)
 
     def set_clock(self, clock: Callable[[], float]) -> None:
         """Use ``clock`` for policy fields and retention expiry from now on (tests, replays)."""
@@ -176,22 +195,38 @@ class CacheManager(CacheGauges):
         if tenant is not None:
             self._tenants[request_id] = tenant
         if not self.enable_prefix_caching:
-            self._requests[request_id] = RequestState(None, None, root, array(BLOCK_ID_TYPECODE),
-                                                      0, 0, items, session_key=session_key)
+            state = self._requests[request_id] = RequestState(
+                None, None, root, array(BLOCK_ID_TYPECODE), 0, 0, items, session_key=session_key)
+            if self.window is not None:
+                state.window = WindowTable(0, set())
             return 0
         root_node = self.tree.root(root, self.identities.tenant(root))
         result = self.tree.match(root_node, pb, cap_blocks, extras=extras, touch=False)
-        self.tree.lock(result.node)
         num_blocks = len(result.block_ids)
+        window_evicted = 0
+        if self.window is not None and num_blocks:
+            # The deepest boundary whose window K/V is cached too; the rest of the token match
+            # is computed again (miss cause window_evicted).
+            hit = self.window.resume_point(result.node, num_blocks)
+            if hit < num_blocks:
+                window_evicted = (num_blocks - hit) * self.block_size
+                result = self.tree.match(root_node, pb, hit, extras=extras, touch=False)
+                num_blocks = hit
+        self.tree.lock(result.node)
         miss, known, notes = classify_miss(self.tree, root_node, pb, extras, num_prompt_tokens,
                                            num_blocks, result.last_hash, self.ghost)
-        self._requests[request_id] = RequestState(
+        if window_evicted:
+            move_to_window_evicted(miss, window_evicted)
+        state = self._requests[request_id] = RequestState(
             root_node, result.node, result.last_hash, result.block_ids,
             num_blocks * self.block_size, num_blocks, items, miss=miss, known_hashes=known,
             known_start=num_blocks, known_tokens=pb if known else b"",
             num_computed_tokens=num_blocks * self.block_size,
             match_node=result.node if num_blocks else None, ghost_notes=notes,
             session_key=session_key)
+        if self.window is not None:
+            state.window = table_for_hit(self.window, result.node, num_blocks,
+                                         num_prompt_tokens)
         return num_blocks * self.block_size
 
     def peek(self, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
@@ -266,11 +301,19 @@ class CacheManager(CacheGauges):
         req = self._requests[request_id]
         check_int("num_tokens", num_tokens)
         need = -(-num_tokens // self.block_size) - len(req.block_table)
+        table = req.window
+        window_need = 0
+        if table is not None:  # every window group: a block per new position too
+            window_need = -(-num_tokens // self.block_size) - len(table.ids)
+            if window_need > self.window.room():  # type: ignore[union-attr]  # with a table
+                return False
         if need > 0:
             ids = self._take_blocks(need)
             if ids is None:
                 return False
             req.block_table.extend(ids)
+        if window_need > 0:
+            table.ids.extend(self.window.take(window_need))  # type: ignore[union-attr,arg-type]
         if num_tokens > req.num_slot_tokens:
             req.num_slot_tokens = num_tokens
         self._admit(req)
@@ -303,6 +346,8 @@ class CacheManager(CacheGauges):
         """
         mark = self.events.mark() if self.events is not None else 0
         evicted = self._evict(self.tree.num_evictable_blocks)
+        if self.window is not None:
+            self.window.evict_all()
         if self.store is not None:  # after the eviction: in evict mode it writes to the tier
             self.store.reset()
         if self.events is not None:
@@ -331,12 +376,43 @@ class CacheManager(CacheGauges):
         back = publish(self, req, token_ids, num_computed_tokens, mm_items)
         if back:
             self.ghost.came_back(back)
+        if req.window is not None and req.cursor is not None:
+            register_published(self.window, req.window, req.cursor,  # type: ignore[arg-type]
+                               req.num_published_blocks)
+
+    def release_window_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Let go of the request's window blocks that left its window: those wholly before
+        ``num_computed_tokens - W + 1`` (the next token's window), keeping one block of slack
+        so a hit one block short of the sequence's end stays servable. Published ones stay
+        cached (anchors where the request resumes: ``radixkv.cache.window_cache``), the rest
+        are freed. No-op without window KV groups.
+
+        Raises:
+            KeyError: unknown ``request_id``.
+        """
+        req = self._requests[request_id]
+        if req.window is None or self.window is None:
+            return
+        first_kept = (num_computed_tokens - self.window.window_tokens + 1) // self.block_size - 1
+        if first_kept > req.window.start:
+            self.window.release_before(req.window, first_kept)
+
+    def window_table(self, request_id: str) -> list[int]:
+        """A copy of the request's window-group block table (0 = released; KeyError: unknown
+        ``request_id``; ValueError without window KV groups)."""
+        table = self._requests[request_id].window
+        if table is None:
+            raise ValueError("window_table: this cache has no window KV groups")
+        return table.ids.tolist()
 
     # ---- store tier (radixkv.cache.store.bridge has the rules) ---------------------------
     def attach_store(self, tier: StoreTier) -> None:
         """Put ``tier`` under the tree: lookups past the device match ask it, published (or,
         in ``evict`` write mode, evicted) blocks are written to it; retained blocks are marked
         there (kept longest) when the backend has the notion (``StoreTier.keeps_retained``)."""
+        if self.window is not None:
+            raise ValueError("kv_store: the store tier does not carry window KV groups "
+                             "(--sliding-window-kv window)")
         self.store = tier
         self.tree.trim_hook = lambda node, take: bridge.write_trimmed(tier, node, take)
         if tier.keeps_retained:
@@ -446,6 +522,10 @@ class CacheManager(CacheGauges):
                 computed blocks are not published yet.
         """
         parent = self._requests[parent_request_id]
+        if self.window is not None:
+            # A child's window tail would need copying in every window group; it starts from
+            # a prefix hit on the parent's published prompt instead.
+            return None
         if num_computed_tokens is not None:
             check_int("num_computed_tokens", num_computed_tokens)
         if child_request_id in self._requests:
@@ -492,6 +572,9 @@ class CacheManager(CacheGauges):
             self.tree.unlock(req.cursor, touch=req.admitted)
         self.pool.free(req.duplicate_ids)
         self.pool.free(req.block_table[req.num_published_blocks :])
+        if req.window is not None and self.window is not None:
+            self.window.release(req.window, req.num_computed_tokens // self.block_size
+                                - self.window.need - 1)
 
     def begin_step(self) -> None:
         """Mark a forward step in flight: blocks released from now on are freed at ``end_step``.
@@ -501,6 +584,8 @@ class CacheManager(CacheGauges):
         for a store write slot are gathered here.
         """
         self.pool.begin_step()
+        if self.window is not None:
+            self.window.begin_step()
         if self.store is not None:
             self.store.pump()
 
@@ -510,6 +595,8 @@ class CacheManager(CacheGauges):
         Returns:
             Blocks returned to the free list.
         """
+        if self.window is not None:
+            self.window.end_step()
         return len(self.pool.end_step())
 
     def is_active(self, request_id: str) -> bool:
@@ -654,6 +741,9 @@ class CacheManager(CacheGauges):
         check_manager(self.pool, self.tree, self._requests, self.block_size,
                       self.enable_prefix_caching, self.hasher.hash_fn if verify_hashes else None)
         self.retention.check()
+        if self.window is not None:
+            self.window.check(r.window for r in self._requests.values()
+                              if r.window is not None)
         assert self.store is not None or self.retention.num_pinned == len(self.retention), (
             "retentions demoted without a store tier to hold their blocks")
         assert set(self._tenants) <= set(self._requests), "tenant kept for an ended request"

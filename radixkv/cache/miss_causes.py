@@ -21,6 +21,9 @@ For a prompt of N tokens whose lookup returned ``m`` cached tokens (a multiple o
 * ``store_timeout`` / ``store_rejected`` (with a store tier, ``radixkv.cache.store``): blocks
   the store held that were computed instead, because the load passed its deadline or a value
   failed its header or checksum check. Blocks the store served are hits, not misses.
+* ``window_evicted`` (window-bounded residency, ``radixkv.cache.window_cache``): blocks the
+  token match covered whose window-layer K/V was no longer cached, so the hit ends at an
+  earlier boundary and they are computed again.
 
 The breakdown is computed at every lookup but counted once per request, at admission
 (``CacheManager.record_admission``): a request waiting for blocks looks up again each step.
@@ -35,9 +38,11 @@ from radixkv.cache.tree.compare import matching_blocks, walk
 from radixkv.cache.tree.node import HashRun, Node, child_key
 from radixkv.cache.tree.radix_tree import RadixTree
 
-__all__ = ["MISS_CAUSES", "GhostList", "GhostRun", "classify_miss", "empty_breakdown"]
+__all__ = ["MISS_CAUSES", "GhostList", "GhostRun", "classify_miss", "empty_breakdown",
+           "move_to_window_evicted"]
 
-MISS_CAUSES = ("cold", "evicted", "isolated", "unaligned_tail", "store_timeout", "store_rejected")
+MISS_CAUSES = ("cold", "evicted", "isolated", "unaligned_tail", "store_timeout", "store_rejected",
+               "window_evicted")
 #: Other identities examined for an isolated miss (bounds the lookup cost with many tenants).
 MAX_ISOLATION_ROOTS = 4
 
@@ -78,7 +83,7 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
     if missing <= 0:
         return {"cold": 0, "evicted": 0, "isolated": 0,
                 "unaligned_tail": num_prompt_tokens - cap_blocks * bs, "store_timeout": 0,
-                "store_rejected": 0}, [], notes
+                "store_rejected": 0, "window_evicted": 0}, [], notes
     i, h, bb_x = num_matched_blocks, last_hash, b""
     recovered = bytearray()  # the recovered blocks' hashes, one buffer (no object per block)
     evicted = w = 0
@@ -116,4 +121,15 @@ def classify_miss(tree: RadixTree, root: Node, pb: bytes, px: Sequence[bytes] | 
     return {"cold": (missing - evicted - isolated) * bs, "evicted": evicted * bs,
             "isolated": isolated * bs,
             "unaligned_tail": num_prompt_tokens - cap_blocks * bs, "store_timeout": 0,
-            "store_rejected": 0}, hashes, notes
+            "store_rejected": 0, "window_evicted": 0}, hashes, notes
+
+
+def move_to_window_evicted(breakdown: dict[str, int], num_tokens: int) -> None:
+    """Relabel ``num_tokens`` missed tokens right after the hit as ``window_evicted`` (the token
+    match covered them; the window layers' K/V was gone): taken from ``cold`` first, then
+    ``evicted`` (a lookup classified them as if the match had stopped at the hit)."""
+    for cause in ("cold", "evicted"):
+        moved = min(num_tokens, breakdown[cause])
+        breakdown[cause] -= moved
+        breakdown["window_evicted"] += moved
+        num_tokens -= moved

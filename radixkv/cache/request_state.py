@@ -13,6 +13,7 @@ from typing import Sequence
 from radixkv.cache.hashing import MMItem
 from radixkv.cache.miss_causes import empty_breakdown
 from radixkv.cache.tree.node import Node
+from radixkv.cache.window_cache import WindowTable
 
 
 class RequestState:
@@ -49,13 +50,15 @@ class RequestState:
         num_slot_tokens: Token slots of ``block_table`` the request filled or is filling: the
             most ``num_tokens`` given to ``allocate`` (``begin``'s m, a fork's computed tokens
             at first); the rest of its last block is tail waste.
+        window: The request's window-group block table under window-bounded residency
+            (``radixkv.cache.window_cache``); None without window KV groups.
     """
 
     __slots__ = ("root", "cursor", "last_hash", "block_table", "num_cached_tokens",
                  "num_published_blocks", "mm_items", "duplicate_ids", "num_computed_tokens",
                  "miss", "known_hashes", "known_start", "known_tokens", "admitted", "counted",
                  "match_node", "ghost_notes", "num_store_tokens", "session_key",
-                 "num_slot_tokens")
+                 "num_slot_tokens", "window")
 
     def __init__(self, root: Node | None, cursor: Node | None, last_hash: bytes,
                  block_table: array, num_cached_tokens: int, num_published_blocks: int,
@@ -85,3 +88,4 @@ class RequestState:
         self.num_store_tokens = 0
         self.session_key = session_key
         self.num_slot_tokens = num_computed_tokens
+        self.window: WindowTable | None = None

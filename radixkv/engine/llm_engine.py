@@ -42,7 +42,12 @@ from radixkv.engine.sampling import SamplingParams, make_generator, sample_each
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.stats import EngineStats
 from radixkv.engine.store_setup import attach_store
-from radixkv.engine.window_kv import hit_granularity
+from radixkv.engine.window_kv import (
+    WINDOW_KV_WINDOW,
+    grouped_pool_sizes,
+    hit_granularity,
+    window_kv_mode,
+)
 from radixkv.eviction.cost_model import cost_shape_from_model_shape
 from radixkv.log import get_logger
 from radixkv.model.loader import LoadedModel, load_model
@@ -54,18 +59,23 @@ log = get_logger(__name__)
 __all__ = ["LLMEngine", "RequestOutput"]
 
 
-def _num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
-    cache = config.cache
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    budget = cache.kv_cache_memory_bytes
+def _kv_budget_bytes(config: EngineConfig) -> int:
+    """Bytes for the KV pools: ``kv_cache_memory_bytes``, else 4 GiB on a CPU, ~90 % of the
+    free device memory on CUDA."""
+    budget = config.cache.kv_cache_memory_bytes
     if budget is None:
         if config.device.startswith("cuda"):
             free_bytes, _ = torch.cuda.mem_get_info(torch.device(config.device))
             budget = int(free_bytes * 0.9)
         else:
             budget = 4 * GIB
-    return max(1, budget // bytes_per_block)
+    return budget
+
+
+def _num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks
+    return max(1, _kv_budget_bytes(config) // bytes_per_block)
 
 
 class LLMEngine:
@@ -98,16 +108,27 @@ class LLMEngine:
         # gets ~3.8x the blocks of fp32 in the same --kv-cache-memory.
         bytes_per_block = ModelRunner.bytes_per_block_for(shape, block_size, self.model.dtype,
                                                           config.kv_cache_dtype)
-        num_blocks = _num_blocks_for(config, bytes_per_block)
+        # Window KV groups (docs/sliding-window.md): only for a model with window layers.
+        self.window_kv = window_kv_mode(config.cache.sliding_window_kv, shape)
+        window_num_blocks: int | None = None
+        if self.window_kv == WINDOW_KV_WINDOW:
+            num_blocks, window_num_blocks = grouped_pool_sizes(
+                config.cache, shape, bytes_per_block, _kv_budget_bytes(config),
+                config.scheduler.prefill_chunk_tokens or config.scheduler.max_num_batched_tokens)
+        else:
+            num_blocks = _num_blocks_for(config, bytes_per_block)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size,
                                   device=config.device,
                                   attention_backend=config.resolved_attention_backend(),
-                                  compile=config.compile, kv_cache_dtype=config.kv_cache_dtype)
+                                  compile=config.compile, kv_cache_dtype=config.kv_cache_dtype,
+                                  window_num_blocks=window_num_blocks)
+        self._window_groups = sorted(g for g in self.runner.kv_groups if g >= 0) \
+            if window_num_blocks is not None else []
         if config.compile:
             log.info("model_compiled", compile_s=round(self.runner.warm_up(), 2))
         # What a prefix hit can reuse, per layer group: a 0 % hit rate on a window model
         # explains itself from the log and /stats (docs/sliding-window.md).
-        self.hit_granularity = hit_granularity(shape, block_size)
+        self.hit_granularity = hit_granularity(shape, block_size, self.window_kv)
         cost_shape = cost_shape_from_model_shape(shape, self.model.name)
         self.cache = CacheManager(num_blocks, block_size,
                                   eviction_policy=config.cache.eviction_policy,
@@ -116,7 +137,10 @@ class LLMEngine:
                                   model_shape=cost_shape,
                                   max_retained_fraction=config.cache.max_retained_fraction,
                                   tenant_max_retained_tokens=dict(
-                                      config.cache.tenant_max_retained_tokens))
+                                      config.cache.tenant_max_retained_tokens),
+                                  window_num_blocks=window_num_blocks,
+                                  window_tokens=max(shape.layer_window_lefts) + 1
+                                  if window_num_blocks is not None else None)
         self.stats = EngineStats(cost_shape)
         self.store = attach_store(config.cache, self.runner, self.cache, self.stats, cost_shape,
                                   backend=store_backend)
@@ -130,13 +154,16 @@ class LLMEngine:
         # before, so their roots are unchanged), e.g. ``int8-tokhead-f32-v1`` for quantized
         # ones, so blocks of different formats never match.
         self._kv_dtype = self.runner.kv_format.tag
+        if self.window_kv == WINDOW_KV_WINDOW:  # a store value or KV event of one layout
+            self._kv_dtype += ";window-kv=window"  # never matches the other's
         self.adapters = LoRAAdapters(shape, base_model_name=self.model_name,
                                      device=self.runner.device, dtype=self.model.dtype)
         for name, path in config.lora_adapters:
             self.adapters.load(name, path)
         self._groups: dict[str, list[Request]] = {}  # group id -> its choices, while live
         log.info("engine_ready", model=self.model_name, revision=self.model.revision[:16],
-                 num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
+                 num_blocks=num_blocks, window_num_blocks=window_num_blocks,
+                 block_size=block_size, bytes_per_block=bytes_per_block,
                  prefix_caching=config.cache.enable_prefix_caching,
                  eviction_policy=config.cache.eviction_policy, dtype=config.dtype,
                  kv_cache_dtype=self.runner.kv_cache_dtype,
@@ -371,7 +398,8 @@ class LLMEngine:
             batch = self.runner.build_batch(
                 [(c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
                   self.cache.block_table(c.request.request_id)) for c in chunks],
-                adapters=[c.request.adapter for c in chunks])
+                adapters=[c.request.adapter for c in chunks],
+                window_tables=self._window_tables(chunks) if self._window_groups else None)
             self.stats.activity.observe_step(t_batch - t_schedule,
                                              time.perf_counter() - t_batch,
                                              *chunk_kv_tokens(chunks))
@@ -428,6 +456,8 @@ class LLMEngine:
             req.publish_at_tokens = (req.num_computed_tokens // self.block_size
                                      + self.config.cache.publish_interval_blocks
                                      ) * self.block_size
+        if self._window_groups:  # blocks that left the window: cached or freed
+            self.cache.release_window_blocks(req.request_id, req.num_computed_tokens)
         if not req.retention_applied and req.num_computed_tokens >= req.num_prompt_tokens:
             self._retain_prompt(req)
         if token is None:
@@ -439,6 +469,16 @@ class LLMEngine:
             outputs += self._fork_choices(req, logits_row, now)
         outputs.append(self._append_token(req, token, now))
         return outputs
+
+    def _window_tables(self, chunks) -> list[dict[int, list[int]]]:
+        """Each chunk's window-group block table, the same for every window group (the cache
+        sizes one table for the largest window)."""
+        groups = self._window_groups
+        out = []
+        for c in chunks:
+            table = self.cache.window_table(c.request.request_id)
+            out.append({g: table for g in groups})
+        return out
 
     def _retain_prompt(self, req: Request) -> None:
         """The prompt's blocks are all cached: refresh the retentions it covers and apply its
@@ -556,11 +596,16 @@ class LLMEngine:
                 "waiting": len(sched.waiting) + len(sched.loading) + len(sched.loaded)}
 
     def stats_snapshot(self) -> dict:
-        out = self.stats.snapshot(self.cache, self.runner.bytes_per_block,
+        # Under KV groups the tree's blocks are the full-attention layers' blocks.
+        out = self.stats.snapshot(self.cache, self.runner.group_bytes_per_block.get(-1, 0)
+                                  if self._window_groups else self.runner.bytes_per_block,
                                   kv_cache_dtype=self.runner.kv_cache_dtype,
                                   kv_bytes_per_token=self.runner.kv_bytes_per_token)
         # A fresh copy: the snapshot leaves the engine thread (a reader may keep or change it).
-        out["hit_granularity"] = hit_granularity(self.model.shape, self.block_size)
+        out["hit_granularity"] = hit_granularity(self.model.shape, self.block_size,
+                                                 self.window_kv)
+        if self.cache.window is not None:
+            out["pool"]["window"] = self.cache.window.snapshot()
         populate = getattr(self.runner, "pool_populate", None)
         if populate is not None:
             out["pool"]["populate"] = populate.snapshot()

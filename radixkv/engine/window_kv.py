@@ -7,23 +7,92 @@ for a prefix is the right K/V for that prefix under any layer kind; what differs
 which blocks a later suffix *reads*: a full layer every block of ``[0, m)``, a window layer
 only those overlapping ``[m - W + 1, m)``.
 
-The pool keeps every block of every layer for the whole sequence (one block table indexes all
-layers: ``keep-all``), so a prefix hit on a window model has all the K/V it reads, and a hit
-ends at any multiple of the block size, as on a full-attention model. ``docs/sliding-window.md``
-describes this and the window-bounded layout that would keep fewer window blocks.
+Two residency rules (``--sliding-window-kv``): ``keep-all`` keeps every block of every layer
+for the whole sequence (one block table indexes all layers), so a hit ends at any multiple of
+the block size, as on a full-attention model; ``window`` gives the window layers a pool of
+their own in which a request holds only the blocks of its window (KV groups;
+``radixkv.cache.window_cache``), so a hit also needs the window's blocks before it cached.
+``docs/sliding-window.md`` describes both.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from radixkv.cache.window_rules import window_blocks_needed
+from radixkv.config import CacheConfig
 from radixkv.model.config import ModelShape
 
-__all__ = ["WINDOW_KV_KEEP_ALL", "hit_granularity", "layer_groups"]
+__all__ = ["WINDOW_KV_KEEP_ALL", "WINDOW_KV_WINDOW", "grouped_pool_sizes", "hit_granularity",
+           "layer_groups", "window_kv_mode"]
 
-#: The residency rule of the pool: every block of every layer stays for the whole sequence and
-#: while cached (window layers' out-of-window blocks included).
+#: Every block of every layer stays for the whole sequence and while cached (window layers'
+#: out-of-window blocks included).
 WINDOW_KV_KEEP_ALL = "keep-all"
+#: KV groups: window layers hold only each request's window (and cached resume points).
+WINDOW_KV_WINDOW = "window"
+
+
+def window_kv_mode(requested: str, shape: ModelShape) -> str:
+    """The residency rule in force: ``window`` only for a model with window layers (a
+    full-attention model has nothing to bound: ``keep-all``)."""
+    if requested == WINDOW_KV_WINDOW and any(w >= 0 for w in shape.layer_window_lefts):
+        return WINDOW_KV_WINDOW
+    return WINDOW_KV_KEEP_ALL
+
+
+def grouped_pool_sizes(cache: CacheConfig, shape: ModelShape, bytes_per_block: int,
+                       budget_bytes: int, max_chunk_tokens: int) -> tuple[int, int]:
+    """``(num_blocks, window_num_blocks)``: the full-attention and window pools' sizes in
+    blocks under KV groups.
+
+    With ``cache.num_blocks`` given, the full pool has that many and the window pool
+    ``cache.window_num_blocks`` (default ``num_blocks + 1``: never shorter than the full one).
+    Otherwise ``budget_bytes`` is split: ``window_kv_fraction`` of it to the window layers,
+    the rest to the full-attention layers, each at its layers' share of ``bytes_per_block``
+    (every layer's K/V has the same size).
+
+    Args:
+        bytes_per_block: K+V bytes of one block over all layers (the keep-all block).
+        budget_bytes: KV memory for both pools.
+        max_chunk_tokens: most tokens one request computes in a step (the prefill chunk).
+
+    Raises:
+        ValueError: naming ``window_kv_fraction`` (or ``window_num_blocks``) when the window
+            pool cannot hold one request's window and chunk, or ``kv_cache_memory_bytes``
+            when the full pool gets no block.
+    """
+    lefts = shape.layer_window_lefts
+    num_window_layers = sum(1 for w in lefts if w >= 0)
+    per_layer = bytes_per_block // len(lefts)
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+        window_num_blocks = cache.window_num_blocks or num_blocks + 1
+        field = "window_num_blocks"
+    elif cache.window_num_blocks is not None:
+        window_num_blocks = cache.window_num_blocks
+        num_blocks = (budget_bytes - window_num_blocks * per_layer * num_window_layers) // (
+            per_layer * (len(lefts) - num_window_layers) or 1)
+        field = "window_num_blocks"
+    else:
+        window_bytes = int(budget_bytes * cache.window_kv_fraction)
+        window_num_blocks = window_bytes // (per_layer * num_window_layers)
+        full_layers = len(lefts) - num_window_layers
+        # A model whose every layer is windowed (Mistral) has no full-attention pool: the
+        # tree's block ids then index no memory; as many as one layer's share would hold.
+        num_blocks = (budget_bytes - window_bytes) // (per_layer * (full_layers or 1))
+        field = "window_kv_fraction"
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes: {budget_bytes} bytes leave no block for the "
+                         f"full-attention layers")
+    window_tokens = max(lefts) + 1
+    least = window_blocks_needed(window_tokens, cache.block_size) + 3 + \
+        -(-max_chunk_tokens // cache.block_size)
+    if window_num_blocks < least:
+        raise ValueError(f"{field}: the window layers' pool gets {window_num_blocks} blocks; one "
+                         f"request's window ({window_tokens} tokens) and prefill chunk "
+                         f"({max_chunk_tokens} tokens) need {least}")
+    return num_blocks, window_num_blocks
 
 
 def layer_groups(shape: ModelShape) -> list[dict[str, Any]]:
@@ -44,17 +113,20 @@ def layer_groups(shape: ModelShape) -> list[dict[str, Any]]:
             for left in sorted(counts)]
 
 
-def hit_granularity(shape: ModelShape, block_size: int) -> dict[str, Any]:
+def hit_granularity(shape: ModelShape, block_size: int, window_kv: str = WINDOW_KV_KEEP_ALL
+                    ) -> dict[str, Any]:
     """Where a prefix hit can end and what it needs resident, for the startup log and ``/stats``.
 
     Args:
         shape: the served model's shape.
         block_size: tokens per KV block (B).
+        window_kv: the residency rule in force (:func:`window_kv_mode`).
 
     Returns:
         ``block_size_tokens`` (a hit covers whole blocks: it ends at a multiple of B, below the
-        prompt's last token), ``window_kv`` (the residency rule, :data:`WINDOW_KV_KEEP_ALL`)
-        and ``layer_groups`` (:func:`layer_groups`).
+        prompt's last token), ``window_kv`` (the residency rule: :data:`WINDOW_KV_KEEP_ALL`,
+        or :data:`WINDOW_KV_WINDOW`, where a hit also needs the ``ceil((W - 1) / B)`` window
+        blocks before it cached) and ``layer_groups`` (:func:`layer_groups`).
     """
-    return {"block_size_tokens": block_size, "window_kv": WINDOW_KV_KEEP_ALL,
+    return {"block_size_tokens": block_size, "window_kv": window_kv,
             "layer_groups": layer_groups(shape)}
