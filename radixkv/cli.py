@@ -459,6 +459,8 @@ BENCHES = {
     "cancel-release": "cancel -> KV blocks released under a load with a share of cancelled "
                       "streams (prefill and mid-decode), against the engine step and the "
                       "ITL of the others",
+    "window-kv": "the same agent replay on gemma3-270m: keep-all unconstrained, keep-all and "
+                 "--sliding-window-kv window on a quarter of the working set, one server at a time",
 }
 
 

@@ -347,7 +347,7 @@ class CacheManager(CacheGauges):
         mark = self.events.mark() if self.events is not None else 0
         evicted = self._evict(self.tree.num_evictable_blocks)
         if self.window is not None:
-            self.window.evict_all()
+            self.window.evict(self.window.num_evictable_blocks)
         if self.store is not None:  # after the eviction: in evict mode it writes to the tier
             self.store.reset()
         if self.events is not None:

@@ -212,11 +212,25 @@ class WindowBlocks:
         else:
             self._free.append(block_id)
 
-    def evict_all(self) -> int:
-        """Drop every evictable cached block (a prefix-cache reset); returns how many."""
-        num = self.num_evictable_blocks
+    def evict(self, num_blocks: int) -> int:
+        """Drop up to ``num_blocks`` evictable cached blocks now, plain ones first, oldest
+        first (a prefix-cache reset, memory pressure, tests); returns how many."""
+        num = min(num_blocks, self.num_evictable_blocks)
         self._evict(num)
         return num
+
+    def evict_cached(self, block_hash: bytes) -> bool:
+        """Drop the block cached under ``block_hash`` now if no table holds it (tools and
+        tests: a chosen hole in a cached run); returns whether one was dropped."""
+        block_id = self._by_hash.get(block_hash, 0)
+        if not block_id or self._refs[block_id]:
+            return False
+        self._plain.pop(block_id, None)
+        self._anchors.pop(block_id, None)
+        del self._by_hash[self._hash_of.pop(block_id)]
+        self._free.append(block_id)
+        self.evicted_blocks_total += 1
+        return True
 
     def begin_step(self) -> None:
         """A forward step is in flight: blocks freed from now on wait for :meth:`end_step`."""

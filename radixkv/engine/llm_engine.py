@@ -10,6 +10,7 @@ adapter registry (``radixkv.engine.adapters``), which documents its own lock.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Sequence
@@ -46,6 +47,7 @@ from radixkv.engine.window_kv import (
     WINDOW_KV_WINDOW,
     grouped_pool_sizes,
     hit_granularity,
+    max_window_chunk_tokens,
     window_kv_mode,
 )
 from radixkv.eviction.cost_model import cost_shape_from_model_shape
@@ -113,8 +115,15 @@ class LLMEngine:
         window_num_blocks: int | None = None
         if self.window_kv == WINDOW_KV_WINDOW:
             num_blocks, window_num_blocks = grouped_pool_sizes(
-                config.cache, shape, bytes_per_block, _kv_budget_bytes(config),
-                config.scheduler.prefill_chunk_tokens or config.scheduler.max_num_batched_tokens)
+                config.cache, shape, bytes_per_block, _kv_budget_bytes(config))
+            # Every window block a prefill chunk writes is held during its step: cap the chunk
+            # so one request always fits the window pool (else it would wait forever).
+            chunk = max_window_chunk_tokens(window_num_blocks, max(shape.layer_window_lefts) + 1,
+                                            block_size)
+            if chunk < (config.scheduler.prefill_chunk_tokens or chunk + 1):
+                config = dataclasses.replace(config, scheduler=dataclasses.replace(
+                    config.scheduler, prefill_chunk_tokens=chunk))
+                self.config = config
         else:
             num_blocks = _num_blocks_for(config, bytes_per_block)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size,
@@ -163,6 +172,7 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # group id -> its choices, while live
         log.info("engine_ready", model=self.model_name, revision=self.model.revision[:16],
                  num_blocks=num_blocks, window_num_blocks=window_num_blocks,
+                 prefill_chunk_tokens=config.scheduler.prefill_chunk_tokens,
                  block_size=block_size, bytes_per_block=bytes_per_block,
                  prefix_caching=config.cache.enable_prefix_caching,
                  eviction_policy=config.cache.eviction_policy, dtype=config.dtype,

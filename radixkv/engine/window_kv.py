@@ -24,7 +24,7 @@ from radixkv.config import CacheConfig
 from radixkv.model.config import ModelShape
 
 __all__ = ["WINDOW_KV_KEEP_ALL", "WINDOW_KV_WINDOW", "grouped_pool_sizes", "hit_granularity",
-           "layer_groups", "window_kv_mode"]
+           "layer_groups", "max_window_chunk_tokens", "window_kv_mode"]
 
 #: Every block of every layer stays for the whole sequence and while cached (window layers'
 #: out-of-window blocks included).
@@ -42,7 +42,7 @@ def window_kv_mode(requested: str, shape: ModelShape) -> str:
 
 
 def grouped_pool_sizes(cache: CacheConfig, shape: ModelShape, bytes_per_block: int,
-                       budget_bytes: int, max_chunk_tokens: int) -> tuple[int, int]:
+                       budget_bytes: int) -> tuple[int, int]:
     """``(num_blocks, window_num_blocks)``: the full-attention and window pools' sizes in
     blocks under KV groups.
 
@@ -55,12 +55,12 @@ def grouped_pool_sizes(cache: CacheConfig, shape: ModelShape, bytes_per_block: i
     Args:
         bytes_per_block: K+V bytes of one block over all layers (the keep-all block).
         budget_bytes: KV memory for both pools.
-        max_chunk_tokens: most tokens one request computes in a step (the prefill chunk).
 
     Raises:
         ValueError: naming ``window_kv_fraction`` (or ``window_num_blocks``) when the window
-            pool cannot hold one request's window and chunk, or ``kv_cache_memory_bytes``
-            when the full pool gets no block.
+            pool cannot hold one request's window, a block of slack and a one-block chunk
+            (``ceil((W - 1) / B) + 5`` blocks), or ``kv_cache_memory_bytes`` when the full
+            pool gets no block.
     """
     lefts = shape.layer_window_lefts
     num_window_layers = sum(1 for w in lefts if w >= 0)
@@ -86,12 +86,10 @@ def grouped_pool_sizes(cache: CacheConfig, shape: ModelShape, bytes_per_block: i
         raise ValueError(f"kv_cache_memory_bytes: {budget_bytes} bytes leave no block for the "
                          f"full-attention layers")
     window_tokens = max(lefts) + 1
-    least = window_blocks_needed(window_tokens, cache.block_size) + 3 + \
-        -(-max_chunk_tokens // cache.block_size)
+    least = window_blocks_needed(window_tokens, cache.block_size) + 5
     if window_num_blocks < least:
         raise ValueError(f"{field}: the window layers' pool gets {window_num_blocks} blocks; one "
-                         f"request's window ({window_tokens} tokens) and prefill chunk "
-                         f"({max_chunk_tokens} tokens) need {least}")
+                         f"request's window ({window_tokens} tokens) needs at least {least}")
     return num_blocks, window_num_blocks
 
 
@@ -111,6 +109,15 @@ def layer_groups(shape: ModelShape) -> list[dict[str, Any]]:
     return [{"attention": "full" if left < 0 else "sliding",
              "window_tokens": None if left < 0 else left + 1, "num_layers": counts[left]}
             for left in sorted(counts)]
+
+
+def max_window_chunk_tokens(window_num_blocks: int, window_tokens: int, block_size: int) -> int:
+    """The longest prefill chunk one request can compute alone in a window pool of
+    ``window_num_blocks`` blocks: its window's ``ceil((W - 1) / B)`` blocks, a block of slack,
+    a partial block at each end of the chunk and the null block stay out; the engine caps
+    ``prefill_chunk_tokens`` at this so a long prompt never waits for room that cannot come."""
+    need = window_blocks_needed(window_tokens, block_size)
+    return (window_num_blocks - need - 4) * block_size
 
 
 def hit_granularity(shape: ModelShape, block_size: int, window_kv: str = WINDOW_KV_KEEP_ALL

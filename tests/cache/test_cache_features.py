@@ -68,16 +68,16 @@ def test_miss_causes_cold_evicted_isolated_unaligned() -> None:
     other = cm.identity_root(CacheIdentity("r1", B, "float32", ROPE, cache_salt="t2"))
     a = list(range(1, 11))  # 10 tokens: cap 8, tail 2
     warm(cm, root, "a", a)
-    assert cm.miss_tokens == {"cold": 8, "evicted": 0, "isolated": 0, "unaligned_tail": 2, "store_timeout": 0, "store_rejected": 0}
+    assert cm.miss_tokens == {"cold": 8, "evicted": 0, "isolated": 0, "unaligned_tail": 2, "store_timeout": 0, "store_rejected": 0, "window_evicted": 0}
     warm(cm, other, "iso", a)  # same tokens, other identity
     assert cm.miss_tokens["isolated"] == 8
     assert cm.evict(100) == 4  # a's 2 blocks and iso's 2 blocks
     m = cm.begin("ev", root, a + [77, 78, 79])  # 13 tokens: cap 12
     assert m == 0 and cm.miss_breakdown("ev") == {
-        "cold": 4, "evicted": 8, "isolated": 0, "unaligned_tail": 1, "store_timeout": 0, "store_rejected": 0}
+        "cold": 4, "evicted": 8, "isolated": 0, "unaligned_tail": 1, "store_timeout": 0, "store_rejected": 0, "window_evicted": 0}
     cm.record_admission("ev")
     cm.record_admission("ev")  # counted once
-    assert cm.miss_tokens == {"cold": 12, "evicted": 8, "isolated": 8, "unaligned_tail": 5, "store_timeout": 0, "store_rejected": 0}
+    assert cm.miss_tokens == {"cold": 12, "evicted": 8, "isolated": 8, "unaligned_tail": 5, "store_timeout": 0, "store_rejected": 0, "window_evicted": 0}
     # Publishing the evicted blocks re-uses the hashes found in the ghost list.
     before = cm.hasher.num_block_hashes
     assert cm.allocate("ev", 13)
@@ -87,7 +87,7 @@ def test_miss_causes_cold_evicted_isolated_unaligned() -> None:
     cm.release("ev")
     # A partial hit followed by a miss: m = 4, never "isolated".
     assert cm.begin("p", root, a[:4] + [50] * 9) == 4
-    assert cm.miss_breakdown("p") == {"cold": 8, "evicted": 0, "isolated": 0, "unaligned_tail": 1, "store_timeout": 0, "store_rejected": 0}
+    assert cm.miss_breakdown("p") == {"cold": 8, "evicted": 0, "isolated": 0, "unaligned_tail": 1, "store_timeout": 0, "store_rejected": 0, "window_evicted": 0}
     cm.release("p")
     assert cm.miss_tokens["cold"] == 12  # never admitted: not counted
 
@@ -98,7 +98,7 @@ def test_lookups_count_once_per_request_across_churn() -> None:
     for _ in range(5):  # the scheduler's begin / release while waiting
         cm.begin("w", root, prompt)
         cm.release("w")
-    assert cm.miss_tokens == {"cold": 0, "evicted": 0, "isolated": 0, "unaligned_tail": 0, "store_timeout": 0, "store_rejected": 0}
+    assert cm.miss_tokens == {"cold": 0, "evicted": 0, "isolated": 0, "unaligned_tail": 0, "store_timeout": 0, "store_rejected": 0, "window_evicted": 0}
     cm.begin("w", root, prompt)
     assert cm.allocate("w", 13)
     cm.record_admission("w")

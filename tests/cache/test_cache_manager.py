@@ -359,7 +359,7 @@ def test_recovered_hashes_are_reused_only_for_the_compared_tokens() -> None:
         assert cm.begin("b", root, prompt) == 0
         assert cm.miss_breakdown("b") == {"cold": 0, "evicted": 8, "isolated": 0,
                                           "unaligned_tail": 1, "store_timeout": 0,
-                                          "store_rejected": 0}
+                                          "store_rejected": 0, "window_evicted": 0}
         assert cm.allocate("b", 9)
         cm.publish("b", published, 8)
         assert cm.hasher.num_block_hashes - hashed == 2 - reused

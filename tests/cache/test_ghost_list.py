@@ -43,7 +43,7 @@ def test_one_block_evictions_of_a_leaf_form_one_entry() -> None:
     assert cm.begin("b", root, prompt) == 0
     assert cm.miss_breakdown("b") == {"cold": 0, "evicted": 24, "isolated": 0,
                                       "unaligned_tail": 1, "store_timeout": 0,
-                                          "store_rejected": 0}
+                                          "store_rejected": 0, "window_evicted": 0}
     assert cm.hasher.num_block_hashes == before
     assert cm.allocate("b", len(prompt))
     cm.publish("b", prompt, len(prompt))
@@ -64,7 +64,7 @@ def test_partially_evicted_leaf_and_prompt_diverging_inside_the_entry() -> None:
     assert cm.begin("c", root, other) == 8
     assert cm.miss_breakdown("c") == {"cold": 12, "evicted": 4, "isolated": 0,
                                       "unaligned_tail": 1, "store_timeout": 0,
-                                          "store_rejected": 0}
+                                          "store_rejected": 0, "window_evicted": 0}
     cm.release("c")
 
 
