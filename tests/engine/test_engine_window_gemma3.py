@@ -72,3 +72,23 @@ def test_gemma3_270m_prefix_hit_at_the_window_edge(gemma3: LoadedModel, hit: int
     assert (cold_cached, first_cached, num_cached) == (0, 0, hit)
     assert tokens == cold_tokens
     assert torch.equal(logits, cold_logits), float((logits - cold_logits).abs().max())
+
+
+def test_gemma3_270m_window_groups_hit_past_two_windows(gemma3: LoadedModel) -> None:
+    """``--sliding-window-kv window``: the window layers' pool holds 63 blocks, the prefix of
+    2W + B = 1,040 tokens is prefilled in 13-block chunks (window blocks leave the window and
+    are cached or freed as it goes); the hit at 1,040 reads the 32 window blocks before it from
+    that pool and gives the cold run's tokens and logits bit for bit."""
+    hit, chunk = 2 * WINDOW + BLOCK_SIZE, 13 * BLOCK_SIZE
+    rng = torch.Generator().manual_seed(5)
+    prompt = torch.randint(1000, 200_000, (hit + SUFFIX_TOKENS,), generator=rng).tolist()
+    cold_tokens, cold_logits, _ = _run(_engine(gemma3, chunk, prefix_cache=False), prompt)
+    cfg = engine_config(block_size=BLOCK_SIZE, num_blocks=96, prefill_chunk_tokens=chunk,
+                        sliding_window_kv="window", window_num_blocks=64)
+    warm = LLMEngine(dataclasses.replace(cfg, attention_backend="torch"), gemma3)
+    assert warm.runner.kv_groups == {-1: 96, 511: 64}
+    _, _, first_cached = _run(warm, prompt[:hit], PREFIX_ONLY)
+    tokens, logits, num_cached = _run(warm, prompt)
+    assert (first_cached, num_cached) == (0, hit)
+    assert tokens == cold_tokens
+    assert torch.equal(logits, cold_logits), float((logits - cold_logits).abs().max())
