@@ -17,6 +17,7 @@ from radixkv.cache.ghost import GhostList
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tree.node import BLOCK_ID_TYPECODE, Node
 from radixkv.cache.tree.radix_tree import RadixTree
+from radixkv.cache.window_cache import WindowBlocks
 from radixkv.eviction import EvictionPolicy
 
 
@@ -31,21 +32,29 @@ def make_ghost_list(policy: EvictionPolicy, capacity: int) -> GhostList:
 
 
 def evict(tree: RadixTree, pool: BlockPool, ghost: GhostList, events: KVEventLog | None,
-          num_blocks: int) -> int:
+          num_blocks: int, window: WindowBlocks | None = None) -> int:
     """Evict up to ``num_blocks`` blocks through the policy: the tree drops them, the pool
-    frees them, the ghost list remembers them (KV events record the removal). Returns the
-    number evicted. One block (each decode step's eviction once the pool is full) goes through
-    ``tree.take_tail_block`` where it applies, in the fewest calls. The tree's methods are looked
-    up per call (a benchmark may wrap them)."""
+    frees them, the ghost list remembers them (KV events record the removal), and the window
+    groups' pool (``window``, under KV groups) drops their cached window blocks, which no
+    lookup can reach without them. Returns the number evicted. One block (each decode step's
+    eviction once the pool is full) goes through ``tree.take_tail_block`` where it applies, in
+    the fewest calls. The tree's methods are looked up per call (a benchmark may wrap them)."""
     if num_blocks == 1 and events is None:
         taken = tree.take_tail_block()
         if taken is not None:  # the commonest eviction, in the fewest calls
             pool.free_one_cached(taken[0])
             ghost.add_block(taken[1], taken[2], taken[3])
+            if window is not None:
+                window.evict_cached(bytes(taken[3]))
             return 1
     evicted: list = []
     freed = tree.evict(num_blocks, evicted, array(BLOCK_ID_TYPECODE))
     pool.free_cached(freed)
+    if window is not None:
+        for _, run in evicted:
+            hashes, w = run[1], run[4]
+            for j in range(0, len(hashes), w):
+                window.evict_cached(bytes(hashes[j:j + w]))
     ghost.add(evicted)
     if events is not None:
         events.removed(evicted)

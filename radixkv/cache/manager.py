@@ -231,7 +231,9 @@ class CacheManager(CacheGauges):
 
     def peek(self, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,
              mm_items: Sequence[Sequence] | None = None) -> int:
-        """Return what :meth:`begin` would return, changing nothing (no split, touch or lock)."""
+        """Return what :meth:`begin` would return, changing nothing (no split, touch or lock);
+        under window KV groups the token match only (an upper bound: ``begin`` may stop earlier
+        where window blocks are gone)."""
         pb, _, _, cap_blocks, extras = lookup_inputs(root, prompt_token_ids, mm_items,
                                                    self.block_size, self._root_bytes)
         root_node = self.tree.roots.get(root)
@@ -328,7 +330,7 @@ class CacheManager(CacheGauges):
 
     def _evict(self, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` blocks (:func:`radixkv.cache.evict_path.evict`)."""
-        num = evict(self.tree, self.pool, self.ghost, self.events, num_blocks)
+        num = evict(self.tree, self.pool, self.ghost, self.events, num_blocks, self.window)
         self._evicted_blocks_total += num
         return num
 

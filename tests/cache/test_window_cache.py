@@ -157,3 +157,19 @@ def test_the_hit_is_the_deepest_boundary_every_window_block_before_serves(
     cm.check_integrity()
     cm.release("q")
     cm.check_integrity()
+
+
+def test_evicting_a_path_from_the_tree_drops_its_window_blocks() -> None:
+    """Window blocks whose full-attention blocks left the tree cannot serve a lookup: the
+    tree's eviction drops them from the window pool too (one block at a time, and a run)."""
+    cm = _manager()
+    _compute(cm, "a", list(range(100, 140)))
+    window = cm.window
+    assert window is not None and window.num_cached_blocks == 20
+    assert cm.evict(1) == 1  # the leaf's tail block: its window block goes with it
+    assert window.num_cached_blocks == 19
+    assert cm.evict(5) == 5
+    assert window.num_cached_blocks == 14
+    assert cm.reset_prefix_cache() == 14
+    assert window.num_cached_blocks == 0 and window.num_free_blocks == 63
+    cm.check_integrity()
