@@ -106,6 +106,26 @@ def _histogram(name: str, doc: str, cumulative: list[tuple[float, int]], sum_s: 
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=sum_s)
 
 
+def window_pool_families(window: dict[str, int]) -> Iterator[Any]:
+    """The window layers' pool under ``--sliding-window-kv window`` (``/stats``
+    ``pool.window``): blocks by state, and the cached window blocks evicted so far."""
+    blocks = GaugeMetricFamily("radixkv_kv_window_blocks",
+                               "Blocks of the window layers' pool (--sliding-window-kv window) "
+                               "by state: free, held (running requests' windows), "
+                               "cached_evictable (plain), anchor (cached resume points).",
+                               labels=["state"])
+    evictable = window["num_evictable_blocks"]
+    for state, value in (("free", window["num_free_blocks"]),
+                         ("held", window["num_held_blocks"]),
+                         ("cached_evictable", evictable - window["num_anchor_blocks"]),
+                         ("anchor", window["num_anchor_blocks"])):
+        blocks.add_metric([state], value)
+    yield blocks
+    yield CounterMetricFamily("radixkv_kv_window_evicted_blocks",
+                              "Cached window blocks dropped to make room or with their "
+                              "full-attention blocks.", value=window["evicted_blocks_total"])
+
+
 class RadixkvCollector:
     """Reads the engine's counters and gauges and the server's outcomes at scrape time."""
 
@@ -135,6 +155,8 @@ class RadixkvCollector:
         pool = stats["pool"]
         for name, key, doc in _POOL_GAUGES:
             yield GaugeMetricFamily(name, doc, value=pool[key])
+        if "window" in pool:
+            yield from window_pool_families(pool["window"])
         yield from kv_families(stats, engine.engine_stats)
         yield GaugeMetricFamily("radixkv_prefix_tree_nodes", "Nodes in the radix tree.",
                                 value=stats["tree"]["nodes"])

@@ -22,6 +22,7 @@ from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.window_kv import grouped_pool_sizes, max_window_chunk_tokens
 from radixkv.model.config import ModelShape
+from radixkv.server.metrics import window_pool_families
 from tests.engine.test_engine_window import (
     FAMILIES,
     GREEDY,
@@ -175,6 +176,19 @@ def test_stats_and_log_say_window(tokenizer: Any) -> None:
         "num_blocks": WINDOW_BLOCKS, "num_free_blocks": WINDOW_BLOCKS - 1, "num_held_blocks": 0,
         "num_cached_blocks": 0, "num_evictable_blocks": 0, "num_anchor_blocks": 0,
         "evicted_blocks_total": 0}
+    # One 3W + 5-token request (29 prompt tokens in one chunk, then 4 decode steps): 33
+    # window blocks, all cached; anchors are the first need + 1 = 8, the 8 before the
+    # prompt's end (21..28) and the 8 before the final end (25..32): 20. /metrics agrees.
+    run_recording(engine, window_prompt(3 * WINDOW + 5))
+    window = engine.stats_snapshot()["pool"]["window"]
+    assert window == {"num_blocks": WINDOW_BLOCKS, "num_free_blocks": WINDOW_BLOCKS - 1 - 33,
+                      "num_held_blocks": 0, "num_cached_blocks": 33,
+                      "num_evictable_blocks": 33, "num_anchor_blocks": 20,
+                      "evicted_blocks_total": 0}
+    blocks, evicted = window_pool_families(window)
+    assert {s.labels["state"]: s.value for s in blocks.samples} == {
+        "free": 6, "held": 0, "cached_evictable": 13, "anchor": 20}
+    assert [s.value for s in evicted.samples] == [0]
     # The layout is part of the cache identity: a keep-all engine's roots differ.
     keep_all = window_engine(window_model("gemma3", tokenizer), "torch")
     assert engine.cache_root(None) != keep_all.cache_root(None)
