@@ -303,19 +303,21 @@ class CacheManager(CacheGauges):
         req = self._requests[request_id]
         check_int("num_tokens", num_tokens)
         need = -(-num_tokens // self.block_size) - len(req.block_table)
-        table = req.window
+        table, window = req.window, self.window
         window_need = 0
-        if table is not None:  # every window group: a block per new position too
+        if table is not None and window is not None:  # a block per new position there too
             window_need = -(-num_tokens // self.block_size) - len(table.ids)
-            if window_need > self.window.room():  # type: ignore[union-attr]  # with a table
+            if window_need > window.room():
                 return False
         if need > 0:
             ids = self._take_blocks(need)
             if ids is None:
                 return False
             req.block_table.extend(ids)
-        if window_need > 0:
-            table.ids.extend(self.window.take(window_need))  # type: ignore[union-attr,arg-type]
+        if window_need > 0 and table is not None and window is not None:
+            taken = window.take(window_need)
+            assert taken is not None  # room() covered it above
+            table.ids.extend(taken)
         if num_tokens > req.num_slot_tokens:
             req.num_slot_tokens = num_tokens
         self._admit(req)
@@ -378,9 +380,8 @@ class CacheManager(CacheGauges):
         back = publish(self, req, token_ids, num_computed_tokens, mm_items)
         if back:
             self.ghost.came_back(back)
-        if req.window is not None and req.cursor is not None:
-            register_published(self.window, req.window, req.cursor,  # type: ignore[arg-type]
-                               req.num_published_blocks)
+        if req.window is not None and self.window is not None and req.cursor is not None:
+            register_published(self.window, req.window, req.cursor, req.num_published_blocks)
 
     def release_window_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Let go of the request's window blocks that left its window: those wholly before
