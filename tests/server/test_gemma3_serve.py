@@ -113,3 +113,34 @@ def test_bench_serve_client_tokenizer_is_the_servers(gemma3_server: RunningServe
     assert all(ids[0] == 2 and ids.count(105) >= 2 for ids in ours)  # <bos>, <start_of_turn> x 2+
     with pytest.raises(ValueError, match="--tokenizer"):
         tokens_mod.load_client_tokenizer("gemma9-1b")
+
+
+@pytest.fixture(scope="module")
+def gemma3_window_server(gemma3: LoadedModel) -> Iterator[RunningServer]:
+    yield from run_server_in_thread(make_async_engine(
+        gemma3, block_size=16, num_blocks=128, sliding_window_kv="window", window_num_blocks=80))
+
+
+async def test_window_kv_serves_a_next_turn_from_the_cache(
+        gemma3_window_server: RunningServer, gemma3: LoadedModel) -> None:
+    """``--sliding-window-kv window`` over HTTP: a 900-token chat (past the 512-token window)
+    then its next turn; the next turn hits the whole first prompt's aligned blocks (the window
+    blocks before the prompt's end are anchors), /stats says ``window`` and shows the pool."""
+    history = [{"role": "user", "content": " ".join(f"item {i}" for i in range(300))}]
+    status, first = await post_json(gemma3_window_server.url, "/v1/chat/completions",
+                                    {"messages": history, "max_tokens": 4, "temperature": 0})
+    assert status == 200, first
+    num_prompt = first["usage"]["prompt_tokens"]
+    assert num_prompt > 600
+    history += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Count them."}]
+    status, second = await post_json(gemma3_window_server.url, "/v1/chat/completions",
+                                     {"messages": history, "max_tokens": 4, "temperature": 0})
+    assert status == 200, second
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= num_prompt // 16 * 16
+    status, stats = await get(gemma3_window_server.url, "/stats")
+    assert status == 200
+    assert stats["hit_granularity"]["window_kv"] == "window"
+    window = stats["pool"]["window"]
+    assert window["num_blocks"] == 80 and window["num_held_blocks"] == 0
+    assert window["num_anchor_blocks"] > 0 and stats["miss_tokens"]["window_evicted"] == 0
