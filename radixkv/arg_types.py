@@ -110,6 +110,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def open_fraction(text: str) -> float:
+    """A number in ``(0, 1)``; ``expected a number in (0, 1), got 'x'`` otherwise (NaN too)."""
+    value = _number(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0; ``expected a finite number > 0, got 'x'`` otherwise."""
     value = _number(text)

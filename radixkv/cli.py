@@ -24,6 +24,7 @@ from radixkv.arg_types import (
     fraction,
     non_negative_int,
     non_negative_seconds,
+    open_fraction,
     positive_int,
 )
 from radixkv.config import (
@@ -70,9 +71,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="KV of sliding-window layers: keep-all (every block of every layer) or "
                         "window (window layers hold only the blocks of each request's window "
                         "in a pool of their own, and the blocks where requests resume)")
-    p.add_argument("--window-kv-fraction", type=float, default=0.25, metavar="FRACTION",
+    p.add_argument("--window-kv-fraction", type=open_fraction, default=0.25, metavar="FRACTION",
                    help="with --sliding-window-kv window: share of --kv-cache-memory for the "
                         "window layers' pool, in (0, 1)")
+    p.add_argument("--window-num-blocks", type=bounded_int(2, 1 << 30), default=None, metavar="N",
+                   help="with --sliding-window-kv window: the window layers' pool in blocks "
+                        "(instead of --window-kv-fraction; with --num-blocks, default "
+                        "--num-blocks + 1)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt in full (blocks are still paged)")
     p.add_argument("--hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"],
@@ -264,6 +269,7 @@ def engine_config_from_args(args: argparse.Namespace, api_keys: dict | None = No
                           max_retained_fraction=args.max_retained_fraction,
                           sliding_window_kv=args.sliding_window_kv,
                           window_kv_fraction=args.window_kv_fraction,
+                          window_num_blocks=args.window_num_blocks,
                           tenant_max_retained_tokens=tuple(sorted(budgets.items()))),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

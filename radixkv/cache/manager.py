@@ -37,6 +37,7 @@ from radixkv.cache.window_cache import (
     WindowBlocks,
     WindowTable,
     register_published,
+    shared_prefix_hashes,
     table_for_hit,
 )
 from radixkv.config import check_block_size, check_int
@@ -227,6 +228,9 @@ class CacheManager(CacheGauges):
         if self.window is not None:
             state.window = table_for_hit(self.window, result.node, num_blocks,
                                          num_prompt_tokens)
+            if num_blocks:
+                self.window.touch(shared_prefix_hashes(result.node, num_blocks,
+                                                       self.window.need))
         return num_blocks * self.block_size
 
     def peek(self, root: bytes, prompt_token_ids: Sequence[int] | bytes, *,

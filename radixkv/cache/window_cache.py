@@ -181,6 +181,17 @@ class WindowBlocks:
             self._refs[block_id] += 1
         return block_id
 
+    def touch(self, block_hashes: Iterable[bytes]) -> None:
+        """Mark the evictable blocks cached under ``block_hashes`` most recently used in their
+        list (a hit went through the prefix they serve, without holding them)."""
+        by_hash, plain, anchors = self._by_hash, self._plain, self._anchors
+        for block_hash in block_hashes:
+            block_id = by_hash.get(block_hash, 0)
+            if block_id in anchors:
+                anchors.move_to_end(block_id)
+            elif block_id in plain:
+                plain.move_to_end(block_id)
+
     def is_cached(self, block_hash: bytes) -> bool:
         """Whether a block is cached under ``block_hash``."""
         return block_hash in self._by_hash
@@ -354,3 +365,36 @@ def register_published(blocks: WindowBlocks, table: WindowTable, cursor: Node,
         if pos < len(ids) and ids[pos]:
             blocks.register(block_hash, ids[pos])
     table.num_registered = num_published_blocks
+
+
+def shared_prefix_hashes(node: Node, num_blocks: int, need: int) -> list[bytes]:
+    """Chained hashes of the window runs a hit at ``node``'s end passed through on its way
+    (``num_blocks`` = that end, in blocks): the first ``need + 1`` blocks of the sequence and
+    the ``need + 1`` before the end of the path's first node (the prefix every sequence under
+    it shares, e.g. a system prompt, whose end is the junction where they diverge). A hit
+    deeper down holds neither, so :meth:`WindowBlocks.touch` keeps them as recent as the
+    sessions that go through them, as a tree hit keeps its whole path."""
+    path: list[Node] = []
+    n: Node | None = node
+    while n is not None and n.parent is not None:
+        path.append(n)
+        n = n.parent
+    if not path:
+        return []
+    path.reverse()
+    first_end = len(path[0].block_ids)
+    wanted = set(range(min(need + 1, num_blocks)))
+    wanted.update(range(max(0, first_end - need - 1), min(first_end, num_blocks)))
+    out: list[bytes] = []
+    start = 0
+    for n in path:
+        count = len(n.block_ids)
+        w, hb = n.hash_size, n.hash_bytes
+        for pos in wanted:
+            if start <= pos < start + count:
+                j = pos - start
+                out.append(bytes(hb[j * w:(j + 1) * w]))
+        start += count
+        if start > max(wanted, default=-1):
+            break
+    return out

@@ -45,6 +45,7 @@ from radixkv.engine.stats import EngineStats
 from radixkv.engine.store_setup import attach_store
 from radixkv.engine.window_kv import (
     WINDOW_KV_WINDOW,
+    concurrent_windows,
     grouped_pool_sizes,
     hit_granularity,
     max_window_chunk_tokens,
@@ -112,6 +113,9 @@ class LLMEngine:
                                                           config.kv_cache_dtype)
         # Window KV groups (docs/sliding-window.md): only for a model with window layers.
         self.window_kv = window_kv_mode(config.cache.sliding_window_kv, shape)
+        if self.window_kv != config.cache.sliding_window_kv:
+            log.warning("sliding_window_kv_ignored", requested=config.cache.sliding_window_kv,
+                        reason="the model has no sliding-window layers: every block is kept")
         window_num_blocks: int | None = None
         if self.window_kv == WINDOW_KV_WINDOW:
             num_blocks, window_num_blocks = grouped_pool_sizes(
@@ -120,6 +124,15 @@ class LLMEngine:
             # so one request always fits the window pool (else it would wait forever).
             chunk = max_window_chunk_tokens(window_num_blocks, max(shape.layer_window_lefts) + 1,
                                             block_size)
+            windows = concurrent_windows(window_num_blocks, max(shape.layer_window_lefts) + 1,
+                                         block_size)
+            if windows < config.scheduler.max_num_seqs:
+                log.warning("window_pool_small", window_num_blocks=window_num_blocks,
+                            concurrent_windows=windows,
+                            max_num_seqs=config.scheduler.max_num_seqs,
+                            hint="running requests will preempt one another and cached "
+                                 "window blocks will not last: raise --window-kv-fraction, "
+                                 "--kv-cache-memory or lower --max-num-seqs")
             if chunk < (config.scheduler.prefill_chunk_tokens or chunk + 1):
                 config = dataclasses.replace(config, scheduler=dataclasses.replace(
                     config.scheduler, prefill_chunk_tokens=chunk))

@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 from radixkv.cache.window_rules import window_blocks_needed
-from radixkv.config import CacheConfig
+from radixkv.config import GIB, CacheConfig
 from radixkv.model.config import ModelShape
 
 __all__ = ["WINDOW_KV_KEEP_ALL", "WINDOW_KV_WINDOW", "grouped_pool_sizes", "hit_granularity",
-           "layer_groups", "max_window_chunk_tokens", "window_kv_mode"]
+           "concurrent_windows", "layer_groups", "max_window_chunk_tokens", "window_kv_mode"]
 
 #: Every block of every layer stays for the whole sequence and while cached (window layers'
 #: out-of-window blocks included).
@@ -88,8 +88,11 @@ def grouped_pool_sizes(cache: CacheConfig, shape: ModelShape, bytes_per_block: i
     window_tokens = max(lefts) + 1
     least = window_blocks_needed(window_tokens, cache.block_size) + 5
     if window_num_blocks < least:
+        fix = (f"at least {least} blocks (--window-num-blocks)" if field == "window_num_blocks"
+               else f"at least {least * per_layer * num_window_layers / GIB:.3f} GiB "
+                    f"(--kv-cache-memory x --window-kv-fraction)")
         raise ValueError(f"{field}: the window layers' pool gets {window_num_blocks} blocks; one "
-                         f"request's window ({window_tokens} tokens) needs at least {least}")
+                         f"request's window ({window_tokens} tokens) needs {fix}")
     return num_blocks, window_num_blocks
 
 
@@ -109,6 +112,13 @@ def layer_groups(shape: ModelShape) -> list[dict[str, Any]]:
     return [{"attention": "full" if left < 0 else "sliding",
              "window_tokens": None if left < 0 else left + 1, "num_layers": counts[left]}
             for left in sorted(counts)]
+
+
+def concurrent_windows(window_num_blocks: int, window_tokens: int, block_size: int) -> int:
+    """How many requests' windows (``ceil((W - 1) / B) + 2`` blocks each: the window, slack and
+    the block being written) the window pool holds at once, cached resume points aside; fewer
+    than ``max_num_seqs`` and running requests preempt one another in decode."""
+    return (window_num_blocks - 1) // (window_blocks_needed(window_tokens, block_size) + 2)
 
 
 def max_window_chunk_tokens(window_num_blocks: int, window_tokens: int, block_size: int) -> int:

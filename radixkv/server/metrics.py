@@ -111,13 +111,13 @@ def window_pool_families(window: dict[str, int]) -> Iterator[Any]:
     ``pool.window``): blocks by state, and the cached window blocks evicted so far."""
     blocks = GaugeMetricFamily("radixkv_kv_window_blocks",
                                "Blocks of the window layers' pool (--sliding-window-kv window) "
-                               "by state: free, held (running requests' windows), "
-                               "cached_evictable (plain), anchor (cached resume points).",
+                               "by state: free, held (running requests' windows), plain "
+                               "(cached, evicted first), anchor (cached resume points).",
                                labels=["state"])
     evictable = window["num_evictable_blocks"]
     for state, value in (("free", window["num_free_blocks"]),
                          ("held", window["num_held_blocks"]),
-                         ("cached_evictable", evictable - window["num_anchor_blocks"]),
+                         ("plain", evictable - window["num_anchor_blocks"]),
                          ("anchor", window["num_anchor_blocks"])):
         blocks.add_metric([state], value)
     yield blocks

@@ -173,3 +173,32 @@ def test_evicting_a_path_from_the_tree_drops_its_window_blocks() -> None:
     assert cm.reset_prefix_cache() == 14
     assert window.num_cached_blocks == 0 and window.num_free_blocks == 63
     cm.check_integrity()
+
+
+def _sessions_then_newcomer(cm: CacheManager) -> int:
+    """Two sessions share a 12-token system prompt (6 blocks) and take 12 turns each, every
+    turn 10 tokens deeper, through a small window pool; then a new session with the same system
+    prompt arrives. Returns its hit in tokens."""
+    system = list(range(900, 912))
+    histories = [system + [1000 + s] * 10 for s in range(2)]
+    for turn in range(12):
+        for s, history in enumerate(histories):
+            _compute(cm, f"s{s}t{turn}", history)
+            history += [2000 + 100 * s + turn] * 10
+    hit = cm.begin("newcomer", ROOT, system + [7] * 5)
+    cm.release("newcomer")
+    cm.check_integrity()
+    return hit
+
+
+def test_the_shared_system_prompt_stays_while_sessions_go_deeper(monkeypatch) -> None:
+    """A hit deep in a session holds only the window before its own boundary; the window runs
+    of the shared prefix it went through (the sequence's first blocks, the junction where
+    sessions diverge) are touched on every hit, as a tree hit touches its whole path, so a new
+    session still reuses the whole system prompt once older anchors are evicted."""
+    cm = _manager(window_num_blocks=30, num_blocks=512)
+    assert _sessions_then_newcomer(cm) == 12
+    assert cm.window is not None and cm.window.evicted_blocks_total > 0
+    # Without the touch the system prompt's window blocks age out first: reuse collapses.
+    monkeypatch.setattr(WindowBlocks, "touch", lambda self, hashes: None)
+    assert _sessions_then_newcomer(_manager(window_num_blocks=30, num_blocks=512)) == 0

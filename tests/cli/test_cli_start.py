@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from radixkv.cli import build_parser, resolve_device
+from radixkv.cli import build_parser, engine_config_from_args, resolve_device
 
 HEAVY = ("torch", "transformers", "aiohttp")
 PROBE = f"""
@@ -60,3 +60,27 @@ def test_pool_flags():
     for bad in (["--tokenizer-workers", "0"], ["--max-tokenize-queue", "0"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *bad])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sliding-window-kv", "tombstones"], "argument --sliding-window-kv: invalid choice"),
+    (["--window-kv-fraction", "0"], "argument --window-kv-fraction: expected a number in (0, 1), got '0'"),
+    (["--window-kv-fraction", "1"], "argument --window-kv-fraction: expected a number in (0, 1), got '1'"),
+    (["--window-kv-fraction", "nan"], "argument --window-kv-fraction: expected a number in (0, 1)"),
+    (["--window-num-blocks", "1"], "argument --window-num-blocks: must be an int in [2, "),
+])
+def test_window_kv_flags_exit_2_naming_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_window_kv_flags_reach_the_cache_config():
+    args = build_parser().parse_args(["serve", "--sliding-window-kv", "window",
+                                      "--window-kv-fraction", "0.4", "--window-num-blocks", "90"])
+    cache = engine_config_from_args(args).cache
+    assert (cache.sliding_window_kv, cache.window_kv_fraction, cache.window_num_blocks) == (
+        "window", 0.4, 90)
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).cache.sliding_window_kv \
+        == "keep-all"

@@ -189,7 +189,7 @@ def test_stats_and_log_say_window(tokenizer: Any) -> None:
                       "evicted_blocks_total": 0}
     blocks, evicted = window_pool_families(window)
     assert {s.labels["state"]: s.value for s in blocks.samples} == {
-        "free": 6, "held": 0, "cached_evictable": 13, "anchor": 20}
+        "free": 6, "held": 0, "plain": 13, "anchor": 20}
     assert [s.value for s in evicted.samples] == [0]
     # The layout is part of the cache identity: a keep-all engine's roots differ.
     keep_all = window_engine(window_model("gemma3", tokenizer), "torch")
