@@ -404,6 +404,18 @@ class CacheManager(CacheGauges):
         if first_kept > req.window.start:
             self.window.release_before(req.window, first_kept)
 
+    def window_room_tokens(self, request_id: str, start: int, reserve_blocks: int = 0
+                           ) -> int | None:
+        """Most tokens from ``start`` the request's next chunk can compute with the window
+        blocks free or evictable now, less ``reserve_blocks`` kept for others (None without
+        window KV groups; KeyError: unknown ``request_id``). The scheduler shrinks a chunk to
+        it rather than preempt a request for window blocks."""
+        table = self._requests[request_id].window
+        if table is None or self.window is None:
+            return None
+        room = max(0, self.window.room() - reserve_blocks)
+        return max(0, (len(table.ids) + room) * self.block_size - start)
+
     def window_table(self, request_id: str) -> list[int]:
         """A copy of the request's window-group block table (0 = released; KeyError: unknown
         ``request_id``; ValueError without window KV groups)."""

@@ -78,6 +78,7 @@ class Scheduler:
         self._chunk_tokens: int = config.prefill_chunk_tokens or config.max_num_batched_tokens
         self.cache = cache
         self.stats = stats
+        self._window_groups = cache.window is not None  # window KV groups (a window pool)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # begun, waiting for their store load
@@ -105,7 +106,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_tokens = self._chunk_size(req, req.num_computed_tokens, budget)
+            num_tokens = self._chunk_size(req, req.num_computed_tokens, budget,
+                                          len(self.running) - i - 1)
             if self.cache.allocate(req.request_id, req.num_computed_tokens + num_tokens):
                 scheduled.append(ScheduledChunk(req, num_tokens))
                 budget -= num_tokens
@@ -136,9 +138,18 @@ class Scheduler:
             if end >= until:
                 del self._recompute_until[rid]
 
-    def _chunk_size(self, req: Request, start: int, budget: int) -> int:
+    def _chunk_size(self, req: Request, start: int, budget: int, reserve_blocks: int = 0) -> int:
         remaining = len(req.token_ids) - start
-        return min(remaining, self._chunk_tokens, budget)
+        num = min(remaining, self._chunk_tokens, budget)
+        if num > 1 and self._window_groups and self.cache.is_active(req.request_id):
+            # Window KV groups: a prefill chunk holds a window block per position; shrink it
+            # to the room left, a block kept for each running request scheduled after it
+            # (``reserve_blocks``), rather than preempt one (0: allocate fails and the
+            # request waits or preempts, as for full-attention blocks).
+            room = self.cache.window_room_tokens(req.request_id, start, reserve_blocks)
+            if room is not None and 0 < room < num:
+                num = room
+        return num
 
     def _next_waiting(self) -> Request | None:
         """The waiting request to admit next (see the module docstring for the order), or
@@ -244,7 +255,7 @@ class Scheduler:
                     continue
             else:
                 break
-            num_tokens = self._chunk_size(req, num_cached, budget)
+            num_tokens = self._chunk_size(req, num_cached, budget, len(self.running))
             if not self.cache.allocate(req.request_id, num_cached + num_tokens):
                 if req.status is not RequestStatus.LOADING:
                     self.cache.release(req.request_id)

@@ -246,3 +246,30 @@ def test_pool_sizes_split_the_budget_by_layers() -> None:
 def test_bad_window_settings_name_the_field(fields: dict, name: str) -> None:
     with pytest.raises(ValueError, match=f"^{name}"):
         CacheConfig(**fields)
+
+
+def test_prefill_chunks_shrink_to_the_window_room_instead_of_preempting(tokenizer: Any) -> None:
+    """Three 40-token prompts at once through a 30-block window pool (B = 1, W = 8: a chunk
+    may be 19 tokens, a window holds 9 blocks in decode): the chunks of later requests shrink to
+    the window blocks left instead of preempting the first, and every greedy token equals
+    keep-all's."""
+    model = window_model("gemma3", tokenizer)
+    prompts = [window_prompt(40 + i)[i:] for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def make(**extra: Any) -> LLMEngine:  # a full pool that never runs short
+        return LLMEngine(dataclasses.replace(engine_config(block_size=1, num_blocks=256, **extra),
+                                             attention_backend="torch"), model)
+
+    grouped = make(sliding_window_kv="window", window_num_blocks=30)
+    assert grouped.config.scheduler.prefill_chunk_tokens == 19
+    got = [r.output_token_ids for r in grouped.generate(prompts, params)]
+    want = [r.output_token_ids for r in make().generate(prompts, params)]
+    assert got == want
+    assert grouped.stats.preemptions_total == 0
+    grouped.cache.check_integrity()
+    # Chunks that do not shrink: a request is preempted for window blocks (same tokens).
+    unshrunk = make(sliding_window_kv="window", window_num_blocks=30)
+    unshrunk.scheduler._window_groups = False
+    assert [r.output_token_ids for r in unshrunk.generate(prompts, params)] == want
+    assert unshrunk.stats.preemptions_total > 0
