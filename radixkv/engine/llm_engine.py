@@ -10,7 +10,6 @@ adapter registry (``radixkv.engine.adapters``), which documents its own lock.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from typing import Sequence
@@ -45,10 +44,8 @@ from radixkv.engine.stats import EngineStats
 from radixkv.engine.store_setup import attach_store
 from radixkv.engine.window_kv import (
     WINDOW_KV_WINDOW,
-    concurrent_windows,
-    grouped_pool_sizes,
     hit_granularity,
-    max_window_chunk_tokens,
+    plan_window_pools,
     window_kv_mode,
 )
 from radixkv.eviction.cost_model import cost_shape_from_model_shape
@@ -118,25 +115,9 @@ class LLMEngine:
                         reason="the model has no sliding-window layers: every block is kept")
         window_num_blocks: int | None = None
         if self.window_kv == WINDOW_KV_WINDOW:
-            num_blocks, window_num_blocks = grouped_pool_sizes(
-                config.cache, shape, bytes_per_block, _kv_budget_bytes(config))
-            # Every window block a prefill chunk writes is held during its step: cap the chunk
-            # so one request always fits the window pool (else it would wait forever).
-            chunk = max_window_chunk_tokens(window_num_blocks, max(shape.layer_window_lefts) + 1,
-                                            block_size)
-            windows = concurrent_windows(window_num_blocks, max(shape.layer_window_lefts) + 1,
-                                         block_size)
-            if windows < config.scheduler.max_num_seqs:
-                log.warning("window_pool_small", window_num_blocks=window_num_blocks,
-                            concurrent_windows=windows,
-                            max_num_seqs=config.scheduler.max_num_seqs,
-                            hint="running requests will preempt one another and cached "
-                                 "window blocks will not last: raise --window-kv-fraction, "
-                                 "--kv-cache-memory or lower --max-num-seqs")
-            if chunk < (config.scheduler.prefill_chunk_tokens or chunk + 1):
-                config = dataclasses.replace(config, scheduler=dataclasses.replace(
-                    config.scheduler, prefill_chunk_tokens=chunk))
-                self.config = config
+            config, num_blocks, window_num_blocks = plan_window_pools(
+                config, shape, bytes_per_block, _kv_budget_bytes(config))
+            self.config = config
         else:
             num_blocks = _num_blocks_for(config, bytes_per_block)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size,

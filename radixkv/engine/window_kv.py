@@ -17,14 +17,19 @@ their own in which a request holds only the blocks of its window (KV groups;
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from radixkv.cache.window_rules import window_blocks_needed
-from radixkv.config import GIB, CacheConfig
+from radixkv.config import GIB, CacheConfig, EngineConfig
+from radixkv.log import get_logger
 from radixkv.model.config import ModelShape
 
+log = get_logger(__name__)
+
 __all__ = ["WINDOW_KV_KEEP_ALL", "WINDOW_KV_WINDOW", "grouped_pool_sizes", "hit_granularity",
-           "concurrent_windows", "layer_groups", "max_window_chunk_tokens", "window_kv_mode"]
+           "concurrent_windows", "layer_groups", "max_window_chunk_tokens", "plan_window_pools",
+           "window_kv_mode"]
 
 #: Every block of every layer stays for the whole sequence and while cached (window layers'
 #: out-of-window blocks included).
@@ -128,6 +133,35 @@ def max_window_chunk_tokens(window_num_blocks: int, window_tokens: int, block_si
     ``prefill_chunk_tokens`` at this so a long prompt never waits for room that cannot come."""
     need = window_blocks_needed(window_tokens, block_size)
     return (window_num_blocks - need - 4) * block_size
+
+
+def plan_window_pools(config: EngineConfig, shape: ModelShape, bytes_per_block: int,
+                      budget_bytes: int) -> tuple[EngineConfig, int, int]:
+    """``(config, num_blocks, window_num_blocks)`` for an engine under KV groups: the pools'
+    sizes (:func:`grouped_pool_sizes`) and the config with ``prefill_chunk_tokens`` capped at
+    :func:`max_window_chunk_tokens` (every window block a chunk writes is held during its step:
+    one request must always fit, or it would wait forever). Logs ``window_pool_small`` when
+    the pool holds fewer :func:`concurrent_windows` than ``max_num_seqs``.
+
+    Raises:
+        ValueError: as :func:`grouped_pool_sizes`.
+    """
+    num_blocks, window_num_blocks = grouped_pool_sizes(config.cache, shape, bytes_per_block,
+                                                       budget_bytes)
+    window_tokens = max(shape.layer_window_lefts) + 1
+    block_size = config.cache.block_size
+    windows = concurrent_windows(window_num_blocks, window_tokens, block_size)
+    if windows < config.scheduler.max_num_seqs:
+        log.warning("window_pool_small", window_num_blocks=window_num_blocks,
+                    concurrent_windows=windows, max_num_seqs=config.scheduler.max_num_seqs,
+                    hint="running requests will preempt one another and cached window blocks "
+                         "will not last: raise --window-kv-fraction, --kv-cache-memory or "
+                         "lower --max-num-seqs")
+    chunk = max_window_chunk_tokens(window_num_blocks, window_tokens, block_size)
+    if chunk < (config.scheduler.prefill_chunk_tokens or chunk + 1):
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(
+            config.scheduler, prefill_chunk_tokens=chunk))
+    return config, num_blocks, window_num_blocks
 
 
 def hit_granularity(shape: ModelShape, block_size: int, window_kv: str = WINDOW_KV_KEEP_ALL
