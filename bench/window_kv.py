@@ -58,7 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import side_by_side as sbs  # noqa: E402
-from _provenance import provenance  # noqa: E402
+from _provenance import git_commit, provenance  # noqa: E402
 
 from radixkv.arg_types import fraction, positive_float, positive_int  # noqa: E402
 
@@ -360,8 +360,9 @@ def measure(args: argparse.Namespace, label: str, gib: float, folder: Path) -> d
     """Start configuration ``label``'s server alone, replay, read ``/stats``, stop it.
 
     Returns:
-        ``{"server": command, "replay": command, "log", "part", "serve": bench serve's JSON or
-        None, "stats": /stats or None, "error" (only on failure), "log_tail" (idem)}``.
+        ``{"server": command, "replay": command, "log", "part", "code": the checkout's commit and
+        dirty flag when the server started, "serve": bench serve's JSON or None, "stats": /stats
+        or None, "error" (only on failure), "log_tail" (idem)}``.
     """
     port = args.port if args.port is not None else _free_port()
     logs = folder / "logs"
@@ -369,8 +370,11 @@ def measure(args: argparse.Namespace, label: str, gib: float, folder: Path) -> d
     part = _part(folder, label)
     part.unlink(missing_ok=True)  # a part left by an earlier run must not pass for this one's
     log = logs / f"{label}-{TAG}.log"
+    # The server imports the checkout as it is now: its commit (and whether tracked files differ)
+    # per configuration, since the tree may change between the runs of a long session.
     rec: dict = {"server": shlex.join(spec["cmd"]), "replay": shlex.join(serve_cmd(args, port, part)),
-                 "log": str(log), "part": str(part), "serve": None, "stats": None}
+                 "log": str(log), "part": str(part), "serve": None, "stats": None,
+                 "code": git_commit()}
     print(f"window-kv: server {label}: {rec['server']}", file=sys.stderr, flush=True)
     procs = []
     try:
@@ -416,8 +420,8 @@ def merge(args: argparse.Namespace, runs: dict[str, dict], gibs: dict[str, float
     for label, rec in runs.items():
         entry = summarize_config(label, "window" if label == "window" else "keep-all",
                                  gibs.get(label), rec.get("serve"), rec.get("stats"))
-        entry.update({k: rec[k] for k in ("server", "replay", "log", "part", "replay_seconds",
-                                          "error", "log_tail") if k in rec})
+        entry.update({k: rec[k] for k in ("server", "replay", "log", "part", "code",
+                                          "replay_seconds", "error", "log_tail") if k in rec})
         configs[label] = entry
     failed = [f"{label}: {c['error']}" for label, c in configs.items() if c.get("error")]
     result = {"model": args.model, "source": args.source,

@@ -122,7 +122,8 @@ def _stats(total_blocks: int, bytes_per_block: int, window_evicted: int = 0,
 def test_merge_derives_tokens_per_gib_and_the_ratios_exactly() -> None:
     args = parse("--path", "x")
     runs = {"unconstrained": {"serve": _serve(0.5), "stats": _stats(14_563, 589_824),
-                              "server": "S0", "replay": "R0", "log": "L0", "part": "P0"},
+                              "server": "S0", "replay": "R0", "log": "L0", "part": "P0",
+                              "code": {"commit": "c" * 40, "dirty": True}},
             "keep-all": {"serve": _serve(0.25), "stats": _stats(250, 589_824)},
             "window": {"serve": _serve(0.375), "stats": _stats(1125, 98_304, window_evicted=64,
                                                               window={"num_blocks": 70})}}
@@ -139,6 +140,7 @@ def test_merge_derives_tokens_per_gib_and_the_ratios_exactly() -> None:
     assert c["keep-all"]["ttft_ms_p90"] == 4000.0 and c["keep-all"]["itl_ms_p50"] == 90.0
     assert "per_request" not in c["keep-all"] and "requests_total" not in c["keep-all"]
     assert c["unconstrained"]["server"] == "S0" and "log_tail" not in c["unconstrained"]
+    assert c["unconstrained"]["code"] == {"commit": "c" * 40, "dirty": True}
     assert result["ratios"] == {"window_over_keep_all_tokens_per_gib": 4.5,
                                 "keep_all_hit_over_unconstrained": 0.5,
                                 "window_hit_over_unconstrained": 0.75}
