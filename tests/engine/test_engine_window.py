@@ -193,13 +193,14 @@ POOL_BLOCKS = 48            # B = 4: 192 tokens, about a third of the sessions' 
 BANDS = ((0.25, 0.5), (0.5, 0.9), (0.9, 1.01))
 
 
-def _round_robin(model: LoadedModel) -> tuple[list[tuple[float, int]], int]:
+def round_robin(model: LoadedModel, **config: Any) -> tuple[list[tuple[float, int]], LLMEngine]:
     """Sessions sharing a system prompt, taking turns through a pool that fills up: each round
     two new sessions start and every live session sends its next turn (its history, the model's
     replies and a new user message); a session ends after four turns. Returns, for every
     session's first turn, (pool occupancy before it, its cached prompt tokens): what it reuses
-    of other sessions' blocks, since nothing of its own is cached yet; and the blocks evicted."""
-    cfg = engine_config(block_size=4, num_blocks=POOL_BLOCKS)
+    of other sessions' blocks, since nothing of its own is cached yet; and the engine.
+    ``config``: more ``engine_config`` fields."""
+    cfg = engine_config(block_size=4, num_blocks=POOL_BLOCKS, **config)
     engine = LLMEngine(dataclasses.replace(cfg, attention_backend="torch"), model)
     rng = torch.Generator().manual_seed(11)
     system = torch.randint(0, VOCAB, (SYSTEM_TOKENS,), generator=rng).tolist()
@@ -220,7 +221,7 @@ def _round_robin(model: LoadedModel) -> tuple[list[tuple[float, int]], int]:
             history += req.output_token_ids
             turns[s] += 1
         engine.cache.check_integrity()
-    return first_turns, engine.cache.evicted_blocks_total
+    return first_turns, engine
 
 
 def test_cross_session_reuse_holds_as_the_pool_fills(tokenizer: Any) -> None:
@@ -231,7 +232,8 @@ def test_cross_session_reuse_holds_as_the_pool_fills(tokenizer: Any) -> None:
     full = dataclasses.replace(hybrid, shape=dataclasses.replace(
         hybrid.shape, sliding_window=None, layer_types=None))
     assert full.shape.layer_window_lefts == (-1,) * 6
-    (got, evicted), (want, full_evicted) = _round_robin(hybrid), _round_robin(full)
+    (got, engine), (want, full_engine) = round_robin(hybrid), round_robin(full)
+    evicted, full_evicted = engine.cache.evicted_blocks_total, full_engine.cache.evicted_blocks_total
     assert len(got) == ROUNDS * NEW_SESSIONS_PER_ROUND
     assert evicted == full_evicted and evicted > 0  # the pool ran full and evicted
     assert got == want  # same occupancy, same reuse, request by request

@@ -31,6 +31,7 @@ from tests.engine.test_engine_window import (
     SUFFIX_TOKENS,
     VOCAB,
     WINDOW,
+    round_robin,
     run_recording,
     window_engine,
     window_model,
@@ -104,36 +105,6 @@ def test_evicted_window_blocks_move_the_hit_back_to_an_anchor_exactly(tokenizer:
 
 
 SYSTEM_TOKENS = 24
-USER_TOKENS = 8
-REPLY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-def _sessions(model, **config: Any) -> tuple[list[tuple[float, int]], LLMEngine]:
-    """Sessions sharing a 24-token system prompt take turns (two new ones a round, four turns
-    each, eight rounds) through a 48-block pool of 4-token blocks; returns (full-pool
-    occupancy before it, cached prompt tokens) of every session's first turn."""
-    cfg = engine_config(block_size=4, num_blocks=48, prefill_chunk_tokens=8, **config)
-    engine = LLMEngine(dataclasses.replace(cfg, attention_backend="torch"), model)
-    rng = torch.Generator().manual_seed(11)
-    system = torch.randint(0, VOCAB, (SYSTEM_TOKENS,), generator=rng).tolist()
-    live: list[list[int]] = []
-    turns: list[int] = []
-    first_turns: list[tuple[float, int]] = []
-    for _ in range(8):
-        live += [list(system) for _ in range(2)]
-        turns += [0, 0]
-        for s, history in enumerate(live):
-            if turns[s] == 4:
-                continue
-            history += torch.randint(0, VOCAB, (USER_TOKENS,), generator=rng).tolist()
-            occupancy = 1 - engine.cache.num_free_blocks / 48
-            (req,) = engine.generate([history], REPLY)
-            if turns[s] == 0:
-                first_turns.append((occupancy, req.num_cached_tokens))
-            history += req.output_token_ids
-            turns[s] += 1
-        engine.cache.check_integrity()
-    return first_turns, engine
 
 
 def test_cross_session_reuse_holds_when_the_window_pool_runs_full(tokenizer: Any) -> None:
@@ -144,8 +115,9 @@ def test_cross_session_reuse_holds_when_the_window_pool_runs_full(tokenizer: Any
     hybrid = window_model("gemma3", tokenizer)
     full = dataclasses.replace(hybrid, shape=dataclasses.replace(
         hybrid.shape, sliding_window=None, layer_types=None))
-    got, engine = _sessions(hybrid, sliding_window_kv="window", window_num_blocks=17)
-    want, _ = _sessions(full)
+    got, engine = round_robin(hybrid, prefill_chunk_tokens=8, sliding_window_kv="window",
+                              window_num_blocks=17)
+    want, _ = round_robin(full, prefill_chunk_tokens=8)
     window = engine.cache.window
     assert window is not None and window.evicted_blocks_total > 0
     # The very first session finds nothing; every later one the whole system prompt, at
