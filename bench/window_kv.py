@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import side_by_side as sbs  # noqa: E402
 from _provenance import git_commit, provenance  # noqa: E402
 
-from radixkv.arg_types import fraction, positive_float, positive_int  # noqa: E402
+from radixkv.arg_types import open_fraction, positive_float, positive_int  # noqa: E402
 
 CONFIGS = ("unconstrained", "keep-all", "window")  # measured in this order
 GIB = 1 << 30
@@ -87,13 +87,6 @@ def _configs(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"expected distinct names among {','.join(CONFIGS)}, "
                                          f"got {text!r}")
     return [c for c in CONFIGS if c in names]
-
-
-def _share(text: str) -> float:
-    value = fraction(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,13 +127,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and reported failed (default 7200)")
     parser.add_argument("--unconstrained-gib", type=positive_float, default=8.0,
                         help="--kv-cache-memory of the unconstrained run (default 8)")
-    parser.add_argument("--pool-share", type=_share, default=0.25,
+    parser.add_argument("--pool-share", type=open_fraction, default=0.25,
                         help="share of the working set the constrained pool holds (keep-all "
                              "bytes per token; default 0.25)")
     parser.add_argument("--pool-gib", type=positive_float, default=None,
                         help="--kv-cache-memory of the keep-all and window runs (default: "
                              "computed from the unconstrained run)")
-    parser.add_argument("--window-kv-fraction", type=_share, default=0.25,
+    parser.add_argument("--window-kv-fraction", type=open_fraction, default=0.25,
                         help="the window run's --window-kv-fraction (default 0.25)")
     parser.add_argument("--start-timeout", type=positive_float, default=600.0,
                         help="seconds to wait for a server to list its model")
