@@ -211,6 +211,7 @@ def test_engine_gemm_backend_names_the_bf16_fallback(monkeypatch: pytest.MonkeyP
     from radixkv.kernels import gemm
 
     monkeypatch.setattr(gemm, "onednn_bf16_supported", lambda: False)
+    monkeypatch.setenv(gemm.NATIVE_GEMM_ENV, "0")  # fp32 on oneDNN, not the C GEMM
     name = m.gemm_backend_name(gemm, torch.bfloat16)
     if gemm.onednn_available():
         assert name == f"torch F.linear ({gemm.BF16_UNSUPPORTED})"

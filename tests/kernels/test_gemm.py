@@ -22,8 +22,11 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, pack: bool | None) -
     b = torch.randn(96, generator=g).to(dtype)
     lin = gemm.PackedLinear(w, b, pack=pack)
     packs = pack if pack is not None else True  # both dtypes pack by default
-    onednn = gemm.onednn_available() and (dtype == torch.float32 or gemm.onednn_bf16_supported())
-    assert (lin.packed is not None) == (packs and onednn) and lin.onednn == onednn
+    fast = gemm.onednn_available() and (dtype == torch.float32 or gemm.onednn_bf16_supported())
+    c_gemm = fast and packs and gemm.native_gemm(dtype) is not None  # fp32, AVX2 build: the C GEMM
+    assert lin.backend == ("native" if c_gemm else "onednn" if fast else "torch")
+    assert (lin.packed is not None) == (packs and fast) and lin.onednn == (fast and not c_gemm)
+    # 96 columns: whole panels of the C GEMM (16 or 32 wide), so no padding either way
     assert lin.packed_bytes == (96 * 64 * w.element_size() if lin.packed is not None else 0)
     assert lin.weight is not None
     for m in (1, 33, 200):  # the pack hint is 2048 rows: any M must still be right
@@ -58,6 +61,7 @@ def test_bf16_falls_back_to_f_linear_without_onednn_bf16(monkeypatch: pytest.Mon
     # A CPU without AVX-512 BW/VL/DQ (or AVX-NE-CONVERT): torch's bf16 reorder and linear
     # raise there, so a bf16 PackedLinear must take F.linear and say why.
     monkeypatch.setattr(gemm, "onednn_bf16_supported", lambda: False)
+    monkeypatch.setenv(gemm.NATIVE_GEMM_ENV, "0")  # fp32 on oneDNN, not the C GEMM
     g = _gen(8)
     w = torch.randn(24, 16, generator=g).bfloat16()
     b = torch.randn(24, generator=g).bfloat16()
@@ -78,6 +82,7 @@ def test_bf16_falls_back_when_the_reorder_raises(monkeypatch: pytest.MonkeyPatch
     if not gemm.onednn_available():
         pytest.skip("oneDNN linear unavailable here")
     monkeypatch.setattr(gemm, "onednn_bf16_supported", lambda: True)  # the check passed, yet:
+    monkeypatch.setenv(gemm.NATIVE_GEMM_ENV, "0")  # fp32 on oneDNN, where the reorder raises
 
     def refuse(weight: torch.Tensor, rows: int) -> torch.Tensor:
         raise RuntimeError("bf16 path needs the cpu support avx512bw, avx512vl and avx512dq")
@@ -107,8 +112,10 @@ def test_packed_linear_rejects_bad_weights() -> None:
 def test_gflops_and_backend() -> None:
     assert gemm.gflops(16, 32, 48, torch.float32, repeats=2) > 0
     assert gemm.gflops(16, 32, 48, torch.bfloat16, repeats=1) > 0
-    assert gemm.gemm_backend() == ("onednn (packed weights)"
-                                   if gemm.onednn_available() else "torch F.linear")
+    c_gemm = gemm.native_gemm(torch.float32)
+    assert gemm.gemm_backend() == ("torch F.linear" if not gemm.onednn_available()
+                                   else f"native {c_gemm.isa} (packed weights)" if c_gemm is not None
+                                   else "onednn (packed weights)")
     with pytest.raises(ValueError, match="repeats"):
         gemm.gflops(16, 32, 48, repeats=0)
     with pytest.raises(ValueError, match="k"):
@@ -249,3 +256,110 @@ def test_elementwise_validation() -> None:
         gemm.silu_mul(kernels, torch.randn(4, 7))
     with pytest.raises(ValueError, match="gate_up"):
         gemm.silu_mul(kernels, torch.randn(8, 4).T)
+
+
+# --------------------------------------------------------------------------- the C GEMM
+# csrc/cpu_gemm.c once per ISA build this CPU runs. Shapes aim at its edges: M not a multiple
+# of the 6-row tile, N not a multiple of the 16/32-column panel, K across its kc-blocks (at
+# most 320 on AVX2, 160 on AVX-512, so 321 / 700 / 1537 take 2-5 blocks with a short last one),
+# fewer rows than threads need (the column split). Tolerance: fp32 sums in another order than
+# the fp64 reference, outputs ~N(0, 1): measured max error 3e-6 at K = 1537.
+
+
+def _c_gemm(isa: str) -> gemm.NativeGemm:
+    if isa not in native.cpu_isas():
+        pytest.skip(f"this CPU lacks the instructions of the {isa} build "
+                    f"({', '.join(native._missing_features(isa))})")
+    loaded = native.load(isa)
+    if loaded is None:
+        pytest.skip(f"native kernels ({isa}) unavailable here")
+    return gemm.NativeGemm(loaded.lib, isa)
+
+
+def _pack(c_gemm: gemm.NativeGemm, w: torch.Tensor) -> torch.Tensor:
+    packed = torch.empty(int(c_gemm.packed_floats(*w.shape)))
+    assert c_gemm.pack(w.data_ptr(), *w.shape, w.stride(0), packed.data_ptr()) == 0
+    return packed
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1, 1), (5, 7, 3), (6, 16, 16), (7, 33, 17), (13, 320, 32),
+                                           (13, 321, 33), (50, 700, 48), (97, 1537, 65), (200, 64, 3)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_c_gemm_matches_fp64_reference(isa: str, m: int, k: int, n: int, threads: int) -> None:
+    c_gemm = _c_gemm(isa)
+    g = _gen(m * 131 + k * 7 + n)
+    w = torch.randn(n, k, generator=g) * k ** -0.5
+    bias = torch.randn(n, generator=g)
+    # x and C inside wider rows (lda = k + 5, ldc = n + 3): the kernel must keep to its columns
+    x_rows = torch.randn(m, k + 5, generator=g)
+    x = x_rows[:, 2:2 + k]
+    packed = _pack(c_gemm, w)
+    for b in (bias, None):
+        c_rows = torch.full((m, n + 3), float("nan"))
+        rc = c_gemm.run(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n,
+                        None if b is None else b.data_ptr(), c_rows.data_ptr(), n + 3, threads)
+        assert rc == 0
+        ref = x.double() @ w.double().T + (0.0 if b is None else b.double())
+        torch.testing.assert_close(c_rows[:, :n].double(), ref, rtol=1e-5, atol=2e-5)
+        assert bool(c_rows[:, n:].isnan().all())  # the 3 columns past n untouched
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_c_gemm_packed_layout_and_bad_sizes(isa: str) -> None:
+    c_gemm = _c_gemm(isa)
+    nr = c_gemm.panel_columns
+    assert nr == {"avx2": 16, "avx512": 32}[isa]
+    n, k = nr + 3, 5
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k) + 1
+    packed = _pack(c_gemm, w)
+    assert packed.numel() == 2 * nr * k
+    # panel p = columns p*nr .. p*nr+nr-1 as [k][nr], zeros past n
+    padded = torch.cat([w, torch.zeros(2 * nr - n, k)]).view(2, nr, k).transpose(1, 2).reshape(-1)
+    assert torch.equal(packed, padded)
+    x, c = torch.ones(2, k), torch.empty(2, n)
+    assert c_gemm.pack(w.data_ptr(), 0, k, k, packed.data_ptr()) == -1
+    assert c_gemm.pack(w.data_ptr(), n, k, k - 1, packed.data_ptr()) == -1
+    assert c_gemm.run(x.data_ptr(), 0, k, k, packed.data_ptr(), n, None, c.data_ptr(), n, 1) == -1
+    assert c_gemm.run(x.data_ptr(), 2, k, k, packed.data_ptr(), n, None, c.data_ptr(), n - 1, 1) == -1
+
+
+def test_packed_linear_on_the_c_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not gemm.onednn_available():
+        pytest.skip("the prefill fast path (oneDNN available) is off here")
+    monkeypatch.setenv(gemm.NATIVE_GEMM_ENV, "1")  # any build, also an AVX-512 one
+    if gemm.native_gemm(torch.float32) is None:
+        pytest.skip("native kernels unavailable here")
+    g = _gen(11)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    lin = gemm.PackedLinear(w, b, keep_plain=False)
+    assert lin.backend == "native" and not lin.onednn and lin.weight is None
+    wide = torch.randn(9, 30, generator=g)
+    for x in (wide[:, :24], wide[:, :24].contiguous(), torch.randn(24, 9, generator=g).T):
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert lin(torch.empty(0, 24)).shape == (0, 40)
+    with pytest.raises(ValueError, match="x: need float32"):
+        lin(torch.ones(3, 23))
+    with pytest.raises(ValueError, match="x: need float32"):
+        lin(torch.ones(3, 24, dtype=torch.bfloat16))
+    # bf16 weights never take the C GEMM
+    assert gemm.native_gemm(torch.bfloat16) is None
+
+
+def test_native_gemm_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gemm.NATIVE_GEMM_ENV, "sometimes")
+    with pytest.raises(ValueError, match="RADIXKV_NATIVE_GEMM"):
+        gemm.native_gemm()
+    monkeypatch.setenv(gemm.NATIVE_GEMM_ENV, "0")
+    assert gemm.native_gemm() is None
+    monkeypatch.setenv(gemm.NATIVE_GEMM_ENV, "auto")
+    loaded = native.load()
+    chosen = gemm.native_gemm()
+    # auto: the C GEMM on the AVX2 build only (oneDNN reaches 91-95 % of the peak on AVX-512)
+    assert (chosen is not None) == (loaded is not None and loaded.isa == "avx2")
+    if "avx2" in native.cpu_isas() and native.load("avx2") is not None:
+        monkeypatch.setenv(native.ISA_ENV, "avx2")
+        forced = gemm.native_gemm()
+        assert forced is not None and forced.isa == "avx2" and forced.panel_columns == 16
+        if gemm.onednn_available():
+            assert gemm.gemm_backend(torch.float32) == "native avx2 (packed weights)"
