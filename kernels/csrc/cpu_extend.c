@@ -408,7 +408,18 @@ static void run_item(const extend_args *a, const int64_t *item, const item_buffe
             }
             const rkv vmax = rkv_set1(m[r]);
             rkv vs = *lr;
-            for (int c = 0; c < cvr; c++) {
+            /* Two vectors per iteration: each exp2 is a chain of ~12 dependent ops, and two
+             * independent chains in one loop body keep both FMA pipes busy where one chain
+             * per iteration left them waiting on its latency. The sum keeps its order. */
+            int c = 0;
+            for (; c + 2 < cvr; c += 2) {
+                const rkv p0 = exp2_bounded(rkv_sub(rkv_load_aligned(sr + c * RK_VL), vmax));
+                const rkv p1 = exp2_bounded(rkv_sub(rkv_load_aligned(sr + (c + 1) * RK_VL), vmax));
+                rkv_store_aligned(sr + c * RK_VL, p0);
+                rkv_store_aligned(sr + (c + 1) * RK_VL, p1);
+                vs = rkv_add(rkv_add(vs, p0), p1);
+            }
+            for (; c < cvr; c++) {
                 rkv p = exp2_bounded(rkv_sub(rkv_load_aligned(sr + c * RK_VL), vmax));
                 if (c == cvr - 1) p = rkv_fill_from(p, tail, 0.0f);
                 rkv_store_aligned(sr + c * RK_VL, p);
