@@ -59,10 +59,11 @@ GEMMs top out near 80 % of the FMA peak (Zen 3 EPYC, 2 threads, SmolLM2's four p
 at 2,048 rows: oneDNN packed 146-155 GFLOP/s, ``F.linear`` about the same, FMA peak ~186-198);
 a BLIS-style blocked GEMM with the weight packed once into 16-column panels and a 6 x 16
 register tile measured 164-177 in the same runs (best of 18 calls per shape, interleaved).
-``auto`` (the default) takes it for fp32 where the native build in use is ``avx2``; on AVX-512
-CPUs oneDNN already reaches 91-95 % of the peak (Zen 4/5) and stays. Its packed copy replaces
-oneDNN's (N rounded up to the panel width: the same bytes for the model's shapes). Results
-agree with ``F.linear`` to fp32 rounding (a different summation order), not bit for bit.
+``auto`` (the default) takes it for fp32 where the CPU lacks AVX-512; on AVX-512 CPUs oneDNN
+already reaches 91-95 % of the peak (Zen 4/5) and stays, whichever native build is forced.
+Its packed copy replaces oneDNN's (N rounded up to the panel width: the same bytes for the
+model's shapes). Results agree with ``F.linear`` to fp32 rounding (another summation order),
+not bit for bit.
 
 Elementwise kernels (``csrc/cpu_prefill.c``, one row-parallel pass each, fp32 or bf16 in and
 out, fp32 maths): :func:`add_rms_norm` (optional residual add fused with RMSNorm),
@@ -101,8 +102,8 @@ _PACK_HINT_ROWS = 2048
 #: Set to ``0`` to keep prefill on ``F.linear`` and torch elementwise ops (A/B runs).
 DISABLE_ENV = "RADIXKV_ONEDNN_GEMM"
 #: ``auto`` (default), ``1`` or ``0``: fp32 :class:`PackedLinear` on the C GEMM
-#: (``csrc/cpu_gemm.c``) where the native build in use is ``avx2`` (``auto``), wherever the
-#: native kernels load (``1``, e.g. to measure the AVX-512 build), or never (``0``: oneDNN).
+#: (``csrc/cpu_gemm.c``) where the CPU lacks AVX-512 (``auto``), wherever the native kernels
+#: load (``1``, e.g. to measure the AVX-512 build), or never (``0``: oneDNN).
 NATIVE_GEMM_ENV = "RADIXKV_NATIVE_GEMM"
 #: /proc/cpuinfo flags of native bf16 dot products (AVX512-BF16's vdpbf16ps, AMX tiles); with
 #: neither, oneDNN emulates bf16 GEMMs in fp32 and bf16 buys no prefill speed.
@@ -192,8 +193,8 @@ _native_gemms: dict[str, NativeGemm] = {}
 def native_gemm(dtype: torch.dtype = torch.float32) -> NativeGemm | None:
     """The C GEMM :class:`PackedLinear` uses for ``dtype`` here, or None (oneDNN or
     ``F.linear`` then): fp32 only, where the native kernels load (``native.load()``), and per
-    :data:`NATIVE_GEMM_ENV` (read at each call): ``auto`` where the build is ``avx2``, ``1``
-    for any build, ``0`` never.
+    :data:`NATIVE_GEMM_ENV` (read at each call): ``auto`` where the CPU lacks AVX-512 (the
+    build is then ``avx2``), ``1`` for any build, ``0`` never.
 
     Raises:
         ValueError: naming ``RADIXKV_NATIVE_GEMM`` on a value other than auto, 1 or 0.
@@ -204,7 +205,10 @@ def native_gemm(dtype: torch.dtype = torch.float32) -> NativeGemm | None:
     if mode == "0" or dtype != torch.float32:
         return None
     kernels = native.load()
-    if kernels is None or (mode == "auto" and kernels.isa != "avx2"):
+    # auto: where the CPU has no AVX-512 (oneDNN's fp32 GEMM is then AVX2 too, ~80 % of the
+    # peak), not where the AVX2 build merely was forced (RADIXKV_NATIVE_ISA=avx2) on a CPU
+    # whose oneDNN runs AVX-512
+    if kernels is None or (mode == "auto" and (kernels.isa != "avx2" or "avx512" in native.cpu_isas())):
         return None
     bound = _native_gemms.get(kernels.isa)
     if bound is None:

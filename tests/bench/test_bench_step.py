@@ -77,6 +77,9 @@ def test_tiny_run_keys_ratios_bytes_and_check(tmp_path: Path, capsys: pytest.Cap
         assert math.isfinite(p["ratio"]) and p["ratio"] > 0
         assert p["ratio"] == pytest.approx(p["ms"] / p["floor_ms"])
         if p["kind"] == "prefill":
+            # the fastest forward is at most the median one, and has its own ratio
+            assert 0 < p["best_ms"] <= p["ms"]
+            assert p["best_ratio"] == pytest.approx(p["best_ms"] / p["floor_ms"])
             # cost model: 2·P per token + 4·L·Hq·D per causal pair, P = 74,048.
             t = p["tokens"]
             assert p["flops"] == 2 * 74_048 * t + 4 * 2 * 4 * 16 * t * (t + 1) // 2
@@ -176,6 +179,11 @@ def test_report_headline_names_the_peak_floor_and_the_gemm_share() -> None:
                      "engine-GEMM floor",
                      "engine GEMM (onednn): 75 % of FMA peak at the model's prefill shapes "
                      "(150.0 GFLOP/s; torch F.linear 60 %)"]
+    # With the fastest forward's ratio (a best-of run, as the roofs are) beside the median's.
+    best = {**row, "best_ms": 3300.0, "best_ratio": 3.3}
+    assert step.headline({"points": [best], "roofs": {"gemms": gemms}, "repeats": 5})[0] == (
+        "prefill 2,048 tokens: 512 tok/s, 4.00× the FMA-peak floor (fastest of 5: 3.30×), 2.00× "
+        "the engine-GEMM floor")
     # Without a 2,048-token point the largest measured one is named.
     lines = step.headline({"points": [other], "roofs": {"gemms": gemms}})
     assert lines[0].startswith("prefill 512 tokens: 900 tok/s, 9.00× the FMA-peak floor")
@@ -193,6 +201,9 @@ def test_fp32_floor_takes_the_best_build_and_amx_marks_the_bf16_floor_no_bound()
     fp32 = m.apply_prefill_floors(dict(row), roofs, torch.float32)
     assert fp32["floor_gflops"] == 220.0 and fp32["floor_ms"] == pytest.approx(2000.0)
     assert fp32["ratio"] == pytest.approx(2.0) and fp32["floor_is_bound"] is True
+    assert "best_ratio" not in fp32  # a row without best_ms (older results) gets none
+    assert m.apply_prefill_floors({**row, "best_ms": 3000.0}, roofs, torch.float32)["best_ratio"] == \
+        pytest.approx(1.5)
     bf16 = m.apply_prefill_floors(dict(row), roofs, torch.bfloat16)
     assert bf16["floor_basis"] == "bf16_dot_peak" and bf16["floor_is_bound"] is True
     # With AMX-BF16 the tiles outrun VDPBF16PS: the bf16 floor is then no bound, and says so.
