@@ -220,16 +220,16 @@ def native_gemm(dtype: torch.dtype = torch.float32) -> NativeGemm | None:
     return bound
 
 
-def gemm_backend(dtype: torch.dtype | None = None) -> str:
-    """What :class:`PackedLinear` uses on a CPU here, for logs and ``bench step``:
-    ``"native avx2 (packed weights)"`` (:func:`native_gemm`), ``"onednn (packed weights)"``,
-    ``"torch F.linear"``, or for ``dtype=torch.bfloat16`` where oneDNN lacks bf16 support,
-    ``"torch F.linear (<reason>)"`` (:data:`BF16_UNSUPPORTED`)."""
+def gemm_backend(dtype: torch.dtype | None = None, *, c_gemm_allowed: bool = True) -> str:
+    """What :class:`PackedLinear` (with the same ``c_gemm_allowed``) uses on a CPU here, for
+    logs and ``bench step``: ``"native avx2 (packed weights)"`` (:func:`native_gemm`),
+    ``"onednn (packed weights)"``, ``"torch F.linear"``, or for ``dtype=torch.bfloat16`` where
+    oneDNN lacks bf16 support, ``"torch F.linear (<reason>)"`` (:data:`BF16_UNSUPPORTED`)."""
     if not onednn_available("cpu"):
         return "torch F.linear"
     if dtype == torch.bfloat16 and not onednn_bf16_supported():
         return f"torch F.linear ({BF16_UNSUPPORTED})"
-    c_gemm = native_gemm(dtype or torch.float32)
+    c_gemm = native_gemm(dtype or torch.float32) if c_gemm_allowed else None
     if c_gemm is not None:
         return f"native {c_gemm.isa} (packed weights)"
     return "onednn (packed weights)"
@@ -252,6 +252,7 @@ class PackedLinear:
             Unpacked fp32 stays on oneDNN.
         keep_plain: keep a reference to the plain weight once packed (False lets the caller
             free it; ``weight`` is then None).
+        c_gemm_allowed: False keeps fp32 on oneDNN (a model whose C kernels are off).
 
     Attributes:
         backend: ``"native"`` (the C GEMM), ``"onednn"`` or ``"torch"`` (``F.linear``).
@@ -264,7 +265,7 @@ class PackedLinear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 pack: bool | None = None, keep_plain: bool = True) -> None:
+                 pack: bool | None = None, keep_plain: bool = True, c_gemm_allowed: bool = True) -> None:
         if weight.dim() != 2:
             raise ValueError(f"weight: need [N, K], got shape {tuple(weight.shape)}")
         if weight.dtype not in _DTYPE_CODE:
@@ -283,7 +284,7 @@ class PackedLinear:
         if pack is None:
             pack = True
         self.packed: torch.Tensor | None = None
-        self._native = native_gemm(weight.dtype) if self.onednn and pack else None
+        self._native = native_gemm(weight.dtype) if self.onednn and pack and c_gemm_allowed else None
         if self._native is not None:
             self.onednn = False
             self.packed = torch.empty(int(self._native.packed_floats(*plain.shape)))

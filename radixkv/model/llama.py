@@ -196,7 +196,8 @@ class LlamaForward:
         if fast:
             for layer in self.layers:
                 for name, bias in (("qkv", layer.qkv_bias), ("o", None), ("gate_up", None), ("down", None)):
-                    lin = gemm.PackedLinear(getattr(layer, name + "_weight"), bias, keep_plain=not drop_plain)
+                    lin = gemm.PackedLinear(getattr(layer, name + "_weight"), bias, keep_plain=not drop_plain,
+                                            c_gemm_allowed=native_kernels is not None)
                     if drop_plain and lin.packed is not None:
                         setattr(layer, name + "_weight", lin.packed)
                     setattr(layer, name + "_lin", lin)
@@ -208,7 +209,8 @@ class LlamaForward:
             self._prefill = gemm.prefill_kernels(native_kernels)
             if self._prefill is not None:
                 host_memory.keep_step_buffers_mapped()
-        self.prefill_gemm = gemm.gemm_backend(dtype) if fast else "torch F.linear"
+        self.prefill_gemm = (gemm.gemm_backend(dtype, c_gemm_allowed=native_kernels is not None) if fast
+                             else "torch F.linear")
         self.packed_weight_bytes = sum(lin.packed_bytes for lin in self._packed.values())
         # The C RoPE reads fp32 tables whatever the model dtype.
         self._rope_cos32 = emb.cos().contiguous() if self._prefill is not None else None

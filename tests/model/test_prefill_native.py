@@ -61,6 +61,18 @@ def _require_prefill_path(runner: ModelRunner) -> None:
     assert (runner.forward_model._prefill is not None) == (native.load() is not None)
 
 
+def test_c_gemm_follows_the_runners_native_kernels(tiny_model: LoadedModel) -> None:
+    # The C GEMM is one of the C kernels: a runner with them off keeps fp32 prefill on oneDNN.
+    if not gemm.onednn_available() or gemm.native_gemm(torch.float32) is None:
+        pytest.skip("no C GEMM here (an AVX-512 CPU, oneDNN or the native kernels unavailable)")
+    on = ModelRunner(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    off = ModelRunner(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, native_kernels=False)
+    assert on.forward_model.prefill_gemm == "native avx2 (packed weights)"
+    assert {layer.qkv_lin.backend for layer in on.forward_model.layers} == {"native"}
+    assert off.forward_model.prefill_gemm == "onednn (packed weights)"
+    assert {layer.down_lin.backend for layer in off.forward_model.layers} == {"onednn"}
+
+
 def test_fp32_prefill_path_matches_torch_path(tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     runner, first, second = _logits(tiny_model)
     _require_prefill_path(runner)
