@@ -287,7 +287,7 @@ class PackedLinear:
         self._native = native_gemm(weight.dtype) if self.onednn and pack and c_gemm_allowed else None
         if self._native is not None:
             self.onednn = False
-            self.packed = torch.empty(int(self._native.packed_floats(*plain.shape)))
+            self.packed = torch.empty(int(self._native.packed_floats(*plain.shape)), dtype=torch.float32)
             if self._native.pack(plain.data_ptr(), *plain.shape, plain.stride(0), self.packed.data_ptr()):
                 raise ValueError(f"weight: the C GEMM cannot pack shape {tuple(plain.shape)}")
             if bias is not None:
@@ -322,19 +322,26 @@ class PackedLinear:
 
     def _native_call(self, x: torch.Tensor) -> torch.Tensor:
         assert self._native is not None and self.packed is not None
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"x: need float32 [M, {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        if (x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features
+                or x.device.type != "cpu"):
+            raise ValueError(f"x: need a CPU float32 [M, {self.in_features}], got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
         if x.stride(1) != 1 or x.stride(0) < self.in_features:
             x = x.contiguous()
         rows = x.shape[0]
+        # One row: torch calls any stride of a size-1 dim contiguous, so the row stride is moot.
+        lda = self.in_features if rows == 1 else x.stride(0)
         out = torch.empty((rows, self.out_features), dtype=torch.float32)
         if rows:
-            rc = self._native.run(x.data_ptr(), rows, self.in_features, x.stride(0), self.packed.data_ptr(),
+            rc = self._native.run(x.data_ptr(), rows, self.in_features, lda, self.packed.data_ptr(),
                                   self.out_features, None if self.bias is None else self.bias.data_ptr(),
                                   out.data_ptr(), self.out_features, torch.get_num_threads())
+            if rc == -2:
+                raise MemoryError(f"C GEMM of {tuple(x.shape)} x {self.in_features}->{self.out_features}: "
+                                  "a thread's buffer could not be allocated")
             if rc:
-                raise MemoryError(f"C GEMM of {tuple(x.shape)} x {self.in_features}->{self.out_features} "
-                                  f"failed (code {rc})")
+                raise ValueError(f"x: the C GEMM refused {tuple(x.shape)} with strides {x.stride()} "
+                                 f"(code {rc})")
         return out
 
 

@@ -178,45 +178,49 @@ static void rk_gemm_block(const float *a, int64_t lda, const float *bp, int64_t 
 
 /* C[m][n] (row stride ldc) = A[m][k] (row stride lda) @ W^T (+ bias), W packed by
  * rk_gemm_pack_weight (64-byte aligned), on up to `num_threads` OpenMP threads (< 1: the
- * OpenMP default). Returns 0, -1 on bad sizes, -2 when a thread's A buffer could not be
- * allocated (C is then incomplete). */
+ * OpenMP default). Returns 0, -1 on bad sizes or a bp not 64-byte aligned, -2 when a thread's
+ * A buffer could not be allocated (C is then incomplete). */
 int rk_gemm_f32(const float *a, int64_t m, int64_t k, int64_t lda, const float *bp, int64_t n,
                 const float *bias, float *c, int64_t ldc, int num_threads) {
-    if (m < 1 || n < 1 || k < 1 || lda < k || ldc < n)
+    if (m < 1 || n < 1 || k < 1 || lda < k || ldc < n || ((uintptr_t)bp & 63))
         return -1;
-    const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
     const int64_t blocks_k = (k + RK_GEMM_KC_MAX - 1) / RK_GEMM_KC_MAX;
     /* Equal kc-blocks (576 -> 2 x 288 rather than 320 + 256), a multiple of 4 floats. */
     int64_t kc_max = (k + blocks_k - 1) / blocks_k;
     kc_max = (kc_max + 3) / 4 * 4;
     const int64_t panels = (n + RK_GEMM_NR - 1) / RK_GEMM_NR;
-    /* Threads over rows while each gets >= 4 row tiles, the rest over column panels. */
-    int row_parts = threads;
-    while (row_parts > 1 && (m / row_parts < 4 * RK_GEMM_MR || threads % row_parts))
-        row_parts--;
-    int col_parts = threads / row_parts;
-    if (col_parts > panels)
-        col_parts = (int)panels;
-    const int used = row_parts * col_parts;
     int status = 0;
-#pragma omp parallel num_threads(used)
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : omp_get_max_threads())
     {
+        /* The split is made from the team OpenMP gave, which can be smaller than asked
+         * (OMP_THREAD_LIMIT, dynamic teams, a nested region): every thread computes the same
+         * split, and threads past it idle. Threads go over rows while each gets >= 4 row
+         * tiles, the rest over column panels. */
+        const int threads = omp_get_num_threads();
+        int row_parts = threads;
+        while (row_parts > 1 && (m / row_parts < 4 * RK_GEMM_MR || threads % row_parts))
+            row_parts--;
+        int col_parts = threads / row_parts;
+        if (col_parts > panels)
+            col_parts = (int)panels;
         const int t = omp_get_thread_num();
-        const int rp = t / col_parts, cp = t % col_parts;
-        /* Row ranges in whole MR tiles, so only the last part has a ragged tile. */
-        const int64_t tiles = (m + RK_GEMM_MR - 1) / RK_GEMM_MR;
-        int64_t m0 = tiles * rp / row_parts * RK_GEMM_MR, m1 = tiles * (rp + 1) / row_parts * RK_GEMM_MR;
-        if (m1 > m)
-            m1 = m;
-        const int64_t p0 = panels * cp / col_parts, p1 = panels * (cp + 1) / col_parts;
-        float *abuf = aligned_alloc(64, (size_t)((RK_GEMM_MC * kc_max * sizeof(float) + 63) / 64 * 64));
-        if (!abuf) {
+        if (t < row_parts * col_parts) {
+            const int rp = t / col_parts, cp = t % col_parts;
+            /* Row ranges in whole MR tiles, so only the last part has a ragged tile. */
+            const int64_t tiles = (m + RK_GEMM_MR - 1) / RK_GEMM_MR;
+            int64_t m0 = tiles * rp / row_parts * RK_GEMM_MR, m1 = tiles * (rp + 1) / row_parts * RK_GEMM_MR;
+            if (m1 > m)
+                m1 = m;
+            const int64_t p0 = panels * cp / col_parts, p1 = panels * (cp + 1) / col_parts;
+            float *abuf = aligned_alloc(64, (size_t)((RK_GEMM_MC * kc_max * sizeof(float) + 63) / 64 * 64));
+            if (!abuf) {
 #pragma omp atomic write
-            status = -2;
-        } else {
-            if (m0 < m1 && p0 < p1)
-                rk_gemm_block(a, lda, bp, n, k, bias, c, ldc, m0, m1, p0, p1, kc_max, abuf);
-            free(abuf);
+                status = -2;
+            } else {
+                if (m0 < m1 && p0 < p1)
+                    rk_gemm_block(a, lda, bp, n, k, bias, c, ldc, m0, m1, p0, p1, kc_max, abuf);
+                free(abuf);
+            }
         }
     }
     return status;

@@ -3,6 +3,10 @@ against torch references (fp32 tight, bf16 within one-to-two bf16 ulps of the va
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -285,7 +289,7 @@ def _pack(c_gemm: gemm.NativeGemm, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 1, 1), (5, 7, 3), (6, 16, 16), (7, 33, 17), (13, 320, 32),
                                            (13, 321, 33), (50, 700, 48), (97, 1537, 65), (200, 64, 3)])
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])  # 4 on (50, 700, 48): 2 row parts x 2 column parts
 def test_c_gemm_matches_fp64_reference(isa: str, m: int, k: int, n: int, threads: int) -> None:
     c_gemm = _c_gemm(isa)
     g = _gen(m * 131 + k * 7 + n)
@@ -322,6 +326,34 @@ def test_c_gemm_packed_layout_and_bad_sizes(isa: str) -> None:
     assert c_gemm.pack(w.data_ptr(), n, k, k - 1, packed.data_ptr()) == -1
     assert c_gemm.run(x.data_ptr(), 0, k, k, packed.data_ptr(), n, None, c.data_ptr(), n, 1) == -1
     assert c_gemm.run(x.data_ptr(), 2, k, k, packed.data_ptr(), n, None, c.data_ptr(), n - 1, 1) == -1
+    # the packed weight's panels are read with aligned loads: a misaligned one is refused
+    assert c_gemm.run(x.data_ptr(), 2, k, k, packed[1:].data_ptr(), n, None, c.data_ptr(), n, 1) == -1
+
+
+_SMALL_TEAM = """
+import torch
+from radixkv.kernels import gemm, native
+c_gemm = gemm.NativeGemm(native.load("avx2").lib, "avx2")
+g = torch.Generator().manual_seed(3)
+m, k, n = 50, 700, 48
+w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+packed = torch.empty(int(c_gemm.packed_floats(n, k)))
+assert c_gemm.pack(w.data_ptr(), n, k, k, packed.data_ptr()) == 0
+c = torch.full((m, n), float("nan"))
+assert c_gemm.run(x.data_ptr(), m, k, k, packed.data_ptr(), n, None, c.data_ptr(), n, 4) == 0
+torch.testing.assert_close(c.double(), x.double() @ w.double().T, rtol=1e-5, atol=2e-5)
+print("ok")
+"""
+
+
+def test_c_gemm_splits_the_team_it_gets() -> None:
+    # OMP_THREAD_LIMIT=1 gives a one-thread team to a region that asks for 4: the split must
+    # follow the team, or three quarters of C stay unwritten (NaN here) behind a 0 return.
+    _c_gemm("avx2")
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    done = subprocess.run([sys.executable, "-c", _SMALL_TEAM], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_packed_linear_on_the_c_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -338,10 +370,24 @@ def test_packed_linear_on_the_c_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     for x in (wide[:, :24], wide[:, :24].contiguous(), torch.randn(24, 9, generator=g).T):
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert lin(torch.empty(0, 24)).shape == (0, 40)
-    with pytest.raises(ValueError, match="x: need float32"):
+    # one row whose row stride torch ignores (a transposed column: strides (1, 1))
+    column = torch.randn(24, 1, generator=g).t()
+    torch.testing.assert_close(lin(column), F.linear(column, w, b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="x: need a CPU float32"):
         lin(torch.ones(3, 23))
-    with pytest.raises(ValueError, match="x: need float32"):
+    with pytest.raises(ValueError, match="x: need a CPU float32"):
         lin(torch.ones(3, 24, dtype=torch.bfloat16))
+    # the packed copy is fp32 whatever torch's default dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        wide_default = gemm.PackedLinear(w)
+    finally:
+        torch.set_default_dtype(previous)
+    assert wide_default.packed is not None and wide_default.packed.dtype == torch.float32
+    nr = wide_default._native.panel_columns if wide_default._native is not None else 0
+    assert nr in (16, 32) and wide_default.packed_bytes == -(-40 // nr) * nr * 24 * 4  # 40 -> 48 or 64 columns
+    torch.testing.assert_close(wide_default(wide[:, :24]), F.linear(wide[:, :24], w), rtol=1e-5, atol=1e-5)
     # bf16 weights never take the C GEMM
     assert gemm.native_gemm(torch.bfloat16) is None
 
