@@ -74,6 +74,7 @@ Usage::
 # No ``from __future__ import annotations``: the CLI loads this file by path.
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -333,6 +334,10 @@ def run(args: argparse.Namespace) -> dict:
     sizes = _resolve(args)
     m.RUNNER_OPTIONS["compile"] = args.compile
     m.RUNNER_OPTIONS["native_kernels"] = False if args.no_native else None
+    if args.no_native or args.compile:
+        # The runner then keeps fp32 projections off the C GEMM; the engine-GEMM roof must
+        # measure what it runs (oneDNN), so the C GEMM is off for the whole process.
+        os.environ["RADIXKV_NATIVE_GEMM"] = "0"
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]

@@ -166,6 +166,20 @@ def check_prefill_floors(p: dict, result: dict) -> None:
         assert "engine_gemm_ratio" not in p
 
 
+def test_no_native_measures_the_gemm_its_runner_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --no-native keeps the runner's fp32 projections off the C GEMM (one of the C kernels): the
+    # engine-GEMM roof and the backend it names must then be oneDNN's (or F.linear's), not the C GEMM.
+    from radixkv.kernels import gemm
+
+    monkeypatch.setenv(gemm.NATIVE_GEMM_ENV, "auto")  # restored after the test, as step sets it
+    args = parse("--tiny", "--no-native", "--prefill-tokens", "40", "--decode-batch", "1",
+                 "--decode-context", "5", "--repeats", "1", "--copy-mib", "8", "--gemm-n", "64",
+                 "--gemm-tokens", "32", "--peak-seconds", "0.05", "--json", str(tmp_path / "s.json"))
+    result = step.run(args)
+    assert result["gemm_backend"] in ("onednn (packed weights)", "torch F.linear")
+    assert not result["native_kernels"]
+
+
 def test_report_headline_names_the_peak_floor_and_the_gemm_share() -> None:
     # Recomputed by hand: 2,048 tokens in 4,000 ms = 512 tok/s; floor 1,000 ms -> 4.00x;
     # engine floor 2,000 ms -> 2.00x; engine 150 of a 200 GFLOP/s peak = 75 %.
