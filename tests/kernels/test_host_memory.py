@@ -47,14 +47,16 @@ def _faults(keep: str) -> tuple[bool, bool, list[int]]:
 def test_prefill_buffers_stay_mapped_between_steps() -> None:
     # A 1,024-token SmolLM2 prefill allocates ~12 MB per projection output per layer. The
     # first step faults in the heap and the KV pool; later steps reuse both with the settings
-    # on (measured 0-1,000 faults), and fault every buffer in again without them (~52,000).
+    # on (measured 0-1,000 faults), and fault buffers in again without them: ~52,000 a step
+    # with oneDNN projections, 0-40,000 a step (36,000-94,000 over steps 2-4) with the C GEMM,
+    # whose fewer large allocations let glibc's adaptive mmap threshold settle on some steps.
     applied_on, prefill_path, faults_on = _faults("1")
     if not prefill_path:
         pytest.skip("no native prefill kernels here (the torch path allocates differently)")
     applied_off, _, faults_off = _faults("0")
     assert applied_on and not applied_off
     assert max(faults_on[2:]) <= 5_000, faults_on
-    assert min(faults_off[1:]) >= 20_000, faults_off
+    assert sum(faults_off[1:]) >= 20_000, faults_off
 
 
 def test_keep_step_buffers_mapped_is_idempotent() -> None:
