@@ -10,10 +10,13 @@
  * Parallelism and Work Partitioning", 2023, https://arxiv.org/abs/2307.08691) laid out for a
  * CPU core instead of a GPU thread block:
  *   - phase 1 packs each sequence's keys, per KV head and per tile of RK_KT positions, into
- *     K^T [D][RK_KT] and V [RK_KT][D] fp32 tiles (bf16 pools are widened here, once; int8 and
- *     float8_e4m3fn pools dequantized here, once: float32(q) * its (token, KV head) scale, the
- *     exact values kernels/kv_quant.py's dequantize_kv gives), zero past the sequence's end. This is the pool read; every query tile of the sequence then reuses
- *     the packed tiles, so the transpose and the block-table walk cost O(S D), not O(S^2 D);
+ *     K^T and V fp32 tiles stored pass-major (K^T as [RK_KT / RK_W][D][RK_W], V as
+ *     [ceil(D / RK_W)][RK_KT][<= RK_W]: one microkernel column pass each), zero past the
+ *     sequence's end. bf16 pools are widened here, once; int8 and float8_e4m3fn pools are
+ *     dequantized here, once: float32(q) * its (token, KV head) scale, the exact values
+ *     kernels/kv_quant.py's dequantize_kv gives. This is the pool read; every query tile of
+ *     the sequence then reuses the packed tiles, so the transpose and the block-table walk
+ *     cost O(S D), not O(S^2 D);
  *   - phase 2's work items are (sequence, KV head, tile of query tokens); a work item's rows
  *     are its tokens x the Hq / Hkv query heads sharing that KV head (GQA: each key tile is
  *     read once for all of them). Items run under a dynamic schedule, heaviest (most query-key
@@ -40,11 +43,23 @@
 #define RK_ROWS 96       /* target rows (tokens x group heads) per work item */
 #define RK_MAX_DIM 256
 #define RK_LAZY 8.0f     /* log2 units the running max may trail a tile's max (softmax below) */
+/* Accumulator vectors per row (2 or 4): 4 x 16 floats on AVX-512, 2 x 8 on AVX2. A build may
+ * set it (-DRK_NV=4 on AVX2: slower, register spills, but another pass width, so the tests can
+ * run the AVX-512 build's tile layout on an AVX2-only CPU). */
+#ifndef RK_NV
 #if RK_AVX512
-#define RK_NV 4          /* accumulator vectors per row: 64 floats */
+#define RK_NV 4
 #else
-#define RK_NV 2          /* 16 floats */
+#define RK_NV 2
 #endif
+#endif
+#if RK_NV != 2 && RK_NV != 4
+#error "RK_NV must be 2 or 4"
+#endif
+/* Width of one microkernel column pass (keys in QK, features in PV). Packed tiles are stored
+ * pass-major ([pass][rows][RK_W]): each pass streams one contiguous run instead of an RK_W-wide
+ * stripe of RK_KT- or d-float rows (1-3 % faster on a Zen 3 than row-major tiles). */
+#define RK_W (RK_NV * RK_VL)
 
 #define RK_INLINE static inline __attribute__((always_inline))
 /* Unrolled before the accumulator arrays are assigned to registers: without it GCC 12 kept
@@ -52,7 +67,7 @@
 #define RK_UNROLL _Pragma("GCC unroll 8")
 
 /* s[r][c] = sum_e q[r][e] * kt[e][c] for rb rows and nv vectors of columns; q rows at stride d,
- * kt and s rows at stride RK_KT. rb and nv are constants at every call site (the dispatch
+ * kt rows (one pass of the packed K^T tile) at stride RK_W, s rows at stride RK_KT. rb and nv are constants at every call site (the dispatch
  * below), so the loops unroll and the accumulators live in registers. */
 RK_INLINE void qk_block(const float *q, int d, const float *kt, float *s, const int rb, const int nv) {
     rkv acc[RK_RB][RK_NV];
@@ -61,7 +76,7 @@ RK_INLINE void qk_block(const float *q, int d, const float *kt, float *s, const 
         RK_UNROLL
         for (int c = 0; c < nv; c++) acc[r][c] = rkv_zero();
     for (int e = 0; e < d; e++) {
-        const float *kr = kt + (int64_t)e * RK_KT;
+        const float *kr = kt + (int64_t)e * RK_W;
         rkv kv[RK_NV];
         RK_UNROLL
         for (int c = 0; c < nv; c++) kv[c] = rkv_load_aligned(kr + c * RK_VL);
@@ -79,15 +94,17 @@ RK_INLINE void qk_block(const float *q, int d, const float *kt, float *s, const 
 }
 
 /* o[r][0 : nv*RK_VL] += sum_t p[r][t] * v[t][0 : nv*RK_VL] for t < nk; p rows at stride
- * RK_KT, o rows and v rows at stride d (o and v already offset to the column pass). */
-RK_INLINE void pv_block(const float *p, const float *v, int nk, float *o, int d, const int rb, const int nv) {
+ * RK_KT, o rows at stride d, v rows (one pass of the packed V tile) at stride vs (o and v
+ * already offset to the column pass). */
+RK_INLINE void pv_block(const float *p, const float *v, int vs, int nk, float *o, int d, const int rb,
+                        const int nv) {
     rkv acc[RK_RB][RK_NV];
     RK_UNROLL
     for (int r = 0; r < rb; r++)
         RK_UNROLL
         for (int c = 0; c < nv; c++) acc[r][c] = rkv_load_aligned(o + (int64_t)r * d + c * RK_VL);
     for (int t = 0; t < nk; t++) {
-        const float *vr = v + (int64_t)t * d;
+        const float *vr = v + (int64_t)t * vs;
         rkv vv[RK_NV];
         RK_UNROLL
         for (int c = 0; c < nv; c++) vv[c] = rkv_load_aligned(vr + c * RK_VL);
@@ -105,19 +122,19 @@ RK_INLINE void pv_block(const float *p, const float *v, int nk, float *o, int d,
 }
 
 typedef void (*qk_fn)(const float *, int, const float *, float *);
-typedef void (*pv_fn)(const float *, const float *, int, float *, int);
+typedef void (*pv_fn)(const float *, const float *, int, int, float *, int);
 
 #define RK_DEF(rb, nv)                                                                         \
     static void qk_##rb##_##nv(const float *q, int d, const float *kt, float *s) {             \
         qk_block(q, d, kt, s, rb, nv);                                                         \
     }                                                                                          \
-    static void pv_##rb##_##nv(const float *p, const float *v, int nk, float *o, int d) {      \
-        pv_block(p, v, nk, o, d, rb, nv);                                                      \
+    static void pv_##rb##_##nv(const float *p, const float *v, int vs, int nk, float *o, int d) { \
+        pv_block(p, v, vs, nk, o, d, rb, nv);                                                  \
     }
 #define RK_DEF_ROWS(nv) RK_DEF(1, nv) RK_DEF(2, nv) RK_DEF(3, nv) RK_DEF(4, nv) RK_DEF(5, nv) RK_DEF(6, nv)
 RK_DEF_ROWS(1)
 RK_DEF_ROWS(2)
-#if RK_AVX512
+#if RK_NV == 4
 RK_DEF_ROWS(3)
 RK_DEF_ROWS(4)
 #define RK_TABLE(f, rb) {f##_##rb##_1, f##_##rb##_2, f##_##rb##_3, f##_##rb##_4}
@@ -247,11 +264,8 @@ static void pack_tile(const extend_args *a, int64_t i, int64_t tile) {
     for (int kvh = 0; kvh < hkv; kvh++) {
         float *kt = packed_tile(a, i, tile, kvh), *vt = kt + RK_KT * d;
         const int64_t h = (int64_t)kvh * d;
-        /* columns past nk in the last chunk are written as zeros by the transpose */
-        const int cend = (nk + RK_VL - 1) / RK_VL * RK_VL;
-        if (cend < RK_KT)
-            for (int e = 0; e < d; e++) memset(kt + (int64_t)e * RK_KT + cend, 0, sizeof(float) * (RK_KT - cend));
-        if (nk < RK_KT) memset(vt + (int64_t)nk * d, 0, sizeof(float) * (RK_KT - nk) * d);
+        /* a sequence's last tile: keys past nk read as zeros (only its last tile is short) */
+        if (nk < RK_KT) memset(kt, 0, sizeof(float) * 2 * RK_KT * d);
         for (int c0 = 0; c0 < nk; c0 += RK_VL) {
             const int n = nk - c0 < RK_VL ? nk - c0 : RK_VL;
             for (int e = 0; e < d; e += RK_VL) {
@@ -265,16 +279,22 @@ static void pack_tile(const extend_args *a, int64_t i, int64_t tile) {
                     }
                 }
                 transpose_block(blk);
-                for (int x = 0; x < RK_VL; x++) rkv_store_aligned(kt + (int64_t)(e + x) * RK_KT + c0, blk[x]);
+                float *kp = kt + ((int64_t)(c0 / RK_W) * d + e) * RK_W + c0 % RK_W;
+                for (int x = 0; x < RK_VL; x++) rkv_store_aligned(kp + (int64_t)x * RK_W, blk[x]);
             }
             for (int x = 0; x < n; x++) {
-                float *vr = vt + (int64_t)(c0 + x) * d;
-                if (kind == RK_KV_F32) {
-                    memcpy(vr, (const float *)a->v_pool + off[c0 + x] + h, sizeof(float) * d);
-                } else {
-                    const float sc = quant ? a->v_scales[slot[c0 + x] * hkv + kvh] : 1.0f;
-                    for (int e = 0; e < d; e += RK_VL)
-                        rkv_store_aligned(vr + e, load_kv(a->v_pool, off[c0 + x] + h + e, kind, sc));
+                const int64_t t = c0 + x;
+                const float sc = quant ? a->v_scales[slot[t] * hkv + kvh] : 1.0f;
+                /* feature e of key t: pass e / RK_W, [RK_KT][w] with w that pass's width */
+                for (int e0 = 0; e0 < d; e0 += RK_W) {
+                    const int w = d - e0 < RK_W ? d - e0 : RK_W;
+                    float *vr = vt + (int64_t)e0 * RK_KT + t * w;
+                    if (kind == RK_KV_F32) {
+                        memcpy(vr, (const float *)a->v_pool + off[t] + h + e0, sizeof(float) * w);
+                    } else {
+                        for (int e = 0; e < w; e += RK_VL)
+                            rkv_store_aligned(vr + e, load_kv(a->v_pool, off[t] + h + e0 + e, kind, sc));
+                    }
                 }
             }
         }
@@ -364,7 +384,7 @@ static void run_item(const extend_args *a, const int64_t *item, const item_buffe
             const int cvb = (need + RK_VL - 1) / RK_VL;
             for (int c = 0; c < cvb; c += RK_NV) {
                 const int nv = cvb - c < RK_NV ? cvb - c : RK_NV;
-                qk_table[rb - 1][nv - 1](qb + (int64_t)r0 * d, d, kt + c * RK_VL,
+                qk_table[rb - 1][nv - 1](qb + (int64_t)r0 * d, d, kt + (int64_t)c * RK_VL * d,
                                          s + (int64_t)r0 * RK_KT + c * RK_VL);
             }
         }
@@ -439,7 +459,8 @@ static void run_item(const extend_args *a, const int64_t *item, const item_buffe
             const int need = block_keys(pos_lo + (r0 + rb - 1) / group, k0, nk);
             for (int c = 0; c < dv; c += RK_NV) {
                 const int nv = dv - c < RK_NV ? dv - c : RK_NV;
-                pv_table[rb - 1][nv - 1](s + (int64_t)r0 * RK_KT, vt + c * RK_VL, need,
+                const int vs = d - c * RK_VL < RK_W ? d - c * RK_VL : RK_W;
+                pv_table[rb - 1][nv - 1](s + (int64_t)r0 * RK_KT, vt + (int64_t)c * RK_VL * RK_KT, vs, need,
                                          o + (int64_t)r0 * d + c * RK_VL, d);
             }
         }

@@ -13,8 +13,11 @@ compared with the reference on the same rounded values at the same tolerance.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -72,6 +75,30 @@ def test_extend_matches_reference(kernels: native.NativeKernels, case: str) -> N
                          ids=["mha-d32", "gqa3-d64", "gqa8-d128", "gqa2-d16", "mqa-d48"])
 def test_extend_heads_and_dims(kernels: native.NativeKernels, heads: tuple[int, int], head_dim: int) -> None:
     got, want = _run(kernels, [(0, 70), (37, 29), (130, 2)], block_size=16, heads=heads, head_dim=head_dim)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.fixture(scope="module")
+def wide_pass_kernels(tmp_path_factory: pytest.TempPathFactory) -> native.NativeKernels:
+    """The AVX2 build compiled with ``-DRK_NV=4``: the AVX-512 build's 4-vector column passes
+    (32 floats here), so packed tiles get passes narrower than D (D = 48: 32 + 16) and K^T tiles
+    of two passes, the layouts an AVX-512 build makes, on a CPU without AVX-512."""
+    missing = native._missing_features("avx2")
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} for the avx2 build")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None, "the native kernels need a C compiler"
+    out = tmp_path_factory.mktemp("wide") / "radixkv-avx2-nv4.so"
+    sources = sorted(str(p) for p in native._CSRC.glob("*.c"))
+    subprocess.run([compiler, *native._COMMON_FLAGS, *native._ISA_FLAGS["avx2"], "-DRK_NV=4",
+                    "-I", str(native._CSRC), "-o", str(out), *sources, "-lm"], check=True, timeout=300)
+    return native.NativeKernels(ctypes.CDLL(str(out)), out, "avx2")
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+def test_extend_with_four_vector_passes(wide_pass_kernels: native.NativeKernels, head_dim: int) -> None:
+    got, want = _run(wide_pass_kernels, [(0, 70), (37, 29), (130, 2)], block_size=16, heads=(6, 2),
+                     head_dim=head_dim)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
