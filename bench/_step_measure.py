@@ -365,6 +365,12 @@ def prefill_point(model: LoadedModel, tokens: int, block_size: int, repeats: int
     ratio to the peak floor: the roofs are best-of measurements too, so on a shared VM this
     is the like-for-like ratio, the median's the conservative one). ``kv_cache_dtype``: the
     runner's KV format (``row["kv_cache_dtype"]``: the dtype its pool holds).
+
+    Where the runner times its attention calls (``ModelRunner.last_attention_seconds``, on the
+    CPU): ``attention_ms`` the median of the forwards' attention time (the K/V pool writes
+    included), ``linear_ms`` the median of the rest (projections, norms, RoPE, SwiGLU, residual
+    adds, the LM head's last row), and ``attention_flops`` the FLOPs' attention part; their
+    rates against the peak are set by :func:`apply_prefill_floors`.
     """
     shape = model.shape
     requested = tokens
@@ -382,10 +388,23 @@ def prefill_point(model: LoadedModel, tokens: int, block_size: int, repeats: int
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, shape.vocab_size, (tokens,), generator=gen).tolist()
     batch = runner.build_batch([(ids, 0, list(range(num_blocks)))])
-    times = times_ms(lambda: runner.forward(batch), 1, repeats)
+    attention_s: list[float | None] = []
+
+    def forward() -> None:
+        runner.forward(batch)
+        attention_s.append(runner.last_attention_seconds)
+
+    times = times_ms(forward, 1, repeats)
     ms = statistics.median(times)
-    row.update(ms=ms, best_ms=min(times), tokens_per_s=tokens / ms * 1e3,
-               flops=prefill_flops(cost_shape_from_model_shape(shape), 0, tokens))
+    cost = cost_shape_from_model_shape(shape)
+    flops = prefill_flops(cost, 0, tokens)
+    row.update(ms=ms, best_ms=min(times), tokens_per_s=tokens / ms * 1e3, flops=flops)
+    timed = attention_s[len(attention_s) - repeats:]  # the warm-up's dropped
+    if all(t for t in timed):  # None: not timed (not on the CPU); 0: no attention call seen
+        attention_ms = [t * 1e3 for t in timed if t is not None]
+        row.update(attention_flops=flops - cost.linear_flops_per_token * tokens,
+                   attention_ms=statistics.median(attention_ms),
+                   linear_ms=statistics.median(t - a for t, a in zip(times, attention_ms)))
     return row
 
 
@@ -406,6 +425,11 @@ def apply_prefill_floors(row: dict, roofs: dict, dtype: torch.dtype) -> dict:
                floor_tokens_per_s=tokens / floor_ms * 1e3, ratio=ms / floor_ms)
     if "best_ms" in row:  # the fastest forward, as the roofs keep their best pass
         row.update(best_ratio=row["best_ms"] / floor_ms)
+    if "attention_ms" in row:  # where the time goes, each part's FLOPs over its time
+        attention = row["attention_flops"] / row["attention_ms"] / 1e6
+        linear = (flops - row["attention_flops"]) / row["linear_ms"] / 1e6
+        row.update(attention_gflops=attention, attention_pct_of_peak=100 * attention / peak,
+                   linear_gflops=linear, linear_pct_of_peak=100 * linear / peak)
     torch_floor = flops / roofs["gemm"]["gflops"] / 1e6
     row.update(torch_gemm_floor_ms=torch_floor, torch_gemm_ratio=ms / torch_floor)
     engine = ((roofs.get("gemms") or {}).get("model") or {}).get("engine_gflops")

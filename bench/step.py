@@ -58,7 +58,11 @@ versions).
 
 Prefill rows time ``--repeats`` forwards after a warm-up: ``ms`` the median, ``best_ms`` the
 fastest with ``best_ratio`` (the roofs are best-of measurements: on a shared VM whose neighbours
-slow some forwards, the best forward against the best roof is the like-for-like ratio).
+slow some forwards, the best forward against the best roof is the like-for-like ratio). They
+also split each forward: ``attention_ms`` (the attention calls, K/V pool writes included) and
+``linear_ms`` (everything else), medians, with ``attention_gflops`` / ``linear_gflops`` (each
+part's FLOPs over its time) and their ``*_pct_of_peak`` against the floor's peak: which part
+keeps the ratio above 1.
 
 ``ratio`` = measured time ÷ floor time (1 = at the floor; the goals: decode batch 1 at
 2k ≤ 1.5, prefill 2k ≤ 1.3 against the peak floor, engine GEMM ≥ 70 % of the FMA peak).
@@ -243,6 +247,11 @@ def headline(result: dict) -> list[str]:
                   if "engine_gemm_ratio" in p else "")
         lines.append(f"prefill {p['tokens']:,} tokens: {p['tokens_per_s']:.0f} tok/s, "
                      f"{p['ratio']:.2f}× {basis}{extra}")
+        if "attention_pct_of_peak" in p:
+            lines.append(f"  of which attention {p['attention_ms']:,.0f} ms ({p['attention_gflops']:.1f} "
+                         f"GFLOP/s, {_pct(p['attention_pct_of_peak'])} of the peak; K/V writes "
+                         f"included), the rest {p['linear_ms']:,.0f} ms (linear FLOPs at "
+                         f"{p['linear_gflops']:.1f} GFLOP/s, {_pct(p['linear_pct_of_peak'])})")
     gemms = result["roofs"]["gemms"]
     model = gemms["model"]
     if model["engine_gflops"] is not None:

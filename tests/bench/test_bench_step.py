@@ -83,6 +83,14 @@ def test_tiny_run_keys_ratios_bytes_and_check(tmp_path: Path, capsys: pytest.Cap
             # cost model: 2·P per token + 4·L·Hq·D per causal pair, P = 74,048.
             t = p["tokens"]
             assert p["flops"] == 2 * 74_048 * t + 4 * 2 * 4 * 16 * t * (t + 1) // 2
+            # the split: attention's FLOPs, its time and the rest's (one repeat: they add up)
+            assert p["attention_flops"] == 4 * 2 * 4 * 16 * t * (t + 1) // 2
+            assert p["attention_ms"] > 0 and p["linear_ms"] > 0
+            assert p["attention_ms"] + p["linear_ms"] == pytest.approx(p["ms"])
+            assert p["attention_gflops"] == pytest.approx(p["attention_flops"] / p["attention_ms"] / 1e6)
+            assert p["linear_gflops"] == pytest.approx(2 * 74_048 * t / p["linear_ms"] / 1e6)
+            assert p["attention_pct_of_peak"] == pytest.approx(100 * p["attention_gflops"] / p["floor_gflops"])
+            assert p["linear_pct_of_peak"] == pytest.approx(100 * p["linear_gflops"] / p["floor_gflops"])
             check_prefill_floors(p, result)
             continue
         want_bytes = TINY_WEIGHT_BYTES + p["batch"] * p["context"] * TINY_KV_BYTES_PER_TOKEN
@@ -198,6 +206,12 @@ def test_report_headline_names_the_peak_floor_and_the_gemm_share() -> None:
     assert step.headline({"points": [best], "roofs": {"gemms": gemms}, "repeats": 5})[0] == (
         "prefill 2,048 tokens: 512 tok/s, 4.00× the FMA-peak floor (fastest of 5: 3.30×), 2.00× "
         "the engine-GEMM floor")
+    # With the forward split into attention and the rest (each part's FLOPs over its time).
+    split = {**row, "attention_ms": 1234.4, "attention_gflops": 120.0, "attention_pct_of_peak": 60.0,
+             "linear_ms": 2765.6, "linear_gflops": 170.0, "linear_pct_of_peak": 85.0}
+    assert step.headline({"points": [split], "roofs": {"gemms": gemms}})[1] == (
+        "  of which attention 1,234 ms (120.0 GFLOP/s, 60 % of the peak; K/V writes included), "
+        "the rest 2,766 ms (linear FLOPs at 170.0 GFLOP/s, 85 %)")
     # Without a 2,048-token point the largest measured one is named.
     lines = step.headline({"points": [other], "roofs": {"gemms": gemms}})
     assert lines[0].startswith("prefill 512 tokens: 900 tok/s, 9.00× the FMA-peak floor")
