@@ -40,7 +40,10 @@
 
 #define RK_KT 64         /* keys per tile (a multiple of RK_VL in both builds) */
 #define RK_RB 6          /* rows per microkernel block */
-#define RK_ROWS 96       /* target rows (tokens x group heads) per work item */
+/* Target rows (tokens x group heads) per work item: each item streams its sequence's packed
+ * K/V once, so more rows read it fewer times. On a Zen 3, 192 against 96: cold prefill attention
+ * 8-12 % faster at 4,096 and 8,192 tokens, the same at 2,048 and for 512-token extends. */
+#define RK_ROWS 192
 #define RK_MAX_DIM 256
 #define RK_LAZY 8.0f     /* log2 units the running max may trail a tile's max (softmax below) */
 /* Accumulator vectors per row (2 or 4): 4 x 16 floats on AVX-512, 2 x 8 on AVX2. A build may
