@@ -63,6 +63,9 @@
  * pass-major ([pass][rows][RK_W]): each pass streams one contiguous run instead of an RK_W-wide
  * stripe of RK_KT- or d-float rows (1-3 % faster on a Zen 3 than row-major tiles). */
 #define RK_W (RK_NV * RK_VL)
+#if RK_KT % (RK_NV * RK_VL) != 0
+#error "RK_KT must be a multiple of the pass width"
+#endif
 
 #define RK_INLINE static inline __attribute__((always_inline))
 /* Unrolled before the accumulator arrays are assigned to registers: without it GCC 12 kept
@@ -70,8 +73,9 @@
 #define RK_UNROLL _Pragma("GCC unroll 8")
 
 /* s[r][c] = sum_e q[r][e] * kt[e][c] for rb rows and nv vectors of columns; q rows at stride d,
- * kt rows (one pass of the packed K^T tile) at stride RK_W, s rows at stride RK_KT. rb and nv are constants at every call site (the dispatch
- * below), so the loops unroll and the accumulators live in registers. */
+ * kt rows (one pass of the packed K^T tile) at stride RK_W, s rows at stride RK_KT. rb and nv
+ * are constants at every call site (the dispatch below), so the loops unroll and the
+ * accumulators live in registers. */
 RK_INLINE void qk_block(const float *q, int d, const float *kt, float *s, const int rb, const int nv) {
     rkv acc[RK_RB][RK_NV];
     RK_UNROLL
