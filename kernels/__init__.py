@@ -35,6 +35,28 @@ decorated). Modules here import only torch and triton, with relative imports, so
 ``bench/kernels.py`` can load this folder by path without radixkv installed.
 """
 
-from .reference import decode_attention, extend_attention, paged_kv_write
+import sys as _sys
 
-__all__ = ["paged_kv_write", "extend_attention", "decode_attention"]
+if __name__ == "kernels":
+    # Imported as a top-level ``kernels``, not as ``radixkv.kernels``: the repository root is on
+    # sys.path (``python -m pytest`` from it, pytest's rootdir insertion) and this source folder
+    # shadows the ``kernels`` distribution (Hugging Face hub kernels, which transformers >= 5.25
+    # requires and imports). Load that distribution in this module's place; the import system
+    # hands the importer whatever sys.modules["kernels"] holds once this body has run.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is None or _spec.loader is None:
+        raise ImportError("kernels: this is radixkv's kernels/ source folder (import it as "
+                          "radixkv.kernels); no kernels distribution is installed", name="kernels")
+    _module = _util.module_from_spec(_spec)
+    _sys.modules["kernels"] = _module
+    _spec.loader.exec_module(_module)
+else:
+    from .reference import decode_attention, extend_attention, paged_kv_write
+
+    __all__ = ["paged_kv_write", "extend_attention", "decode_attention"]
