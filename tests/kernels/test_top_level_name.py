@@ -37,3 +37,21 @@ def test_radixkv_kernels_is_still_this_folder() -> None:
 
     assert Path(radixkv.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
     assert radixkv.kernels.__all__ == ["paged_kv_write", "extend_attention", "decode_attention"]
+
+
+def test_bench_on_sys_path_does_not_shadow_the_distribution() -> None:
+    # A bench driver puts bench/ first on sys.path; bench/kernels.py must not then be what
+    # `import kernels` (transformers' import of the distribution) finds.
+    code = ("import sys, radixkv; sys.path[:0] = ['bench', '.']; import importlib.util; "
+            "spec = importlib.util.find_spec('kernels'); print(spec.origin if spec else None)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    origin = proc.stdout.strip()
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        # not installed: no redirection; the usual finders then see the first folder on the path
+        assert Path(origin).resolve() == ROOT / "bench" / "kernels.py", origin
+        return
+    assert "site-packages" in Path(origin).parts and Path(origin).parent.name == "kernels", origin

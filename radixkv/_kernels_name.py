@@ -1,0 +1,48 @@
+"""The top-level import name ``kernels`` is the installed ``kernels`` distribution (Hugging
+Face hub kernels, which transformers >= 5.25 requires and imports as ``kernels``), never one of
+this repository's source files that share the name: ``kernels/`` (installed as
+``radixkv.kernels``) at the repository root and ``bench/kernels.py`` (the ``bench kernels``
+driver). Either shadows the distribution while its folder is on ``sys.path``: the root under
+``python -m pytest``, ``bench/`` once a bench driver puts it first; transformers then fails
+with ``cannot import name ... from 'kernels'``.
+
+:func:`install` (run when ``radixkv`` is imported) puts a finder first on ``sys.meta_path`` that
+looks ``kernels`` up on ``sys.path`` without those two folders. Where the distribution is not
+installed it finds nothing and the usual finders run (transformers then sees no distribution
+metadata and does not import it).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+
+def _is_own_folder(entry: str) -> bool:
+    """A ``sys.path`` entry holding this repository's ``kernels`` sources: the root (its
+    ``kernels/csrc``) or ``bench/`` (``kernels.py`` beside ``_step_measure.py``)."""
+    base = os.path.abspath(entry or os.curdir)
+    return (os.path.isdir(os.path.join(base, "kernels", "csrc"))
+            or (os.path.isfile(os.path.join(base, "kernels.py"))
+                and os.path.isfile(os.path.join(base, "_step_measure.py"))))
+
+
+class KernelsDistributionFinder(importlib.abc.MetaPathFinder):
+    """Finds the top-level ``kernels`` on ``sys.path`` minus this repository's folders."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "kernels" or path is not None:
+            return None
+        entries = [entry for entry in sys.path if not _is_own_folder(entry)]
+        return importlib.machinery.PathFinder.find_spec(fullname, entries)
+
+
+def install() -> None:
+    """Put :class:`KernelsDistributionFinder` first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(finder, KernelsDistributionFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, KernelsDistributionFinder())
