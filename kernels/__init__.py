@@ -50,12 +50,14 @@ if __name__ == "kernels":
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
     _spec = _machinery.PathFinder.find_spec("kernels", _path)
-    if _spec is None or _spec.loader is None:
-        raise ImportError("kernels: this is radixkv's kernels/ source folder (import it as "
-                          "radixkv.kernels); no kernels distribution is installed", name="kernels")
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module
-    _spec.loader.exec_module(_module)
+    if _spec is not None and _spec.loader is not None:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)
+    # Not installed: this module stays empty, with no __version__. transformers (< 5.25, where
+    # the distribution is optional) imports a ``kernels`` it finds without distribution metadata
+    # and reads its version: none means not available. Raising ImportError here made every
+    # process started from the repository root (servers, vLLM beside them) fail at that check.
 else:
     from .reference import decode_attention, extend_attention, paged_kv_write
 

@@ -8,8 +8,11 @@ with ``cannot import name ... from 'kernels'``.
 
 :func:`install` (run when ``radixkv`` is imported) puts a finder first on ``sys.meta_path`` that
 looks ``kernels`` up on ``sys.path`` without those two folders. Where the distribution is not
-installed it finds nothing and the usual finders run (transformers then sees no distribution
-metadata and does not import it).
+installed and one of those folders is on ``sys.path``, it hands out an empty module with no
+file and no version: transformers (< 5.25, where the distribution is optional) imports a
+``kernels`` it finds without distribution metadata, and reads that as not installed, where
+``bench/kernels.py`` would run as ``kernels`` (its imports and path changes). With none of the
+folders on the path the usual finders run (``import kernels`` raises ModuleNotFoundError).
 """
 
 from __future__ import annotations
@@ -39,7 +42,20 @@ class KernelsDistributionFinder(importlib.abc.MetaPathFinder):
         if fullname != "kernels" or path is not None:
             return None
         entries = [entry for entry in sys.path if not _is_own_folder(entry)]
-        return importlib.machinery.PathFinder.find_spec(fullname, entries)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, entries)
+        if spec is None and len(entries) < len(sys.path):
+            return importlib.machinery.ModuleSpec(fullname, _EmptyModuleLoader(), origin=None)
+        return spec
+
+
+class _EmptyModuleLoader(importlib.abc.Loader):
+    """Loads an empty module (the stand-in for an absent ``kernels`` distribution)."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None  # the default module
+
+    def exec_module(self, module: ModuleType) -> None:
+        return None
 
 
 def install() -> None:
