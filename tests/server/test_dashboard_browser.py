@@ -285,8 +285,20 @@ async def test_admin_page_charts_update_and_explorer_shows_the_shared_prefix(ser
             "document.querySelectorAll('#node-children tbody tr').length")
         assert children == 2
         # The whole page, no wider than the window (tables scroll inside their boxes). The page
-        # keeps polling, so its height (and a transient scrollbar's width) can change while
-        # the shot is taken: a shot counts when the page measured the same before and after.
+        # polls and re-renders every POLL_MS, so its height (and a transient scrollbar's width)
+        # could change while the shot is taken (five shots in a row did on a loaded 2-core CI
+        # machine). The loop re-arms itself through window.setTimeout: once that is a no-op the
+        # tick in flight is the last, and the shot waits until the poll counters stop moving;
+        # a shot still counts only when the page measured the same before and after it.
+        await page.evaluate("window.setTimeout = () => 0")
+        counts = f"[{STATE}.polls, {STATE}.treePolls]"
+        last = await page.evaluate(counts)
+        for _ in range(40):
+            await asyncio.sleep(3 * POLL_MS / 1000)
+            now = await page.evaluate(counts)
+            if now == last:
+                break
+            last = now
         size = "[document.documentElement.scrollWidth, document.documentElement.scrollHeight, " \
                "document.documentElement.clientWidth]"
         for _ in range(5):
